@@ -1,0 +1,305 @@
+"""llama.cpp sequence-state files ("ggsq"): a synthetic writer and a parser for real ones.
+
+Layout written by ``llama_state_seq_save_file`` (llama.cpp ``src/llama-context.cpp``,
+``src/llama-kv-cache.cpp``, ``src/llama-memory-recurrent.cpp``; version 4)::
+
+    u32 magic 0x67677371, u32 version 4, u32 n_token_count, n_token_count x i32 words
+        (llama-server writes a packed blob: 0xFFFFFFFF, blob version 1, u32 n, n tokens,
+         u32 n_media (0), media chunks)
+    attention KV (llama_kv_cache::state_write), absent for pure recurrent models:
+        u32 n_stream; per stream: u32 cell_count; cell_count x (i32 pos, u32 n_seq_id,
+        [12-byte cell ext for M-RoPE models], n_seq_id x i32 seq_id);
+        u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v;
+        n_layer x (i32 type, u64 row_size, cell_count rows)      <- K, one block per layer
+        n_layer x (i32 type, u64 row_size, cell_count rows)      <- V (when v_trans == 0)
+    recurrent state (hybrid models): cell_count, meta, s_trans, n_layer, R and S per layer.
+
+Appending tokens appends one row at the end of every K and V block: 2 x n_layer insertion
+points per turn. The recurrent state at the end changes completely every turn.
+
+``write_synthetic`` produces a file of the same shape (flash-attention layout, v_trans = 0)
+whose row contents are a deterministic function of the token prefix, so two "conversations"
+with a common prefix share rows exactly like recomputed KV does. It is used by the default test
+suite (tests/test_llama_shaped.py), which needs no llama-server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+MAGIC = 0x67677371
+VERSION = 4
+TOKEN_NULL = 0xFFFFFFFF
+PACKED_BLOB_VERSION = 1
+GGML_TYPE_F16 = 1
+CELL_EXT_SIZE = 12
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic writer
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape of a synthetic state file."""
+
+    n_layer: int = 4
+    row_bytes: int = 512  # bytes per K (and per V) row, i.e. n_embd_kv * sizeof(f16)
+    recurrent_bytes: int = 0  # a tail rewritten whole on every save (hybrid models)
+    packed: bool = True  # llama-server's packed token blob
+    seed: bytes = b"kv-chunk-fs"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layer * self.row_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Everything a new token adds: K and V rows, a 12-byte cell record, a 4-byte token id."""
+        return self.kv_bytes_per_token + 12 + 4
+
+
+def _prefix_hashes(tokens: Sequence[int], seed: bytes) -> list[bytes]:
+    """h[p] identifies tokens[:p+1] (a rolling hash: rows depend on the whole prefix)."""
+    out = []
+    h = hashlib.blake2b(seed, digest_size=16).digest()
+    for t in tokens:
+        h = hashlib.blake2b(h + struct.pack("<I", t & 0xFFFFFFFF), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def _row(h: bytes, layer: int, kind: bytes, n: int) -> bytes:
+    return hashlib.shake_128(h + kind + struct.pack("<I", layer)).digest(n)
+
+
+def token_words(tokens: Sequence[int], packed: bool = True) -> list[int]:
+    if not packed:
+        return [t & 0xFFFFFFFF for t in tokens]
+    return [TOKEN_NULL, PACKED_BLOB_VERSION, len(tokens), *(t & 0xFFFFFFFF for t in tokens), 0]
+
+
+def iter_synthetic(tokens: Sequence[int], spec: Spec = Spec()) -> Iterator[bytes]:
+    """The file as the sequence of write() calls llama.cpp's io would make."""
+    n = len(tokens)
+    words = token_words(tokens, spec.packed)
+    yield struct.pack("<III", MAGIC, VERSION, len(words))
+    yield struct.pack(f"<{len(words)}I", *words)
+    hs = _prefix_hashes(tokens, spec.seed)
+    # attention KV
+    yield struct.pack("<I", 1)  # n_stream
+    yield struct.pack("<I", n)  # cell_count
+    if n:
+        yield b"".join(struct.pack("<iIi", p, 1, 0) for p in range(n))
+        yield struct.pack("<IIII", 0, spec.n_layer, 0, 0)
+        for kind in (b"K", b"V"):
+            for il in range(spec.n_layer):
+                yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
+                yield b"".join(_row(h, il, kind, spec.row_bytes) for h in hs)
+    # recurrent state: one cell, rewritten whole every turn
+    if spec.recurrent_bytes:
+        last = hs[-1] if hs else spec.seed
+        yield struct.pack("<IiIII", 1, max(n - 1, 0), 0, 0, 1)
+        yield struct.pack("<iQ", 0, spec.recurrent_bytes)
+        yield _row(last, 0, b"R", spec.recurrent_bytes)
+
+
+def synthetic_bytes(tokens: Sequence[int], spec: Spec = Spec()) -> bytes:
+    return b"".join(iter_synthetic(tokens, spec))
+
+
+def write_synthetic(path: str | os.PathLike, tokens: Sequence[int], spec: Spec = Spec(), buffering: int = 4096) -> int:
+    """Write like ``fopen(path, "wb")`` + fwrite + fclose (buffered, sequential, no fsync)."""
+    n = 0
+    with open(path, "wb", buffering=buffering) as f:
+        for piece in iter_synthetic(tokens, spec):
+            f.write(piece)
+            n += len(piece)
+    return n
+
+
+def synthetic_tokens(n: int, seed: int = 0, vocab: int = 32000) -> list[int]:
+    """Deterministic pseudo-random token ids (seed selects the "conversation")."""
+    out: list[int] = []
+    i = 0
+    while len(out) < n:
+        d = hashlib.blake2b(struct.pack("<QQ", seed, i), digest_size=64).digest()
+        out.extend(x % vocab for x in struct.unpack("<16I", d))
+        i += 1
+    return out[:n]
+
+
+# ---------------------------------------------------------------------------------------------
+# parser for real files
+
+
+@dataclass
+class Block:
+    kind: str  # "K" or "V"
+    layer: int
+    offset: int  # first row byte
+    row_size: int
+    n_rows: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.row_size * self.n_rows
+
+
+@dataclass
+class StateInfo:
+    size: int
+    n_token_words: int
+    tokens: list[int]
+    packed: bool
+    kv_offset: int  # start of the memory state
+    cell_count: int = 0
+    cell_ext: bool = False
+    v_trans: int = 0
+    n_layer: int = 0
+    blocks: list[Block] = field(default_factory=list)
+    kv_end: int = 0  # end of the attention KV section
+    tail_bytes: int = 0  # everything after it: recurrent state (+ appended data)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(b.row_size for b in self.blocks)
+
+
+def _u32(b: bytes, off: int) -> int:
+    return struct.unpack_from("<I", b, off)[0]
+
+
+def parse_tokens(words: list[int]) -> tuple[list[int], bool]:
+    if words and words[0] == TOKEN_NULL:
+        if len(words) < 3 or words[1] != PACKED_BLOB_VERSION:
+            raise ValueError("unknown packed token blob")
+        n = words[2]
+        return words[3 : 3 + n], True
+    return words, False
+
+
+def parse_state(data: bytes, *, attention: bool = True) -> StateInfo:
+    """Parse header, tokens and (if ``attention``) the attention-KV section of a ggsq file."""
+    if len(data) < 12:
+        raise ValueError("short file")
+    magic, version, n_words = struct.unpack_from("<III", data, 0)
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {magic:#x}")
+    if version != VERSION:
+        raise ValueError(f"unsupported version {version}")
+    words = list(struct.unpack_from(f"<{n_words}I", data, 12))
+    tokens, packed = parse_tokens(words)
+    off = 12 + 4 * n_words
+    info = StateInfo(size=len(data), n_token_words=n_words, tokens=tokens, packed=packed, kv_offset=off)
+    if not attention:
+        info.kv_end = off
+        info.tail_bytes = len(data) - off
+        return info
+    n_stream = _u32(data, off)
+    off += 4
+    if n_stream != 1:
+        raise ValueError(f"n_stream {n_stream} not supported")
+    cell_count = _u32(data, off)
+    off += 4
+    info.cell_count = cell_count
+    if cell_count:
+        # meta: find the cell-ext variant under which the following header is consistent
+        for ext in (0, CELL_EXT_SIZE):
+            p = off
+            ok = True
+            for _ in range(cell_count):
+                if p + 8 > len(data):
+                    ok = False
+                    break
+                n_seq = _u32(data, p + 4)
+                if n_seq > 64:
+                    ok = False
+                    break
+                p += 8 + ext + 4 * n_seq
+            if not ok or p + 16 > len(data):
+                continue
+            v_trans, n_layer = struct.unpack_from("<II", data, p)
+            if v_trans in (0, 1) and 0 < n_layer < 4096:
+                try:
+                    blocks, end = _parse_blocks(data, p + 16, n_layer, cell_count, v_trans)
+                except (ValueError, struct.error):
+                    continue
+                info.cell_ext = bool(ext)
+                info.v_trans = v_trans
+                info.n_layer = n_layer
+                info.blocks = blocks
+                off = end
+                break
+        else:
+            raise ValueError("cannot parse KV section")
+    info.kv_end = off
+    info.tail_bytes = len(data) - off
+    return info
+
+
+def _parse_blocks(data: bytes, off: int, n_layer: int, cells: int, v_trans: int):
+    blocks = []
+    for il in range(n_layer):
+        _t, row = struct.unpack_from("<iQ", data, off)
+        off += 12
+        if row == 0 or off + row * cells > len(data):
+            raise ValueError("bad K block")
+        blocks.append(Block("K", il, off, row, cells))
+        off += row * cells
+    if v_trans:
+        # transposed V: i32 type, u32 el_size, u32 n_embd_v, then n_embd_v x cells elements
+        for il in range(n_layer):
+            _t, el, n_embd = struct.unpack_from("<iII", data, off)
+            off += 12
+            if off + el * n_embd * cells > len(data):
+                raise ValueError("bad V block")
+            blocks.append(Block("V", il, off, el * n_embd, cells))
+            off += el * n_embd * cells
+    else:
+        for il in range(n_layer):
+            _t, row = struct.unpack_from("<iQ", data, off)
+            off += 12
+            if row == 0 or off + row * cells > len(data):
+                raise ValueError("bad V block")
+            blocks.append(Block("V", il, off, row, cells))
+            off += row * cells
+    return blocks, off
+
+
+def parse_file(path: str | os.PathLike, **kw) -> StateInfo:
+    with open(path, "rb") as f:
+        return parse_state(f.read(), **kw)
+
+
+def read_like_restore(path: str | os.PathLike, bufsize: int = 1 << 20) -> bytes:
+    """Read a state file the way llama-server restores it: open, read the 12-byte header
+    (probe), close; open again and read everything sequentially in one thread."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+    magic, version, _n = struct.unpack("<III", head)
+    if magic != MAGIC or version != VERSION:
+        raise ValueError("not a ggsq v4 file")
+    parts = []
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(bufsize)
+            if not b:
+                break
+            parts.append(b)
+    return b"".join(parts)
+
+
+def copy_stream(src: BinaryIO, dst: BinaryIO, bufsize: int = 1 << 20) -> int:
+    n = 0
+    while True:
+        b = src.read(bufsize)
+        if not b:
+            return n
+        dst.write(b)
+        n += len(b)

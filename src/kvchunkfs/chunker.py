@@ -1,0 +1,57 @@
+"""Content-defined chunking (FastCDC 2020 via pyfastcdc) with SHA-256 chunk ids.
+
+Boundaries depend only on content: a chunk's end is decided by the bytes from its start, so the
+last, possibly end-of-data-forced chunk can be re-chunked together with bytes appended later and
+the result equals chunking the whole stream at once. That is what makes streaming and append work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from pyfastcdc.cy import FastCDC
+
+# Bytes collected before a cut pass: large enough that per-call overhead and the re-cut tail
+# (at most chunk_max) are small against it.
+BATCH = 4 << 20
+
+
+def chunk_id(data: bytes | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class Chunker:
+    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int) -> None:
+        self.min, self.avg, self.max = chunk_min, chunk_avg, chunk_max
+        self._cdc = FastCDC(avg_size=chunk_avg, min_size=chunk_min, max_size=chunk_max)
+
+    def cut(self, data: bytes) -> list[memoryview]:
+        """Split ``data`` into chunks; the last one may be cut by the end of ``data``."""
+        view = memoryview(data)
+        return [view[c.offset : c.offset + c.length] for c in self._cdc.cut_buf(data)]
+
+    def chunks(self, data: bytes) -> Iterator[tuple[bytes, memoryview]]:
+        """All chunks of a complete buffer with their ids."""
+        for piece in self.cut(data):
+            yield chunk_id(piece), piece
+
+
+class StreamChunker:
+    """Feeds bytes in order; returns chunks as soon as their boundary is final.
+
+    ``tail`` holds the bytes of the last, tentative chunk. ``feed`` returns the finished chunks;
+    ``finish`` returns the tail as a final chunk without forgetting it, so more bytes may follow.
+    """
+
+    def __init__(self, chunker: Chunker, tail: bytes = b"") -> None:
+        self.chunker = chunker
+        self.tail = tail
+
+    def feed(self, data: bytes) -> list[memoryview]:
+        buf = self.tail + data if self.tail else data
+        if not buf:
+            return []
+        pieces = self.chunker.cut(buf)
+        self.tail = bytes(pieces[-1])
+        return pieces[:-1]

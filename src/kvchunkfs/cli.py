@@ -1,0 +1,115 @@
+"""Command line: ``kv-chunk-fs mount|config|export-store|...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from . import config as cfgmod
+from .repo import Repository, StoreSettings
+
+log = logging.getLogger("kvchunkfs")
+
+
+def store_settings(cfg: cfgmod.Config) -> StoreSettings:
+    return StoreSettings(
+        chunk_min=cfg.chunk_min,
+        chunk_avg=cfg.chunk_avg,
+        chunk_max=cfg.chunk_max,
+        pack_size=cfg.pack_size,
+        readahead=cfg.readahead,
+        prefetch_workers=cfg.prefetch_workers,
+        cache_size=cfg.cache_size,
+        verify_reads=cfg.verify_reads,
+        durability=cfg.durability,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def open_repo(cfg: cfgmod.Config) -> Repository:
+    return Repository(Path(cfg.store), store_settings(cfg))
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from . import daemon
+
+    mountpoint = Path(args.mountpoint).resolve()
+    Path(cfg.store).mkdir(parents=True, exist_ok=True)
+    repo = open_repo(cfg)
+    try:
+        daemon.serve(repo, mountpoint, cfg.kernel_readahead_kb, daemon_tasks(cfg, repo))
+    finally:
+        repo.close()
+    return 0
+
+
+def daemon_tasks(cfg: cfgmod.Config, repo: Repository) -> list:
+    """Background tasks that run beside the FUSE loop (GC timer, HTTP API)."""
+    return []
+
+
+def cmd_config(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    print(cfgmod.describe(cfg))
+    return 0
+
+
+def cmd_export_store(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from .export import export_store
+
+    repo = open_repo(cfg)
+    try:
+        n, total = export_store(repo, Path(args.dest))
+    finally:
+        repo.close()
+    print(f"exported {n} chunks ({total} bytes) to {args.dest}")
+    return 0
+
+
+Command = Callable[[cfgmod.Config, argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-chunk-fs", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        cfgmod.add_arguments(p)
+        p.set_defaults(func=fn)
+        return p
+
+    p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
+    p.add_argument("mountpoint")
+    add("config", cmd_config, "show every effective setting and where it came from")
+    p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
+    p.add_argument("dest")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = cfgmod.load(args)
+    except cfgmod.ConfigError as e:
+        print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    return args.func(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""Settings with provenance.
+
+Each setting is taken from the highest of these layers that sets it:
+
+1. built-in defaults (source ``default``);
+2. the TOML config file, a flat table whose keys are the setting names (``file:/path``). The file is
+   ``--config PATH`` or ``$KV_CHUNK_FS_CONFIG`` (must exist), else ``/etc/kv-chunk-fs/config.toml`` as
+   root or ``~/.config/kv-chunk-fs/config.toml`` otherwise (used only if it exists);
+3. environment variables ``KV_CHUNK_FS_<NAME>`` (``env:KV_CHUNK_FS_CHUNK_AVG``);
+4. command-line flags ``--<name-with-dashes>`` (``flag:--chunk-avg``).
+
+Every layer's values are checked, even ones a higher layer overrides, so a broken file fails loudly.
+Sizes take ints or ``64KiB``/``32MiB``/``1GiB`` (binary; bare ``K``/``M``/``G``/``T`` too) or
+``500MB`` (decimal). Durations take seconds or ``1h``, ``30m``, ``10s``, ``1d``, ``1h30m``.
+Booleans take true/false/1/0/yes/no/on/off outside TOML. A relative ``store`` in the config file is
+relative to the file's directory; from the environment or a flag, to the working directory.
+
+The default ``score`` ranks snapshots for eviction (lowest goes first)::
+
+    (1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)
+
+i.e. how often and how recently a snapshot is restored (LFU x LRU), per MiB that evicting it would
+actually free: shared chunks stay in the store for the other snapshots, so only ``unique_bytes`` count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from kvchunkfs.formula import FormulaError, compile_formula
+
+ENV_PREFIX = "KV_CHUNK_FS_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+DEFAULT_SCORE = "(1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)"
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key and where its value came from."""
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _home(environ: Mapping[str, str]) -> Path:
+    home = environ.get("HOME")
+    return Path(home) if home else Path.home()
+
+
+def _default_store(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if _is_root():
+        return Path("/var/lib/kv-chunk-fs")
+    data_home = environ.get("XDG_DATA_HOME") or str(_home(environ) / ".local" / "share")
+    return Path(data_home) / "kv-chunk-fs"
+
+
+def default_config_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the config file is looked for when neither ``--config`` nor ``$KV_CHUNK_FS_CONFIG`` is set."""
+    environ = os.environ if environ is None else environ
+    if _is_root():
+        return Path("/etc/kv-chunk-fs/config.toml")
+    config_home = environ.get("XDG_CONFIG_HOME") or str(_home(environ) / ".config")
+    return Path(config_home) / "kv-chunk-fs" / "config.toml"
+
+
+# --- value parsers: raw value -> typed value, ValueError("reason") on failure -------------------
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kib": KiB, "kb": 1000,
+    "m": MiB, "mib": MiB, "mb": 1000**2,
+    "g": GiB, "gib": GiB, "gb": 1000**3,
+    "t": TiB, "tib": TiB, "tb": 1000**4,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_RE = re.compile(r"(?:\d+[smhdw])+")
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``64KiB``, ``1.5GiB`` or ``500MB``."""
+    if _is_int(value):
+        return value  # type: ignore[return-value]
+    if not isinstance(value, str):
+        raise ValueError("not a size")
+    m = _SIZE_RE.fullmatch(value.strip())
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("not a size")
+    return int(Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(value: object) -> int:
+    """Seconds from an int or a string such as ``3600``, ``1h``, ``30m``, ``1h30m``."""
+    if _is_int(value):
+        return value  # type: ignore[return-value]
+    if not isinstance(value, str):
+        raise ValueError("not a duration")
+    text = value.strip().lower()
+    if text.isdigit():
+        return int(text)
+    if not _DURATION_RE.fullmatch(text):
+        raise ValueError("not a duration (use seconds or e.g. 1h, 30m, 10s)")
+    return sum(int(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+)([smhdw])", text))
+
+
+def _parse_int(value: object) -> int:
+    if _is_int(value):
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
+    raise ValueError("not an integer")
+
+
+def _parse_float(value: object) -> float:
+    if _is_int(value) or isinstance(value, float):
+        result = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, str):
+        try:
+            result = float(value)
+        except ValueError:
+            raise ValueError("not a number") from None
+    else:
+        raise ValueError("not a number")
+    if result != result:  # NaN would pass every range check
+        raise ValueError("not a number")
+    return result
+
+
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise ValueError("not a boolean (use true/false, yes/no, 1/0)")
+
+
+def _parse_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("not a string")
+    return value
+
+
+def _parse_formula(value: object) -> str:
+    text = _parse_str(value)
+    try:
+        compile_formula(text)
+    except FormulaError as e:
+        raise ValueError(f"bad score formula: {e}") from None
+    return text
+
+
+def _parse_address(value: object) -> str:
+    text = _parse_str(value).strip()
+    if not text:
+        return ""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("not host:port (e.g. 127.0.0.1:8765)")
+    return text
+
+
+# --- the settings table ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: how to parse it, its default, its bounds and its help text."""
+
+    name: str
+    kind: str  # size, duration, int, float, bool, choice, str, address, formula, path
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_PARSERS: dict[str, Callable[[object], Any]] = {
+    "size": parse_size,
+    "duration": parse_duration,
+    "int": _parse_int,
+    "float": _parse_float,
+    "bool": _parse_bool,
+    "str": _parse_str,
+    "address": _parse_address,
+    "formula": _parse_formula,
+}
+
+# Chunk bounds are pyfastcdc's, so a bad value fails here rather than at the first write.
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("store", "path", None, "chunk store directory"),
+        Setting("chunk_min", "size", 16 * KiB, "minimum chunk size", lo=64, hi=MiB),
+        Setting("chunk_avg", "size", 64 * KiB, "average chunk size", lo=256, hi=4 * MiB),
+        Setting("chunk_max", "size", 256 * KiB, "maximum chunk size", lo=KiB, hi=16 * MiB),
+        Setting("pack_size", "size", 64 * MiB, "pack file size before a new pack is started", lo=1),
+        Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),
+        Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
+        Setting("cache_size", "size", 256 * MiB, "chunk cache size", lo=0),
+        Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
+        Setting("verify_reads", "bool", True, "check chunk hashes on read"),
+        Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
+        Setting("gc_compact_threshold", "float", 0.5, "rewrite packs with more dead bytes than this", lo=0, hi=1),
+        Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
+        Setting("api_address", "address", "", "host:port of the HTTP API (empty = off)"),
+        Setting("api_token", "str", "", "bearer token required by the API"),
+        Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
+        Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Effective settings; ``sources[name]`` says where each value came from."""
+
+    store: Path = field(default_factory=_default_store)
+    chunk_min: int = 16 * KiB
+    chunk_avg: int = 64 * KiB
+    chunk_max: int = 256 * KiB
+    pack_size: int = 64 * MiB
+    readahead: int = 32 * MiB
+    prefetch_workers: int = 8
+    cache_size: int = 256 * MiB
+    kernel_readahead_kb: int = 4096
+    verify_reads: bool = True
+    gc_interval: int = 3600
+    gc_compact_threshold: float = 0.5
+    durability: str = "close"
+    api_address: str = ""
+    api_token: str = ""
+    score: str = DEFAULT_SCORE
+    log_level: str = "info"
+    sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+Layer = dict[str, tuple[Any, str]]  # name -> (typed value, source)
+
+
+def _show(value: object) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool)) else str(value)
+
+
+def _error(name: str, value: object, source: str, reason: str) -> ConfigError:
+    return ConfigError(f"{name} = {_show(value)} ({source}): {reason}")
+
+
+def _parse(setting: Setting, raw: object, source: str, base: Path | None) -> Any:
+    """Typed value of ``raw`` or a ConfigError naming the key and source."""
+    try:
+        value = _convert(setting, raw, base)
+    except ValueError as e:
+        raise _error(setting.name, raw, source, str(e)) from None
+    if setting.lo is not None and value < setting.lo:
+        raise _error(setting.name, raw, source, f"must be at least {setting.lo}")
+    if setting.hi is not None and value > setting.hi:
+        raise _error(setting.name, raw, source, f"must be at most {setting.hi}")
+    return value
+
+
+def _convert(setting: Setting, raw: object, base: Path | None) -> Any:
+    if setting.kind == "path":
+        return _parse_path(raw, base)
+    if setting.kind == "choice":
+        text = _parse_str(raw).strip().lower()
+        if text not in setting.choices:
+            raise ValueError(f"must be one of {', '.join(setting.choices)}")
+        return text
+    return _PARSERS[setting.kind](raw)
+
+
+def _parse_path(raw: object, base: Path | None) -> Path:
+    if not isinstance(raw, (str, os.PathLike)) or not str(raw).strip():
+        raise ValueError("not a path")
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    return Path(os.path.normpath(path))
+
+
+def _file_layer(path: Path, source: str) -> Layer:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    unknown = sorted(k for k in data if k not in SETTINGS)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in config file {path}")
+    return {k: (_parse(SETTINGS[k], v, source, path.parent), source) for k, v in data.items()}
+
+
+def _env_layer(environ: Mapping[str, str]) -> Layer:
+    layer: Layer = {}
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV:
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name not in SETTINGS or var != SETTINGS[name].env:
+            raise ConfigError(f"unknown environment variable {var} (known: {', '.join(_env_names())})")
+        source = f"env:{var}"
+        layer[name] = (_parse(SETTINGS[name], raw, source, None), source)
+    return layer
+
+
+def _env_names() -> list[str]:
+    return [CONFIG_ENV] + [s.env for s in SETTINGS.values()]
+
+
+def _flag_layer(args: Mapping[str, Any]) -> Layer:
+    layer: Layer = {}
+    for name, setting in SETTINGS.items():
+        raw = args.get(name)
+        if raw is None:
+            continue
+        flag = setting.flag
+        if setting.kind == "bool" and raw is False:
+            flag = "--no-" + flag[2:]  # what BooleanOptionalAction's negative form stores
+        source = f"flag:{flag}"
+        layer[name] = (_parse(setting, raw, source, None), source)
+    return layer
+
+
+def _config_file(args: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[Path, str] | None:
+    """The config file to read and its source label, or None."""
+    explicit = args.get("config")
+    where = "flag:--config"
+    if explicit is None and environ.get(CONFIG_ENV):
+        explicit, where = environ[CONFIG_ENV], f"env:{CONFIG_ENV}"
+    if explicit is not None:
+        path = Path(explicit).expanduser().absolute()
+        if not path.is_file():
+            raise ConfigError(f"config = {_show(str(explicit))} ({where}): file not found")
+        return path, f"file:{path}"
+    path = default_config_path(environ)
+    return (path, f"file:{path}") if path.is_file() else None
+
+
+def _as_mapping(args: argparse.Namespace | Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if args is None:
+        return {}
+    if isinstance(args, argparse.Namespace):
+        return vars(args)
+    return args
+
+
+def load(
+    args: argparse.Namespace | dict | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge defaults, config file, environment and flags into a checked Config.
+
+    ``args`` is a Namespace from a parser set up by :func:`add_arguments` or a dict keyed by setting
+    name (plus ``config``); keys that are not settings are ignored, as are None values (unset flags).
+    """
+    environ = os.environ if environ is None else environ
+    flags = _as_mapping(args)
+    merged: Layer = {name: (s.default, "default") for name, s in SETTINGS.items()}
+    merged["store"] = (_default_store(environ), "default")
+    config_file = _config_file(flags, environ)
+    if config_file is not None:
+        merged.update(_file_layer(*config_file))
+    merged.update(_env_layer(environ))
+    merged.update(_flag_layer(flags))
+    _check_consistency(merged)
+    values = {name: value for name, (value, _) in merged.items()}
+    return Config(**values, sources={name: source for name, (_, source) in merged.items()})
+
+
+def _check_consistency(merged: Layer) -> None:
+    """Cross-setting rules, reported with both values and their sources."""
+    for small, big in (("chunk_min", "chunk_avg"), ("chunk_avg", "chunk_max")):
+        if merged[small][0] >= merged[big][0]:
+            raise ConfigError(f"{_describe_one(merged, small)} must be less than {_describe_one(merged, big)}")
+    if merged["pack_size"][0] < merged["chunk_max"][0]:
+        raise ConfigError(f"{_describe_one(merged, 'pack_size')} must be at least {_describe_one(merged, 'chunk_max')}")
+
+
+def _describe_one(merged: Layer, name: str) -> str:
+    value, source = merged[name]
+    return f"{name} = {_show(value)} ({source})"
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per setting; unset flags stay None so load() can tell."""
+    parser.add_argument("--config", metavar="PATH", default=None, help=f"TOML config file (env {CONFIG_ENV})")
+    for setting in SETTINGS.values():
+        help_text = f"{setting.help} (default {_default_text(setting)}; env {setting.env})"
+        if setting.kind == "bool":
+            parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            metavar = setting.kind.upper() if setting.kind != "choice" else "{" + ",".join(setting.choices) + "}"
+            parser.add_argument(setting.flag, metavar=metavar, default=None, help=help_text)
+
+
+def _default_text(setting: Setting) -> str:
+    if setting.name == "store":
+        return "/var/lib/kv-chunk-fs as root, else ~/.local/share/kv-chunk-fs"
+    # argparse %-formats help strings.
+    return _format_value(setting, setting.default).replace("%", "%%") or '""'
+
+
+# --- rendering ------------------------------------------------------------------------------------
+
+
+def format_size(n: int) -> str:
+    """``65536`` -> ``64 KiB``; inexact values get one decimal, e.g. ``476.8 MiB``."""
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_duration(seconds: int) -> str:
+    """``5400`` -> ``1h30m``; ``0`` -> ``0s``."""
+    if seconds == 0:
+        return "0s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts)
+
+
+def _format_value(setting: Setting, value: Any) -> str:
+    if setting.kind == "size":
+        return f"{format_size(value)} ({value})" if value >= KiB else str(value)
+    if setting.kind == "duration":
+        return f"{format_duration(value)} ({value})" if value >= 60 else str(value)
+    if setting.kind == "bool":
+        return "true" if value else "false"
+    if setting.name == "api_token" and value:
+        return "(set, hidden)"  # keep the secret out of logs and terminals
+    return str(value)
+
+
+def describe(cfg: Config) -> str:
+    """A table of every setting: name, effective value, source."""
+    rows = [("NAME", "VALUE", "SOURCE")]
+    for f in fields(cfg):
+        if f.name in SETTINGS:
+            value = _format_value(SETTINGS[f.name], getattr(cfg, f.name))
+            rows.append((f.name, value or '""', cfg.sources.get(f.name, "default")))
+    name_w = max(len(r[0]) for r in rows)
+    value_w = max(len(r[1]) for r in rows)
+    return "".join(f"{n:<{name_w}}  {v:<{value_w}}  {s}".rstrip() + "\n" for n, v, s in rows)

@@ -1,0 +1,97 @@
+"""Mounting: the FUSE session, signals, kernel read-ahead tuning and background tasks."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .fsops import Operations
+from .repo import Repository
+
+log = logging.getLogger(__name__)
+
+BackgroundTask = Callable[[Operations], Awaitable[None]]
+
+
+def clear_stale_mount(mountpoint: Path) -> None:
+    """A killed daemon leaves 'Transport endpoint is not connected' behind; detach it."""
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            log.warning("%s is a dead mount of a previous run; unmounting it", mountpoint)
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+
+
+def mount_options(allow_other: bool) -> set[str]:
+    opts = set(pyfuse3.default_options) | {"fsname=kv-chunk-fs", "subtype=kv-chunk-fs"}
+    if allow_other:
+        opts.add("allow_other")  # llama-server may run as another user than the daemon
+    return opts
+
+
+def serve(
+    repo: Repository,
+    mountpoint: Path,
+    kernel_readahead_kb: int = 4096,
+    background: list[BackgroundTask] | None = None,
+) -> Operations:
+    """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts."""
+    clear_stale_mount(mountpoint)
+    ops = Operations(repo)
+    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
+    log.info("mounted %s on %s", repo.root, mountpoint)
+    try:
+        trio.run(_main, ops, mountpoint, kernel_readahead_kb, background or [])
+    finally:
+        pyfuse3.close(unmount=True)
+        log.info("unmounted %s", mountpoint)
+    return ops
+
+
+async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_on_signals)
+        nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
+        for task in background:
+            nursery.start_soon(task, ops)
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        nursery.cancel_scope.cancel()
+
+
+async def _on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+DIRTY_LIMIT = 32 << 20  # dirty page-cache bytes the kernel may hold for the mount
+
+
+async def _tune_bdi(mountpoint: Path, readahead_kb: int) -> None:
+    """Tune the mount's backing device (root only).
+
+    read_ahead_kb: the kernel sends large, overlapping reads. max_bytes: with the writeback cache
+    the kernel would otherwise sit on up to ~1% of RAM of a save before sending it; a smaller
+    limit makes it stream writes to us while the client is still writing, so chunking overlaps.
+    """
+    st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    bdi = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for name, value in (("read_ahead_kb", readahead_kb), ("max_bytes", DIRTY_LIMIT)):
+        if value <= 0:
+            continue
+        try:
+            await trio.to_thread.run_sync((bdi / name).write_text, str(value))
+            log.info("%s of %s set to %d", name, mountpoint, value)
+        except OSError as e:
+            log.warning("could not set %s: %s", bdi / name, e)

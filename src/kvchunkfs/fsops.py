@@ -1,0 +1,590 @@
+"""FUSE operations: inodes, handles and POSIX semantics on top of ``Repository``.
+
+Inode numbers are ours, not the stubs': a save replaces a stub by rename, which gives it a new
+host inode, while the file the kernel knows must keep its identity. ``Node`` maps an inode to its
+path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
+
+Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
+copies) goes to worker threads. A per-node trio lock keeps writes, truncates and commits of one
+file in arrival order.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from . import stubs
+from .index import IndexFormatError
+from .packstore import ChunkCorrupt, ChunkMissing
+from .reader import Cursor
+from .repo import Repository
+from .writer import Action, FileContent
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ATTR_TIMEOUT = 1.0
+STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
+
+
+@dataclass(eq=False)
+class Node:
+    ino: int
+    path: str | None  # relative to snapshots/; "" is the root
+    is_dir: bool
+    nlookup: int = 0
+    opens: int = 0
+    content: FileContent | None = None
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    last_stat: os.stat_result | None = None
+
+
+@dataclass(eq=False)
+class Handle:
+    node: Node
+    cursor: Cursor = field(default_factory=Cursor)
+
+
+def _errno_of(e: BaseException) -> int:
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    return errno.EIO
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = True
+
+    def __init__(self, repo: Repository) -> None:
+        super().__init__()
+        self.repo = repo
+        self.nodes: dict[int, Node] = {}
+        self.by_path: dict[str, Node] = {}
+        self.handles: dict[int, Handle] = {}
+        self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._next_fh = 1
+        root = Node(pyfuse3.ROOT_INODE, "", True, nlookup=1)
+        self.nodes[root.ino] = root
+        self.by_path[""] = root
+        self.saves = 0
+        self.restores = 0
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args)
+
+    def _node(self, ino: int) -> Node:
+        node = self.nodes.get(ino)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
+
+    def _child(self, parent: int, name: bytes) -> str:
+        base = self._node(parent).path
+        if base is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        sname = os.fsdecode(name)
+        return f"{base}/{sname}" if base else sname
+
+    def _remember(self, rel: str, is_dir: bool) -> Node:
+        node = self.by_path.get(rel)
+        if node is None:
+            node = Node(self._next_ino, rel, is_dir)
+            self._next_ino += 1
+            self.nodes[node.ino] = node
+            self.by_path[rel] = node
+        return node
+
+    def _detach(self, node: Node) -> None:
+        """The name is gone; open handles keep the node's content alive."""
+        if node.path is not None and self.by_path.get(node.path) is node:
+            del self.by_path[node.path]
+        node.path = None
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Node) -> None:
+        if node.nlookup <= 0 and node.opens == 0 and node.ino != pyfuse3.ROOT_INODE:
+            self.nodes.pop(node.ino, None)
+            if node.path is not None and self.by_path.get(node.path) is node:
+                del self.by_path[node.path]
+
+    def _stat_node(self, node: Node) -> os.stat_result:
+        if node.path is None:
+            if node.last_stat is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return node.last_stat
+        try:
+            st = os.lstat(self.repo.path(node.path))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node.last_stat = st
+        return st
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        st = self._stat_node(node)
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.generation = 0
+        a.entry_timeout = ATTR_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = st.st_mode
+        a.st_nlink = st.st_nlink if stat.S_ISDIR(st.st_mode) else 1
+        a.st_uid = st.st_uid
+        a.st_gid = st.st_gid
+        a.st_rdev = 0
+        if stat.S_ISREG(st.st_mode):
+            if node.content is not None:
+                size = node.content.size
+            else:
+                size = stubs.stub_size(self.repo.path(node.path)) if node.path is not None else None
+                if size is None:
+                    size = 0
+                    log.warning("snapshot %s has no valid size attribute", node.path)
+        else:
+            size = st.st_size
+        a.st_size = size
+        a.st_blksize = 1 << 20
+        a.st_blocks = (size + 511) // 512
+        a.st_atime_ns = st.st_atime_ns
+        a.st_mtime_ns = st.st_mtime_ns
+        a.st_ctime_ns = st.st_ctime_ns
+        return a
+
+    # -- lookup and attributes --------------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if name == b".":
+            return self._attrs(self._node(parent_inode))
+        if name == b"..":
+            node = self._node(parent_inode)
+            parent = (node.path or "").rpartition("/")[0]
+            return self._attrs(self.by_path.get(parent) or self.by_path[""])
+        rel = self._child(parent_inode, name)
+        try:
+            st = os.lstat(self.repo.path(rel))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node = self._remember(rel, stat.S_ISDIR(st.st_mode))
+        attrs = self._attrs(node)
+        node.nlookup += 1
+        return attrs
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            node = self.nodes.get(ino)
+            if node is not None:
+                node.nlookup -= n
+                self._maybe_drop(node)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._node(inode))
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        node = self._node(inode)
+        if fields.update_size:
+            await self._truncate(node, attr.st_size)
+        path = self.repo.path(node.path) if node.path is not None else None
+        try:
+            if path is not None and fields.update_mode:
+                os.chmod(path, stat.S_IMODE(attr.st_mode))
+            if path is not None and (fields.update_uid or fields.update_gid):
+                os.chown(
+                    path, attr.st_uid if fields.update_uid else -1, attr.st_gid if fields.update_gid else -1
+                )
+            if path is not None and (fields.update_atime or fields.update_mtime):
+                st = os.lstat(path)
+                os.utime(
+                    path,
+                    ns=(
+                        attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
+                        attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
+                    ),
+                )
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        return self._attrs(node)
+
+    async def _truncate(self, node: Node, size: int) -> None:
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if node.content is not None:
+            async with node.lock:
+                await self._apply_truncate(node.content, size)
+            return
+        # No handle open: load, truncate and save right away.
+        content = await self._load(node, allow_broken=size == 0)
+        try:
+            async with node.lock:
+                await self._apply_truncate(content, size)
+            node.content = content
+            await self._commit(node)
+        finally:
+            node.content = None
+            content.close()
+
+    async def _apply_truncate(self, content: FileContent, size: int) -> None:
+        try:
+            if content.truncate(size) is Action.TO_STAGING:
+                await self._thread(content.to_staging)
+                content.truncate(size)
+        except OSError as e:
+            log.error("truncate failed: %s", e)
+            raise pyfuse3.FUSEError(_errno_of(e)) from None
+
+    # -- directories ------------------------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self._node(inode)
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        node = self._node(fh)
+        if node.path is None:
+            return
+        try:
+            names = sorted(e.name for e in os.scandir(self.repo.path(node.path)))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        for i, name in enumerate(names[start_id:], start_id):
+            rel = f"{node.path}/{name}" if node.path else name
+            try:
+                st = os.lstat(self.repo.path(rel))
+            except FileNotFoundError:
+                continue
+            child = self._remember(rel, stat.S_ISDIR(st.st_mode))
+            try:
+                attrs = self._attrs(child)
+            except pyfuse3.FUSEError:
+                self._maybe_drop(child)
+                continue
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), attrs, i + 1):
+                self._maybe_drop(child)
+                return
+            child.nlookup += 1
+
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        rel = self._child(parent_inode, name)
+        path = self.repo.path(rel)
+        try:
+            os.mkdir(path, stat.S_IMODE(mode))
+            os.chown(path, ctx.uid, ctx.gid)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node = self._remember(rel, True)
+        attrs = self._attrs(node)
+        node.nlookup += 1
+        return attrs
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        rel = self._child(parent_inode, name)
+        try:
+            os.rmdir(self.repo.path(rel))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node = self.by_path.get(rel)
+        if node is not None:
+            self._detach(node)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        rel = self._child(parent_inode, name)
+        node = self.by_path.get(rel)
+        if node is not None and node.content is not None:
+            node.last_stat = self._stat_node(node)
+        try:
+            os.unlink(self.repo.path(rel))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        if node is not None:
+            self._detach(node)
+
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
+        src, dst = self.repo.path(old), self.repo.path(new)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        target = self.by_path.get(new)
+        try:
+            if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(dst):
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if os.path.isfile(dst) and os.path.isfile(src):
+                stubs.carry_metadata(dst, src)
+            if target is not None and target.content is not None:
+                target.last_stat = self._stat_node(target)
+            os.rename(src, dst)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        if target is not None:
+            self._detach(target)
+        self._move(old, new)
+
+    def _move(self, old: str, new: str) -> None:
+        prefix = old + "/"
+        for rel in [p for p in self.by_path if p == old or p.startswith(prefix)]:
+            node = self.by_path.pop(rel)
+            node.path = new + rel[len(old) :]
+            self.by_path[node.path] = node
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.EPERM)  # hard links would share one stub between names
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        sv = os.statvfs(self.repo.snapshots)
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail"):
+            setattr(out, name, getattr(sv, name))
+        out.f_namemax = sv.f_namemax
+        return out
+
+    # -- files: open, create, release -------------------------------------------------------
+
+    async def _load(self, node: Node, allow_broken: bool = False) -> FileContent:
+        assert node.path is not None
+        try:
+            return await self._thread(self.repo.load, node.path)
+        except (stubs.StubError, IndexFormatError, OSError) as e:
+            if allow_broken and not isinstance(e, FileNotFoundError):
+                log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
+                return self.repo.content(self.repo.empty_index())
+            log.error("cannot open snapshot %s: %s", node.path, e)
+            raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
+
+    def _new_handle(self, node: Node) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(node)
+        node.opens += 1
+        return fh
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        truncating = bool(flags & os.O_TRUNC)
+        if node.content is None:
+            node.content = await self._load(node, allow_broken=truncating)
+        fh = self._new_handle(node)
+        if truncating:
+            async with node.lock:
+                await self._apply_truncate(node.content, 0)
+        if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None:
+            self.restores += 1
+            stubs.note_use(self.repo.path(node.path))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        rel = self._child(parent_inode, name)
+        index = self.repo.empty_index()
+        try:
+            stubs.create_empty(self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node = self._remember(rel, False)
+        if node.content is None:
+            node.content = self.repo.content(index)
+        fh = self._new_handle(node)
+        attrs = self._attrs(node)
+        node.nlookup += 1
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), attrs
+
+    async def flush(self, fh: int) -> None:
+        await self._commit(self.handles[fh].node)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        node = self.handles[fh].node
+        await self._commit(node, durable=True)
+
+    async def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        node = handle.node
+        node.opens -= 1
+        if node.opens == 0 and node.content is not None:
+            content = node.content
+            try:
+                await self._commit(node)
+            except pyfuse3.FUSEError:
+                pass  # already logged; the previous version of the snapshot stays
+            finally:
+                if node.opens == 0 and node.content is content:
+                    node.content = None
+                    content.close()
+        self._maybe_drop(node)
+
+    async def _commit(self, node: Node, durable: bool = False) -> None:
+        """Save the node's content as its stub if it changed (the atomic replace)."""
+        content = node.content
+        if content is None or not (content.dirty or durable):
+            return
+        durable = durable or self.repo.durable
+        async with node.lock:
+            if not content.dirty and not durable:
+                return
+            start = time.monotonic()
+            try:
+                index, gen = await self._thread(content.prepare_commit)
+                if durable:
+                    await self._thread(self.repo.store.sync)
+                if node.path is None:  # unlinked while open: nothing to save
+                    content.committed(gen)
+                    return
+                tmp = self.repo.prepare_stub(index, node.path)
+                if durable:
+                    await self._thread(_fsync_path, tmp)
+                if node.path is None:
+                    os.unlink(tmp)
+                    content.committed(gen)
+                    return
+                self.repo.install_stub(tmp, node.path)
+                if durable:
+                    await self._thread(stubs.fsync_dir, self.repo.path(node.path).parent)
+            except OSError as e:
+                log.error("saving %s failed, previous version kept: %s", node.path, e)
+                raise pyfuse3.FUSEError(_errno_of(e)) from None
+            content.committed(gen)
+            self.saves += 1
+            log.debug("saved %s: %d bytes, %d chunks in %.3fs", node.path, index.size, len(index),
+                      time.monotonic() - start)
+
+    # -- data -------------------------------------------------------------------------------
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self.handles[fh]
+        content = handle.node.content
+        assert content is not None
+        fetch = self.repo.fetcher.read
+        cursor = handle.cursor
+
+        def read_chunks(index, o, n):  # noqa: ANN001, ANN202
+            return fetch(index, o, n, cursor)
+
+        try:
+            return await self._thread(content.read, off, size, read_chunks)
+        except (ChunkMissing, ChunkCorrupt, OSError) as e:
+            log.error("read of %s at %d failed: %s", handle.node.path, off, e)
+            raise pyfuse3.FUSEError(_errno_of(e)) from None
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        node = self.handles[fh].node
+        content = node.content
+        assert content is not None
+        try:
+            async with node.lock:
+                while True:
+                    action = content.plan_write(off, len(buf))
+                    if action is Action.START_STREAM:
+                        await self._thread(content.start_stream)
+                    elif action is Action.TO_STAGING:
+                        log.info("%s: write at %d is not at the end, staging a copy", node.path, off)
+                        await self._thread(content.to_staging)
+                    elif content.write(off, buf):
+                        break
+            if content.backlogged():
+                await self._thread(content.wait_backlog)
+        except (ChunkMissing, ChunkCorrupt, OSError) as e:
+            log.error("write to %s at %d failed: %s", node.path, off, e)
+            raise pyfuse3.FUSEError(_errno_of(e)) from None
+        return len(buf)
+
+    # -- extended attributes ----------------------------------------------------------------
+
+    def _xattr_path(self, inode: int) -> str:
+        node = self._node(inode)
+        if node.path is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return str(self.repo.path(node.path))
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        sname = os.fsdecode(name)
+        if inode == pyfuse3.ROOT_INODE and sname == STATS_XATTR:
+            return json.dumps(self.stats()).encode()
+        if not sname.startswith("user.") or sname in stubs.INTERNAL:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        try:
+            return os.getxattr(self._xattr_path(inode), sname, follow_symlinks=False)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        sname = os.fsdecode(name)
+        if not sname.startswith("user."):
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        try:
+            os.setxattr(self._xattr_path(inode), sname, value, follow_symlinks=False)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        try:
+            names = os.listxattr(self._xattr_path(inode), follow_symlinks=False)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        return [os.fsencode(n) for n in names if n.startswith("user.") and n not in stubs.INTERNAL]
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        sname = os.fsdecode(name)
+        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        try:
+            os.removexattr(self._xattr_path(inode), sname, follow_symlinks=False)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        c = self.repo.store.counters
+        return {
+            "chunks_written": c.chunks_written,
+            "bytes_written": c.bytes_written,
+            "chunks_deduped": c.chunks_deduped,
+            "bytes_deduped": c.bytes_deduped,
+            "pack_reads": c.pack_reads,
+            "pack_bytes_read": c.pack_bytes_read,
+            "chunks_read": self.repo.fetcher.chunks_read,
+            "cache_hits": self.repo.cache.hits,
+            "cache_misses": self.repo.cache.misses,
+            "saves": self.saves,
+            "restores": self.restores,
+            "open_files": sum(1 for n in self.nodes.values() if n.content is not None),
+        }
+
+
+def _fsync_path(path: os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,299 @@
+"""Chunk store: append-only pack files plus a SQLite map chunk id -> (pack, offset, length).
+
+Write order for new chunks (see docs/design.md): chunk bytes are appended to the open pack first,
+then the map rows are committed. A crash between the two leaves unreferenced bytes at a pack's
+tail, which recovery truncates. A map row therefore never points at bytes that were not written.
+
+Pins protect chunks that open files use but no stub names yet (a save in progress, a file that
+was unlinked while open). Garbage collection treats pinned ids as live; the existence check and
+the pin of a save happen under ``lock``, the same lock GC holds while it deletes map rows, so a
+chunk found in the store cannot vanish before the stub that names it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PACK_SUFFIX = ".pack"
+_SQL_BATCH = 500
+
+
+class ChunkMissing(LookupError):
+    """A chunk an index names is not in the store."""
+
+
+class ChunkCorrupt(ValueError):
+    """Chunk bytes read from a pack do not hash to their id."""
+
+
+@dataclass(frozen=True)
+class Location:
+    pack: int
+    offset: int
+    length: int
+
+
+@dataclass
+class StoreCounters:
+    """Monotonic counters for metrics and tests (bytes and reads that reached disk)."""
+
+    chunks_written: int = 0
+    bytes_written: int = 0
+    chunks_deduped: int = 0
+    bytes_deduped: int = 0
+    pack_reads: int = 0
+    pack_bytes_read: int = 0
+
+
+class _PackFd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.retired = False
+
+
+class PackStore:
+    def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False) -> None:
+        self.root = root
+        self.packs_dir = root / "packs"
+        self.packs_dir.mkdir(parents=True, exist_ok=True)
+        self.pack_size = pack_size
+        self.durable = durable
+        self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
+        self._fd_lock = threading.Lock()
+        self._fds: dict[int, _PackFd] = {}
+        self.db = sqlite3.connect(root / "chunks.db", check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self.db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS chunks (
+                id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
+            ) WITHOUT ROWID;
+            CREATE INDEX IF NOT EXISTS chunks_by_pack ON chunks (pack, offset);
+            CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            """
+        )
+        self._db_lock = threading.Lock()  # sqlite3 connection is shared between threads
+        self._pack_id: int | None = None  # pack currently appended to
+        self._pack_fd = -1
+        self._pack_end = 0
+        self._unsynced: set[int] = set()  # packs written since the last sync()
+        self.pins: dict[object, set[bytes]] = {}
+        self.counters = StoreCounters()
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        with self._db_lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._db_lock:
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def locate_many(self, ids: Iterable[bytes]) -> dict[bytes, Location]:
+        wanted = list(dict.fromkeys(ids))
+        found: dict[bytes, Location] = {}
+        with self._db_lock:
+            for i in range(0, len(wanted), _SQL_BATCH):
+                part = wanted[i : i + _SQL_BATCH]
+                q = f"SELECT id, pack, offset, length FROM chunks WHERE id IN ({','.join('?' * len(part))})"
+                for cid, pack, off, length in self.db.execute(q, part):
+                    found[cid] = Location(pack, off, length)
+        return found
+
+    def locate(self, cid: bytes) -> Location:
+        loc = self.locate_many([cid]).get(cid)
+        if loc is None:
+            raise ChunkMissing(cid.hex())
+        return loc
+
+    def pack_ids(self) -> list[int]:
+        return sorted(int(p.name[: -len(PACK_SUFFIX)]) for p in self.packs_dir.glob("*" + PACK_SUFFIX))
+
+    def chunks_in_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
+        """(id, offset, length) of the mapped chunks of one pack, in pack order."""
+        with self._db_lock:
+            q = "SELECT id, offset, length FROM chunks WHERE pack = ? ORDER BY offset"
+            return self.db.execute(q, (pack,)).fetchall()
+
+    def pack_path(self, pack: int) -> Path:
+        return self.packs_dir / f"{pack:08d}{PACK_SUFFIX}"
+
+    def stats(self) -> tuple[int, int]:
+        """(chunk count, stored chunk bytes) according to the map."""
+        with self._db_lock:
+            n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
+        return n, total
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def add_chunks(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
+        """Store the chunks the store lacks and pin all of them for ``owner``.
+
+        Returns the number of new bytes written. Raises OSError (e.g. ENOSPC) with nothing
+        committed for the failing batch; chunks already in the store are still pinned.
+        """
+        with self.lock:
+            pinned = self.pins.setdefault(owner, set())
+            pinned.update(cid for cid, _ in chunks)
+            present = self.locate_many(cid for cid, _ in chunks)
+            new: dict[bytes, bytes | memoryview] = {}
+            for cid, data in chunks:
+                if cid in present or cid in new:
+                    self.counters.chunks_deduped += 1
+                    self.counters.bytes_deduped += len(data)
+                else:
+                    new[cid] = data
+            if new:
+                self._append(new)
+            return sum(len(d) for d in new.values())
+
+    def _append(self, new: dict[bytes, bytes | memoryview]) -> None:
+        fd, pack, start = self._open_pack()
+        datas = list(new.values())
+        total = sum(len(d) for d in datas)
+        try:
+            written = os.writev(fd, datas)
+            if written < total:  # short write: finish from a joined copy (or raise ENOSPC)
+                rest = memoryview(b"".join(datas))
+                while written < total:
+                    written += os.write(fd, rest[written:])
+        except OSError:
+            # Nothing of this batch is in the map; cut the partial bytes so the pack stays exact.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+                os.lseek(fd, start, os.SEEK_SET)
+            raise
+        rows = []
+        off = start
+        for cid, data in new.items():
+            rows.append((cid, pack, off, len(data)))
+            off += len(data)
+        if self.durable:
+            os.fsync(fd)
+        with self._db_lock:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR REPLACE INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)", rows)
+            self.db.execute("COMMIT")
+        self._pack_end = off
+        self._unsynced.add(pack)
+        self.counters.chunks_written += len(rows)
+        self.counters.bytes_written += total
+        if self._pack_end >= self.pack_size:
+            self._close_pack()
+
+    def _open_pack(self) -> tuple[int, int, int]:
+        if self._pack_id is None:
+            ids = self.pack_ids()
+            self._pack_id = (ids[-1] + 1) if ids else 1
+            self._pack_fd = os.open(self.pack_path(self._pack_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._pack_end = 0
+        return self._pack_fd, self._pack_id, self._pack_end
+
+    def _close_pack(self) -> None:
+        if self._pack_id is not None:
+            os.close(self._pack_fd)
+            self._pack_id, self._pack_fd, self._pack_end = None, -1, 0
+
+    @property
+    def open_pack(self) -> int | None:
+        """The pack new chunks go to; GC never touches it."""
+        return self._pack_id
+
+    def sync(self) -> None:
+        """Make every chunk written so far durable (pack data, then the map)."""
+        with self.lock:
+            for pack in sorted(self._unsynced):
+                with contextlib.suppress(FileNotFoundError), self.pack_fd(pack) as fd:
+                    os.fsync(fd)
+            self._unsynced.clear()
+            with self._db_lock:
+                self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            _fsync_dir(self.packs_dir)
+
+    # -- pins -------------------------------------------------------------------------------
+
+    def pin(self, owner: object, ids: Iterable[bytes]) -> None:
+        with self.lock:
+            self.pins.setdefault(owner, set()).update(ids)
+
+    def unpin(self, owner: object) -> None:
+        with self.lock:
+            self.pins.pop(owner, None)
+
+    def pinned(self) -> set[bytes]:
+        with self.lock:
+            out: set[bytes] = set()
+            for ids in self.pins.values():
+                out |= ids
+            return out
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def pack_fd(self, pack: int) -> Iterator[int]:
+        """A read fd for ``pack`` that stays valid even if GC deletes the pack meanwhile."""
+        with self._fd_lock:
+            entry = self._fds.get(pack)
+            if entry is None:
+                entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY))
+                self._fds[pack] = entry
+            entry.users += 1
+        try:
+            yield entry.fd
+        finally:
+            with self._fd_lock:
+                entry.users -= 1
+                if entry.retired and entry.users == 0:
+                    os.close(entry.fd)
+
+    def retire_pack(self, pack: int) -> None:
+        """Forget the cached fd of a deleted pack; readers holding it finish first."""
+        with self._fd_lock:
+            entry = self._fds.pop(pack, None)
+            if entry is not None:
+                entry.retired = True
+                if entry.users == 0:
+                    os.close(entry.fd)
+
+    def read_run(self, pack: int, offset: int, length: int) -> bytes:
+        with self.pack_fd(pack) as fd:
+            data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {len(data)}")
+        self.counters.pack_reads += 1
+        self.counters.pack_bytes_read += length
+        return data
+
+    def close(self) -> None:
+        with self.lock:
+            self._close_pack()
+        with self._fd_lock:
+            for entry in self._fds.values():
+                os.close(entry.fd)
+            self._fds.clear()
+        with self._db_lock:
+            self.db.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,231 @@
+"""Token-prefix tree over llama-server slot snapshots.
+
+A snapshot (``llama_state_seq_save_file``, llama.cpp ``src/llama-context.cpp``) starts with::
+
+    u32 magic 0x67677371 ("ggsq" little-endian: bytes 71 73 67 67)
+    u32 version          (4 at the time of writing; not checked)
+    u32 n_token_count
+    n_token_count x int32 words, then the KV state
+
+Older servers store the token ids themselves in those words ("plain"). Current llama-server stores a
+packed blob (``server_tokens::serialize`` in ``tools/server/server-common.cpp``): ``0xFFFFFFFF``
+(LLAMA_TOKEN_NULL), blob version 1, token count, the token ids, then media keys and chunks which we
+ignore. Media positions appear as -1 tokens in both layouts and are kept as they are.
+
+Snapshots that share a prompt prefix also share KV rows, so the tree shows what dedup can share.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import BinaryIO
+
+MAGIC = 0x67677371
+TOKEN_NULL_WORD = 0xFFFFFFFF
+PACKED_VERSION = 1
+FIRST_TOKENS = 8  # token ids shown per edge in to_json
+_HEADER = struct.Struct("<3I")
+_PACKED_HEADER = struct.Struct("<2I")
+_READ_STEP = 1 << 20  # read in steps so a corrupt count cannot make us allocate gigabytes
+
+Entries = list[tuple[list[int], str]]  # (tokens, name), sorted
+
+
+class NotASnapshot(ValueError):
+    """The file is not a ggsq slot snapshot, or its token header is truncated or malformed."""
+
+
+def read_tokens(f: BinaryIO | str | os.PathLike[str]) -> list[int]:
+    """Return the prompt tokens of a snapshot, reading only the header (from the current position)."""
+    if isinstance(f, (str, os.PathLike)):
+        with open(f, "rb") as fh:
+            return _read_tokens(fh)
+    return _read_tokens(f)
+
+
+def _read_tokens(f: BinaryIO) -> list[int]:
+    magic, _version, n_words = _HEADER.unpack(_read_exact(f, _HEADER.size, "header"))
+    if magic != MAGIC:
+        raise NotASnapshot(f"bad magic 0x{magic:08x}, expected 0x{MAGIC:08x}")
+    if n_words == 0:
+        return []
+    (first,) = struct.unpack("<I", _read_exact(f, 4, "token list"))
+    if first != TOKEN_NULL_WORD:
+        return [_signed(first), *_read_ints(f, n_words - 1)]
+    return _read_packed(f, n_words)
+
+
+def _read_packed(f: BinaryIO, n_words: int) -> list[int]:
+    # The blob occupies n_words words including the null marker already read.
+    if n_words < 3:
+        raise NotASnapshot(f"packed token blob of {n_words} words is too short")
+    version, count = _PACKED_HEADER.unpack(_read_exact(f, _PACKED_HEADER.size, "packed token header"))
+    if version != PACKED_VERSION:
+        raise NotASnapshot(f"unsupported packed token blob version {version}")
+    if count > n_words - 3:
+        raise NotASnapshot(f"packed token count {count} exceeds the blob's {n_words} words")
+    return _read_ints(f, count)
+
+
+def _read_ints(f: BinaryIO, count: int) -> list[int]:
+    data = _read_exact(f, 4 * count, "token list")
+    return list(struct.unpack(f"<{count}i", data))
+
+
+def _read_exact(f: BinaryIO, size: int, what: str) -> bytes:
+    parts: list[bytes] = []
+    left = size
+    while left > 0:
+        part = f.read(min(left, _READ_STEP))
+        if not part:
+            raise NotASnapshot(f"truncated {what}: wanted {size} bytes, got {size - left}")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+@dataclass(eq=False)
+class Node:
+    """A radix-tree node: the tokens on the edge into it and the snapshots below it."""
+
+    edge: list[int]
+    depth: int  # prefix length in tokens at the end of this node's edge
+    snapshots: list[str]  # every snapshot whose tokens pass through or end here, sorted
+    ends: list[str] = field(default_factory=list)  # snapshots whose tokens end exactly here
+    children: list[Node] = field(default_factory=list)  # ordered by first edge token
+
+    @property
+    def length(self) -> int:
+        """Tokens on this node's edge."""
+        return len(self.edge)
+
+
+def build_tree(items: Mapping[str, Sequence[int]]) -> Node:
+    """Build a compressed radix tree; the root has an empty edge and holds every snapshot."""
+    # Sorting puts lists sharing a prefix next to each other; list comparison runs in C.
+    entries = sorted((list(tokens), name) for name, tokens in items.items())
+    lcp = [0] + [_common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
+    root = Node(edge=[], depth=0, snapshots=sorted(items))
+    # Explicit stack: a chain of snapshots that extend each other would be too deep to recurse.
+    stack = [(root, 0, len(entries))]
+    while stack:
+        node, lo, hi = stack.pop()
+        for child_lo, child_hi in _split(node, entries, lcp, lo, hi):
+            child = _make_node(entries, lcp, child_lo, child_hi, node.depth)
+            node.children.append(child)
+            stack.append((child, child_lo, child_hi))
+    return root
+
+
+def _split(node: Node, entries: Entries, lcp: list[int], lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """Record the entries ending at ``node`` and yield the ranges of its children."""
+    depth = node.depth
+    start = lo
+    # Sorted order puts the entries that end here first.
+    while start < hi and len(entries[start][0]) == depth:
+        start += 1
+    node.ends = [name for _, name in entries[lo:start]]
+    # Entries i-1 and i differ at the token just past this node where lcp[i] == depth; list.index
+    # finds those boundaries in C, which matters for long chains of snapshots extending each other.
+    i = start + 1
+    while i < hi:
+        try:
+            i = lcp.index(depth, i, hi)
+        except ValueError:
+            break
+        yield start, i
+        start, i = i, i + 1
+    if start < hi:
+        yield start, hi
+
+
+def _make_node(entries: Entries, lcp: list[int], lo: int, hi: int, parent_depth: int) -> Node:
+    tokens = entries[lo][0]
+    depth = len(tokens) if hi - lo == 1 else min(lcp[lo + 1 : hi])
+    names = sorted(map(itemgetter(1), entries[lo:hi]))
+    return Node(edge=tokens[parent_depth:depth], depth=depth, snapshots=names)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection over slice comparisons (done in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def to_json(node: Node) -> dict:
+    """A JSON-serialisable dict of the tree rooted at ``node``."""
+    out = _node_json(node)
+    stack = [(node, out)]
+    while stack:
+        current, current_json = stack.pop()
+        for child in current.children:
+            child_json = _node_json(child)
+            current_json["children"].append(child_json)
+            stack.append((child, child_json))
+    return out
+
+
+def _node_json(node: Node) -> dict:
+    return {
+        "prefix_tokens": node.depth,
+        "edge_tokens": node.length,
+        "shared_by": list(node.snapshots),
+        "ends_here": list(node.ends),
+        "first_tokens": node.edge[:FIRST_TOKENS],
+        "children": [],
+    }
+
+
+def render_text(node: Node, max_names: int = 8) -> str:
+    """An indented tree, e.g. ``├─ 1200 tokens shared by a, b, c`` / ``│  └─ +340 tokens: a``."""
+    count = len(node.snapshots)
+    after = f" after {node.depth} tokens" if node.depth else ""
+    lines = [f"{count} snapshot{'s' if count != 1 else ''}{after}{_ends_note(node, max_names)}"]
+    # (node, indent, is_last, top_level); children pushed in reverse so they pop in order.
+    stack = [(child, "", i == len(node.children) - 1, True) for i, child in enumerate(node.children)][::-1]
+    while stack:
+        current, indent, last, top = stack.pop()
+        lines.append(f"{indent}{'└─ ' if last else '├─ '}{_label(current, top, max_names)}")
+        child_indent = indent + ("   " if last else "│  ")
+        n = len(current.children)
+        stack.extend((c, child_indent, i == n - 1, False) for i, c in reversed(list(enumerate(current.children))))
+    return "\n".join(lines) + "\n"
+
+
+def _label(node: Node, top: bool, max_names: int) -> str:
+    size = f"{node.length} tokens" if top else f"+{node.length} tokens"
+    if len(node.snapshots) == 1:
+        who = f": {node.snapshots[0]}"
+    else:
+        who = f" shared by {_names(node.snapshots, max_names)}"
+    return size + who + _ends_note(node, max_names)
+
+
+def _ends_note(node: Node, max_names: int) -> str:
+    # Only worth saying where the node goes on: at a leaf, every snapshot ends.
+    if node.ends and node.children:
+        return f" (ends here: {_names(node.ends, max_names)})"
+    return ""
+
+
+def _names(names: Sequence[str], limit: int) -> str:
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", … (+{len(names) - limit} more)"

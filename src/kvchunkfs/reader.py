@@ -1,0 +1,218 @@
+"""Reading chunked files: a shared chunk cache and a parallel read-ahead.
+
+A restore is one sequential reader. On sequential access the next ``readahead`` bytes of chunks
+are fetched by a pool of workers into an LRU cache; chunks that lie back to back in one pack are
+read with a single pread (a "run"). Every chunk being fetched has one Future in ``_inflight``, so
+a chunk is read from disk once however many requests want it at the same time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .index import Index
+from .packstore import ChunkCorrupt, ChunkMissing, Location, PackStore
+
+log = logging.getLogger(__name__)
+
+RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to spread over workers
+SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
+
+
+class ChunkCache:
+    """LRU of chunk bytes bounded by total size."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, cid: bytes) -> bytes | None:
+        with self._lock:
+            data = self._data.get(cid)
+            if data is not None:
+                self._data.move_to_end(cid)
+            return data
+
+    def __contains__(self, cid: bytes) -> bool:
+        return cid in self._data
+
+    def put(self, cid: bytes, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            old = self._data.pop(cid, None)
+            if old is not None:
+                self.size -= len(old)
+            self._data[cid] = data
+            self.size += len(data)
+            while self.size > self.capacity:
+                _, evicted = self._data.popitem(last=False)
+                self.size -= len(evicted)
+
+
+@dataclass
+class Cursor:
+    """Per-handle read state: where the last read ended and how far read-ahead was issued."""
+
+    next_offset: int = 0
+    prefetched_to: int = 0  # chunk number up to which read-ahead has been scheduled
+
+
+class Fetcher:
+    def __init__(
+        self, store: PackStore, cache: ChunkCache, workers: int = 8, readahead: int = 32 << 20, verify: bool = True
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.readahead = readahead
+        self.verify = verify
+        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
+        self._lock = threading.Lock()
+        self._inflight: dict[bytes, Future[bytes]] = {}
+        self.chunks_read = 0  # chunks that came from disk
+
+    # -- public -----------------------------------------------------------------------------
+
+    def read(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> bytes:
+        """Bytes ``[offset, offset+size)`` of the file described by ``index`` (short at EOF)."""
+        end = min(offset + size, index.size)
+        if offset >= end:
+            return b""
+        first, last = index.find(offset), index.find(end - 1)
+        if cursor is not None:
+            sequential = offset == 0 or abs(offset - cursor.next_offset) <= SEQ_SLACK
+            cursor.next_offset = end
+            if sequential and self.readahead:
+                self._prefetch(index, max(last + 1, cursor.prefetched_to), end + self.readahead, cursor)
+        datas = self.get_many(index.ids[first : last + 1])
+        head = offset - index.start(first)
+        if first == last:
+            return datas[0][head : head + end - offset]
+        parts = [memoryview(datas[0])[head:], *datas[1:-1], memoryview(datas[-1])[: end - index.start(last)]]
+        return b"".join(parts)
+
+    def get_many(self, ids: Sequence[bytes]) -> list[bytes]:
+        """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
+        waits: list[Future[bytes] | bytes] = []
+        mine: dict[bytes, Future[bytes]] = {}
+        with self._lock:
+            for cid in ids:
+                data = self.cache.get(cid)
+                if data is not None:
+                    self.cache.hits += 1
+                    waits.append(data)
+                    continue
+                fut = self._inflight.get(cid) or mine.get(cid)
+                if fut is None:
+                    self.cache.misses += 1
+                    fut = mine[cid] = self._inflight[cid] = Future()
+                waits.append(fut)
+        if mine:
+            self._fetch(mine)
+        return [w if isinstance(w, bytes) else w.result() for w in waits]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _prefetch(self, index: Index, start: int, limit: int, cursor: Cursor) -> None:
+        wanted: dict[bytes, Future[bytes]] = {}
+        i = start
+        with self._lock:
+            while i < len(index) and index.start(i) < limit:
+                cid = index.ids[i]
+                if cid not in self._inflight and cid not in self.cache and cid not in wanted:
+                    wanted[cid] = self._inflight[cid] = Future()
+                i += 1
+        cursor.prefetched_to = max(cursor.prefetched_to, i)
+        if wanted:
+            for run in self._runs(wanted):
+                self.pool.submit(self._read_run, run, wanted)
+
+    def _fetch(self, futures: dict[bytes, Future[bytes]]) -> None:
+        """Fetch in the calling thread (a read that missed the cache)."""
+        for run in self._runs(futures):
+            self._read_run(run, futures)
+
+    def _runs(self, futures: dict[bytes, Future[bytes]]) -> list[list[tuple[bytes, Location]]]:
+        """Group chunks into runs of back-to-back bytes in one pack; fail those not in the map."""
+        try:
+            found = self.store.locate_many(futures)
+        except Exception as e:  # a broken database fails the chunks, not the worker
+            for cid in list(futures):
+                self._fail(cid, futures[cid], e)
+            return []
+        for cid in futures:
+            if cid not in found:
+                self._fail(cid, futures[cid], ChunkMissing(cid.hex()))
+        runs: list[list[tuple[bytes, Location]]] = []
+        run_bytes = 0
+        for cid, loc in sorted(found.items(), key=lambda kv: (kv[1].pack, kv[1].offset)):
+            prev = runs[-1][-1][1] if runs else None
+            if (
+                prev is not None
+                and prev.pack == loc.pack
+                and prev.offset + prev.length == loc.offset
+                and run_bytes + loc.length <= RUN_MAX
+            ):
+                runs[-1].append((cid, loc))
+                run_bytes += loc.length
+            else:
+                runs.append([(cid, loc)])
+                run_bytes = loc.length
+        return runs
+
+    def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[bytes]]) -> None:
+        start = run[0][1]
+        length = run[-1][1].offset + run[-1][1].length - start.offset
+        try:
+            try:
+                data = self.store.read_run(start.pack, start.offset, length)
+            except FileNotFoundError:
+                # GC compacted the pack after we located the chunks: look them up again.
+                self._relocate(run, futures)
+                return
+        except Exception as e:
+            log.error("reading pack %d at %d (%d bytes) failed: %s", start.pack, start.offset, length, e)
+            for cid, _ in run:
+                self._fail(cid, futures[cid], e)
+            return
+        view = memoryview(data)
+        for cid, loc in run:
+            piece = bytes(view[loc.offset - start.offset : loc.offset - start.offset + loc.length])
+            if self.verify and hashlib.sha256(piece).digest() != cid:
+                err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
+                log.error("%s", err)
+                self._fail(cid, futures[cid], err)
+                continue
+            self.cache.put(cid, piece)
+            with self._lock:
+                self.chunks_read += 1
+                self._inflight.pop(cid, None)
+            futures[cid].set_result(piece)
+
+    def _relocate(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[bytes]]) -> None:
+        sub = {cid: futures[cid] for cid, _ in run}
+        for new_run in self._runs(sub):
+            if any(loc.pack == run[0][1].pack for _, loc in new_run):
+                for cid, _ in new_run:
+                    self._fail(cid, sub[cid], ChunkMissing(f"{cid.hex()} (pack {run[0][1].pack} vanished)"))
+                continue
+            self._read_run(new_run, sub)
+
+    def _fail(self, cid: bytes, fut: Future[bytes], err: BaseException) -> None:
+        with self._lock:
+            self._inflight.pop(cid, None)
+        if not fut.done():
+            fut.set_exception(err)

@@ -1,0 +1,93 @@
+"""A store directory: snapshots (stubs), packs, the chunk map, staging and temp dirs.
+
+``Repository`` wires the pieces together for the FUSE layer, GC, fsck and the API. It knows
+paths relative to ``snapshots/`` and nothing about inodes or requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import stubs
+from .chunker import Chunker
+from .index import Index
+from .packstore import PackStore
+from .reader import ChunkCache, Fetcher
+from .writer import FileContent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    chunk_min: int = 16 << 10
+    chunk_avg: int = 64 << 10
+    chunk_max: int = 256 << 10
+    pack_size: int = 64 << 20
+    readahead: int = 32 << 20
+    prefetch_workers: int = 8
+    cache_size: int = 256 << 20
+    verify_reads: bool = True
+    durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
+
+
+class Repository:
+    def __init__(self, root: Path, settings: StoreSettings | None = None) -> None:
+        self.settings = settings = settings or StoreSettings()
+        self.root = root
+        self.snapshots = root / "snapshots"
+        self.tmp = root / "tmp"
+        self.staging = root / "staging"
+        for d in (self.snapshots, self.tmp, self.staging):
+            d.mkdir(parents=True, exist_ok=True)
+        self.durable = settings.durability == "fsync"
+        self.store = PackStore(root, settings.pack_size, durable=self.durable)
+        self.chunker = self._chunker()
+        self.cache = ChunkCache(settings.cache_size)
+        self.fetcher = Fetcher(
+            self.store, self.cache, settings.prefetch_workers, settings.readahead, settings.verify_reads
+        )
+
+    def _chunker(self) -> Chunker:
+        """Chunk sizes are fixed per store at creation, so later saves keep deduplicating."""
+        s = self.settings
+        wanted = f"{s.chunk_min},{s.chunk_avg},{s.chunk_max}"
+        stored = self.store.get_meta("chunk_params")
+        if stored is None:
+            self.store.set_meta("chunk_params", wanted)
+            stored = wanted
+        elif stored != wanted:
+            log.warning("store %s was created with chunk sizes %s; ignoring configured %s", self.root, stored, wanted)
+        cmin, cavg, cmax = (int(x) for x in stored.split(","))
+        return Chunker(cmin, cavg, cmax)
+
+    def empty_index(self) -> Index:
+        return Index(self.chunker.min, self.chunker.avg, self.chunker.max)
+
+    def path(self, rel: str) -> Path:
+        return self.snapshots / rel if rel else self.snapshots
+
+    def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
+        return self.fetcher.read(index, offset, size)
+
+    def content(self, index: Index) -> FileContent:
+        return FileContent(self.store, self.chunker, index, self.staging, self.read_chunks)
+
+    def load(self, rel: str) -> FileContent:
+        """Content of an existing snapshot; raises StubError for a stub that is not an index."""
+        return self.content(stubs.read_index(self.path(rel)))
+
+    def prepare_stub(self, index: Index, like: str | None) -> Path:
+        like_path = self.path(like) if like is not None else None
+        return stubs.prepare(self.tmp, index, like_path, fsync=False)
+
+    def install_stub(self, tmp: Path, rel: str) -> None:
+        """The commit point of a save: the complete new stub replaces the old one."""
+        os.rename(tmp, self.path(rel))
+
+    def close(self) -> None:
+        self.fetcher.close()
+        self.store.close()

@@ -1,0 +1,388 @@
+"""The content of an open file: clean, streaming, or staged.
+
+``FileContent`` is shared by every handle of one file and knows nothing of FUSE.
+
+* CLEAN   – the content is the stub's index; nothing to save.
+* STREAM  – bytes arrive at the end of the file. They are queued in ``buf`` and a worker thread
+            cuts them into chunks while the client is still writing; only chunks the store lacks
+            are appended to a pack. The last chunk stays tentative (``tail``) until a commit, so
+            later appends continue the chunk list exactly as chunking the whole file would.
+* STAGING – anything else (a write behind the end, a hole, a shrinking truncate) copies the
+            content into a plain file under ``staging/``; it is chunked in one pass at commit.
+
+Content in STREAM mode is ``index`` chunks, then ``inflight`` (bytes the worker is cutting), then
+``tail``, then ``buf``, then ``ahead`` (writes that arrived a little early, keyed by offset).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from .chunker import BATCH, Chunker, StreamChunker, chunk_id
+from .index import Index
+from .packstore import PackStore
+
+log = logging.getLogger(__name__)
+
+MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
+AHEAD_WINDOW = 16 << 20
+PAGE = 4096  # how far past the end an early write may land and still stream
+
+
+class Mode(enum.Enum):
+    CLEAN = "clean"
+    STREAM = "stream"
+    STAGING = "staging"
+
+
+class Action(enum.Enum):
+    DIRECT = "direct"  # call write() now
+    START_STREAM = "start_stream"  # call start_stream() in a thread, then write()
+    TO_STAGING = "to_staging"  # call to_staging() in a thread, then write()
+
+
+ReadChunks = Callable[[Index, int, int], bytes]
+
+
+class FileContent:
+    def __init__(
+        self, store: PackStore, chunker: Chunker, index: Index, staging_dir: Path, read_chunks: ReadChunks
+    ) -> None:
+        self.store = store
+        self.chunker = chunker
+        self.index = index
+        self.staging_dir = staging_dir
+        self.read_chunks = read_chunks
+        self.mode = Mode.CLEAN
+        self.cond = threading.Condition()
+        self.gen = 0  # bumped by every change; a commit clears ``dirty`` only if unchanged
+        self.dirty = False
+        self.error: OSError | None = None
+        self.bytes_new = 0  # bytes this file added to the store
+        self.epoch = 0  # worker results from an older epoch are dropped
+        self._reset_stream(index, b"")
+        self.staging_fd = -1
+        self.staging_path: Path | None = None
+        self._worker: threading.Thread | None = None
+        self._stop = False
+        self._drain = False
+        store.pin(self, index.ids)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _reset_stream(self, index: Index, tail: bytes) -> None:
+        self.index = index
+        self.tail = tail
+        self.inflight: bytes | None = None
+        self.buf = bytearray()
+        self.ahead: dict[int, bytes] = {}
+        self.end = index.size + len(tail)  # end of the contiguous content
+        self.epoch += 1
+
+    @property
+    def size(self) -> int:
+        if self.mode is Mode.STAGING:
+            return os.fstat(self.staging_fd).st_size
+        if self.ahead:
+            return max(self.end, max(off + len(d) for off, d in self.ahead.items()))
+        return self.end
+
+    def _changed(self) -> None:
+        self.gen += 1
+        self.dirty = True
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def plan_write(self, offset: int, length: int) -> Action:
+        with self.cond:
+            if self.error:
+                raise self.error
+            if self.mode is Mode.STAGING:
+                return Action.DIRECT
+            if self.mode is Mode.CLEAN:
+                # Appends, including the kernel rewriting the last partial page, continue the chunk list.
+                last = len(self.index) - 1
+                ok = self.index.start(max(last, 0)) <= offset <= self.index.size
+                return Action.START_STREAM if ok else Action.TO_STAGING
+            if self._overlaps_ahead(offset, length):
+                return Action.TO_STAGING
+            if self._patchable_from() <= offset <= self.end + AHEAD_WINDOW:
+                return Action.DIRECT  # append, patch bytes not yet chunked, or arrive a little early
+            return Action.TO_STAGING
+
+    def _patchable_from(self) -> int:
+        """Bytes from here on are not final chunks yet and may still be overwritten in place."""
+        return self.end - len(self.buf) if self.inflight is not None else self.index.size
+
+    def _overlaps_ahead(self, offset: int, length: int) -> bool:
+        return any(offset < o + len(d) and o < offset + length for o, d in self.ahead.items())
+
+    def start_stream(self) -> None:
+        """CLEAN -> STREAM: the last chunk becomes the tentative tail (read once, not re-chunked)."""
+        with self.cond:
+            if self.mode is not Mode.CLEAN:
+                return
+            base = self.index.copy()
+        last_chunk = b""
+        if len(base):
+            last = len(base) - 1
+            last_chunk = self.read_chunks(base, base.start(last), base.length(last))
+            base.ends.pop()
+            base.ids.pop()
+        with self.cond:
+            if self.mode is Mode.CLEAN:
+                self._reset_stream(base, b"")
+                self.buf += last_chunk
+                self.end += len(last_chunk)
+                self.mode = Mode.STREAM
+                self._start_worker()
+
+    def write(self, offset: int, data: bytes) -> bool:
+        """Apply a write planned as DIRECT; False if the worker took the bytes it patches meanwhile."""
+        with self.cond:
+            if self.error:
+                raise self.error
+            if self.mode is Mode.STAGING:
+                self._changed()
+                os.pwrite(self.staging_fd, data, offset)
+                return True
+            if self.mode is not Mode.STREAM or offset < self._patchable_from():
+                return False
+            if offset < self.end - len(self.buf):  # rewriting the tentative tail: requeue it
+                self.buf[0:0] = self.tail
+                self.tail = b""
+            start = self.end - len(self.buf)
+            self._changed()
+            if offset > self.end:
+                self.ahead[offset] = bytes(data)
+                return True
+            self.buf[offset - start : offset - start + len(data)] = data
+            self.end = start + len(self.buf)
+            while self.end in self.ahead:
+                piece = self.ahead.pop(self.end)
+                self.buf += piece
+                self.end += len(piece)
+            if len(self.buf) >= BATCH:
+                self.cond.notify_all()
+            return True
+
+    def backlogged(self) -> bool:
+        return self.mode is Mode.STREAM and len(self.buf) > MAX_BACKLOG
+
+    def wait_backlog(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.buf) <= MAX_BACKLOG // 2 or self.error or self.mode is not Mode.STREAM)
+
+    def truncate(self, length: int) -> Action:
+        """Truncate to ``length``; returns TO_STAGING if a staged copy is needed first."""
+        with self.cond:
+            if self.error:
+                raise self.error
+            if length == 0:
+                self._close_staging()
+                self._reset_stream(Index(self.chunker.min, self.chunker.avg, self.chunker.max), b"")
+                self.mode = Mode.STREAM
+                self._start_worker()
+                self._changed()
+                return Action.DIRECT
+            if length == self.size:
+                return Action.DIRECT
+            if self.mode is Mode.STAGING:
+                os.ftruncate(self.staging_fd, length)
+                self._changed()
+                return Action.DIRECT
+            return Action.TO_STAGING
+
+    # -- staging ----------------------------------------------------------------------------
+
+    def to_staging(self) -> None:
+        """Copy the whole content into a staging file (blocking; run in a thread)."""
+        with self.cond:
+            if self.mode is Mode.STAGING:
+                return
+            index, pending, ahead, size = self.index.copy(), self._pending(), dict(self.ahead), self.size
+        path = self.staging_dir / f"{uuid.uuid4().hex}.staging"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            pos = 0
+            while pos < index.size:
+                n = min(BATCH, index.size - pos)
+                os.pwrite(fd, self.read_chunks(index, pos, n), pos)
+                pos += n
+            os.pwrite(fd, pending, index.size)
+            for off, data in ahead.items():
+                os.pwrite(fd, data, off)
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        with self.cond:
+            self.staging_fd, self.staging_path = fd, path
+            self.mode = Mode.STAGING
+            self.epoch += 1
+            self._stop = True
+            self.cond.notify_all()
+
+    def _close_staging(self) -> None:
+        if self.staging_fd >= 0:
+            os.close(self.staging_fd)
+            self.staging_fd = -1
+        if self.staging_path is not None:
+            try:
+                os.unlink(self.staging_path)
+            except FileNotFoundError:
+                pass
+            self.staging_path = None
+
+    def _pending(self) -> bytes:
+        return (self.inflight or b"") + self.tail + bytes(self.buf)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read(self, offset: int, size: int, read_chunks: ReadChunks) -> bytes:
+        with self.cond:
+            if self.mode is Mode.STAGING:
+                return os.pread(self.staging_fd, size, offset)
+            # The worker appends to ``index`` concurrently; its first ``isize`` bytes never change.
+            index, isize = self.index, self.index.size
+            if self.mode is Mode.CLEAN:
+                pending, ahead, total = b"", {}, isize
+            else:
+                pending, ahead, total = self._pending(), dict(self.ahead), self.size
+        end = min(offset + size, total)
+        if offset >= end:
+            return b""
+        out = bytearray()
+        if offset < isize:
+            out += read_chunks(index, offset, min(end, isize) - offset)
+        lo = max(offset, isize)
+        if lo < end:  # after the chunks: pending bytes, then zeros, with early writes laid over them
+            seg = bytearray(end - lo)
+            part = pending[lo - isize : end - isize]
+            seg[: len(part)] = part
+            for off, data in ahead.items():
+                a, b = max(off, lo), min(off + len(data), end)
+                if a < b:
+                    seg[a - lo : b - lo] = data[a - off : b - off]
+            out += seg
+        return bytes(out)
+
+    # -- the chunking worker ----------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        self._stop = False
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="chunker", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self._stop or len(self.buf) >= BATCH or (self._drain and self.buf))
+                if self._stop:
+                    return
+                epoch = self.epoch
+                # Keep the last partial page queued: with the writeback cache the kernel writes it
+                # again, whole, once the client has filled it.
+                take = len(self.buf) if self._drain else len(self.buf) - self.end % PAGE
+                data = self.tail + bytes(self.buf[:take])
+                del self.buf[:take]
+                self.inflight, self.tail = data, b""
+            try:
+                stream = StreamChunker(self.chunker)
+                pieces = stream.feed(data)
+                chunks = [(chunk_id(p), p) for p in pieces]
+                new = self.store.add_chunks(chunks, self) if chunks else 0
+            except OSError as e:
+                log.error("saving chunks failed: %s", e)
+                with self.cond:
+                    self.error = e
+                    self.inflight = None
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                if epoch == self.epoch:
+                    for cid, p in chunks:
+                        self.index.append(cid, len(p))
+                    self.tail = stream.tail
+                    self.inflight = None
+                    self.bytes_new += new
+                self.cond.notify_all()
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def prepare_commit(self) -> tuple[Index, int]:
+        """Chunk everything written so far; returns (index, generation). Blocking."""
+        with self.cond:
+            if self.error:
+                raise self.error
+            if self.mode is Mode.STREAM and self.ahead:
+                needs_staging = True
+            else:
+                needs_staging = False
+        if needs_staging:  # a hole never filled: the staged copy has the zeros
+            self.to_staging()
+        with self.cond:
+            gen = self.gen
+            if self.mode is Mode.CLEAN:
+                return self.index, gen
+            if self.mode is Mode.STAGING:
+                fd = self.staging_fd
+        if self.mode is Mode.STAGING:
+            return self._chunk_staging(fd), gen
+        with self.cond:
+            self._drain = True
+            self.cond.notify_all()
+            self.cond.wait_for(
+                lambda: self.error or (self.inflight is None and not self.buf) or self.mode is not Mode.STREAM
+            )
+            self._drain = False
+            if self.error:
+                raise self.error
+            if self.mode is not Mode.STREAM:
+                gen = -1  # changed under us; the caller commits again later
+            index, tail = self.index.copy(), self.tail
+        if tail:
+            cid = chunk_id(tail)
+            self.bytes_new += self.store.add_chunks([(cid, tail)], self)
+            index.append(cid, len(tail))
+        return index, gen
+
+    def _chunk_staging(self, fd: int) -> Index:
+        index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
+        stream = StreamChunker(self.chunker)
+        pos = 0
+        while True:
+            data = os.pread(fd, BATCH, pos)
+            pieces = stream.feed(data) if data else []
+            if not data and stream.tail:
+                pieces, stream.tail = [memoryview(stream.tail)], b""
+            if pieces:
+                chunks = [(chunk_id(p), p) for p in pieces]
+                self.bytes_new += self.store.add_chunks(chunks, self)
+                for cid, p in chunks:
+                    index.append(cid, len(p))
+            if not data:
+                return index
+            pos += len(data)
+
+    def committed(self, gen: int) -> None:
+        with self.cond:
+            if gen == self.gen:
+                self.dirty = False
+
+    def close(self) -> None:
+        """Last handle gone: stop the worker, drop the staged copy and the pins."""
+        with self.cond:
+            self._stop = True
+            self.epoch += 1
+            self.cond.notify_all()
+            self._close_staging()
+        self.store.unpin(self)

@@ -1,0 +1,99 @@
+"""Fixtures that mount the real filesystem through FUSE in a separate daemon process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def is_mounted(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+class Mount:
+    """A kv-chunk-fs daemon serving ``store`` on ``mnt``; restartable."""
+
+    def __init__(self, store: Path, mnt: Path, log: Path, extra: list[str] | None = None) -> None:
+        self.store, self.mnt, self.log_path = store, mnt, log
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        mnt.mkdir(parents=True, exist_ok=True)
+
+    def start(self, extra: list[str] | None = None) -> None:
+        if extra is not None:
+            self.extra = extra
+        env = dict(os.environ, PYTHONPATH=str(SRC))
+        cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 30
+        while not is_mounted(self.mnt):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mount did not appear: {self.log()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], check=False, capture_output=True)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self._log.close()
+        self.proc = None
+        assert not is_mounted(self.mnt), "mount left behind"
+
+    def kill(self) -> None:
+        """kill -9 the daemon (a crash), leaving the dead mount for the next start to clear."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._log.close()
+        self.proc = None
+
+    def remount(self, extra: list[str] | None = None) -> None:
+        self.stop()
+        self.start(extra)
+
+    def stats(self) -> dict[str, int]:
+        return json.loads(os.getxattr(self.mnt, "user.kvcfs.stats"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def path(self, name: str) -> Path:
+        return self.mnt / name
+
+
+@pytest.fixture
+def kvfs(tmp_path: Path) -> Iterator[Mount]:
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    d = tmp_path / "plain"
+    d.mkdir()
+    return d

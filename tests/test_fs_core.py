@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import stat
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 from helpers import rand_bytes, unique_chunk_bytes, write_in_pieces
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvchunkfs import stubs
 
 MiB = 1 << 20
+_counter = itertools.count()
 
 
 def read_direct(path: Path) -> bytes:
@@ -312,3 +316,44 @@ def test_missing_chunk_fails_with_eio(kvfs):
     assert e.value.errno == errno.EIO
     assert victim.hex() in kvfs.log()
     assert kvfs.path("b").read_bytes() == other
+
+
+_fs_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 3 * MiB), st.integers(1, 300_000)),
+        st.tuples(st.just("append"), st.integers(1, 700_000)),
+        st.tuples(st.just("truncate"), st.integers(0, 3 * MiB)),
+        st.tuples(st.just("reopen")),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=_fs_ops)
+def test_random_operations_match_plain_file(kvfs, plain, script):
+    """Seeks, holes, overwrites and truncates through the mount equal the same calls on ext4."""
+    name = f"h{next(_counter)}"
+    files = [open(d / name, "w+b") for d in (kvfs.mnt, plain)]  # noqa: SIM115
+    try:
+        for n, op in enumerate(script):
+            for i, d in enumerate((kvfs.mnt, plain)):
+                f = files[i]
+                if op[0] == "write":
+                    f.seek(op[1])
+                    f.write(rand_bytes(op[2], n))
+                elif op[0] == "append":
+                    f.seek(0, os.SEEK_END)
+                    f.write(rand_bytes(op[1], n))
+                elif op[0] == "truncate":
+                    f.flush()
+                    os.ftruncate(f.fileno(), op[1])
+                else:
+                    f.close()
+                    files[i] = open(d / name, "r+b")  # noqa: SIM115
+    finally:
+        for f in files:
+            f.close()
+    assert (kvfs.mnt / name).read_bytes() == (plain / name).read_bytes()
+    assert read_direct(kvfs.mnt / name) == (plain / name).read_bytes()

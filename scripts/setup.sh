@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install what kv-chunk-fs needs on a fresh Debian 12 machine (run as root): FUSE 3 and its
+# headers (pyfuse3 builds from source), casync for the interop test, then the package itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+for pkg in fuse3 libfuse3-dev pkg-config casync attr; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+python3 -m pip install -q --disable-pip-version-check -e ".[test]"

@@ -1,0 +1,166 @@
+"""Unit tests of the pure pieces: index format, chunker, pack store, file content model."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from helpers import rand_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvchunkfs import index as idx
+from kvchunkfs.chunker import Chunker, StreamChunker, chunk_id
+from kvchunkfs.repo import Repository, StoreSettings
+
+MiB = 1 << 20
+
+
+def test_index_roundtrip_and_layout():
+    ix = idx.Index(16384, 65536, 262144)
+    ix.append(b"\x01" * 32, 1000)
+    ix.append(b"\x02" * 32, 50)
+    data = idx.encode(ix)
+    assert len(data) == 48 + 16 + 2 * 40 + 40
+    assert data[8:16] == (0x96824D9C7B129FF9).to_bytes(8, "little")
+    assert int.from_bytes(data[16:24], "little") & idx.CA_FORMAT_SHA512_256 == 0  # SHA-256 ids
+    back = idx.decode(data)
+    assert back.ends == [1000, 1050] and back.ids == ix.ids and back.size == 1050
+    assert back.find(0) == 0 and back.find(999) == 0 and back.find(1000) == 1 and back.find(1050) == 2
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda d: d[:-1],
+        lambda d: b"x" * len(d),
+        lambda d: d[:8] + b"\0" * 8 + d[16:],
+        lambda d: d[:104] + (5).to_bytes(8, "little") + d[112:],  # offsets not increasing
+        lambda d: d[:16] + (idx.CA_FORMAT_SHA512_256).to_bytes(8, "little") + d[24:],
+        lambda d: b"",
+    ],
+)
+def test_index_rejects_garbage(mangle):
+    ix = idx.Index(1, 2, 3)
+    ix.append(b"\x01" * 32, 10)
+    ix.append(b"\x02" * 32, 10)
+    with pytest.raises(idx.IndexFormatError):
+        idx.decode(mangle(idx.encode(ix)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8), st.integers(0, 2**32))
+def test_stream_chunking_equals_whole_buffer(pieces, seed):
+    data = rand_bytes(sum(pieces), seed)
+    c = Chunker(16384, 65536, 262144)
+    whole = [bytes(p) for p in c.cut(data)]
+    s = StreamChunker(c)
+    out, pos = [], 0
+    for n in pieces:
+        out += [bytes(p) for p in s.feed(data[pos : pos + n])]
+        pos += n
+    out.append(s.tail)
+    assert out == whole
+    assert all(16384 <= len(p) <= 262144 for p in whole[:-1])
+
+
+def test_chunking_is_content_defined():
+    c = Chunker(16384, 65536, 262144)
+    base = rand_bytes(8 * MiB, 40)
+    edited = base[: 3 * MiB] + b"inserted" + base[3 * MiB :]
+    a = {chunk_id(p) for p in c.cut(base)}
+    b = {chunk_id(p) for p in c.cut(edited)}
+    assert len(a & b) >= len(a) - 3  # an insertion changes only the chunks around it
+
+
+def test_packstore_dedup_pins_and_reads(tmp_path: Path):
+    repo = Repository(tmp_path, StoreSettings(pack_size=1 * MiB))
+    store = repo.store
+    chunks = [(chunk_id(d), d) for d in (rand_bytes(300_000, i) for i in range(8))]
+    owner = object()
+    assert store.add_chunks(chunks[:4], owner) == 4 * 300_000
+    assert store.add_chunks(chunks, owner) == 4 * 300_000  # only the missing half is written
+    assert store.counters.chunks_deduped == 4
+    assert len(store.pack_ids()) >= 2, "packs roll over at pack_size"
+    for cid, data in chunks:
+        loc = store.locate(cid)
+        assert store.read_run(loc.pack, loc.offset, loc.length) == data
+    assert store.pinned() == {cid for cid, _ in chunks}
+    store.unpin(owner)
+    assert store.pinned() == set()
+    repo.close()
+
+
+def test_packstore_concurrent_writers(tmp_path: Path):
+    repo = Repository(tmp_path)
+    datas = [rand_bytes(100_000, i % 20) for i in range(200)]
+
+    def work(part):
+        for d in part:
+            repo.store.add_chunks([(chunk_id(d), d)], threading.current_thread())
+
+    threads = [threading.Thread(target=work, args=(datas[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    n, total = repo.store.stats()
+    assert n == 20 and total == 20 * 100_000
+    repo.close()
+
+
+# -- FileContent against a bytearray model --------------------------------------------------
+
+ops = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 600_000)),
+    st.tuples(st.just("write"), st.integers(0, 3 * MiB), st.integers(1, 200_000)),
+    st.tuples(st.just("truncate"), st.integers(0, 3 * MiB)),
+    st.tuples(st.just("commit")),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(ops, min_size=1, max_size=12), st.integers(0, 1000))
+def test_file_content_matches_model(tmp_path_factory, script, seed):
+    from kvchunkfs.writer import Action
+
+    repo = Repository(tmp_path_factory.mktemp("store"))
+    content = repo.content(repo.empty_index())
+    model = bytearray()
+    rnd = 0
+    try:
+        for op in script:
+            rnd += 1
+            if op[0] in ("append", "write"):
+                off = len(model) if op[0] == "append" else op[1]
+                data = rand_bytes(op[-1], seed * 100 + rnd)
+                while True:
+                    action = content.plan_write(off, len(data))
+                    if action is Action.START_STREAM:
+                        content.start_stream()
+                    elif action is Action.TO_STAGING:
+                        content.to_staging()
+                    elif content.write(off, data):
+                        break
+                if off > len(model):
+                    model += bytes(off - len(model))
+                model[off : off + len(data)] = data
+            elif op[0] == "truncate":
+                if content.truncate(op[1]) is Action.TO_STAGING:
+                    content.to_staging()
+                    content.truncate(op[1])
+                del model[op[1] :]
+                model += bytes(op[1] - len(model))
+            else:
+                index, gen = content.prepare_commit()
+                content.committed(gen)
+                assert repo.read_chunks(index, 0, index.size + 1) == model
+            assert content.size == len(model)
+            assert content.read(0, len(model) + 10, repo.read_chunks) == model
+    finally:
+        content.close()
+        repo.close()
+    for leftover in os.listdir(repo.staging):
+        raise AssertionError(f"staging file left behind: {leftover}")

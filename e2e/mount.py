@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STATS_XATTR = "user.kvcfs.stats"
 
 
 def default_mount_cmd() -> list[str]:
@@ -69,6 +71,15 @@ class Mount:
         if self.plain:
             return None
         return dir_bytes(self.store / "packs")
+
+    def counters(self) -> dict | None:
+        """The filesystem's own counters (xattr ``user.kvcfs.stats`` on the root), if it has them."""
+        if self.plain:
+            return None
+        try:
+            return json.loads(os.getxattr(self.mnt, STATS_XATTR))
+        except (OSError, ValueError):
+            return None
 
     def store_bytes_total(self) -> int | None:
         if self.plain:

@@ -159,8 +159,8 @@ def test_unknown_keys(env: dict[str, str], tmp_path: Path) -> None:
 
 
 def test_env_names_are_upper_case(env: dict[str, str]) -> None:
-    env["KV_CHUNK_FS_chunk_avg"] = "1"
-    with pytest.raises(ConfigError, match="KV_CHUNK_FS_chunk_avg"):
+    env["KV_CHUNK_FS_chunk_avg"] = "128KiB"
+    with pytest.raises(ConfigError, match="unknown environment variable KV_CHUNK_FS_chunk_avg"):
         load(None, env)
 
 

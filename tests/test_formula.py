@@ -94,6 +94,7 @@ def test_nan_result_is_zero() -> None:
         ("log(x=1)", "positional"),
         ("max(*[1, 2])", "positional"),
         ("sqrt(1, 2)", "takes 1 argument"),
+        ("log2(8, 2)", "takes 1 argument"),
         ("log()", "takes 1 to 2"),
         ("min()", "1 or more"),
         ("log + 1", "without a call"),

@@ -164,3 +164,14 @@ def test_file_content_matches_model(tmp_path_factory, script, seed):
         repo.close()
     for leftover in os.listdir(repo.staging):
         raise AssertionError(f"staging file left behind: {leftover}")
+
+
+def test_packstore_batch_larger_than_iov_max(tmp_path: Path):
+    """A backlog of many small chunks is one batch; writev takes at most IOV_MAX buffers."""
+    repo = Repository(tmp_path)
+    chunks = [(chunk_id(d), d) for d in (i.to_bytes(4, "little") * 100 for i in range(3000))]
+    assert repo.store.add_chunks(chunks, object()) == 3000 * 400
+    for cid, data in chunks[::97]:
+        loc = repo.store.locate(cid)
+        assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data
+    repo.close()

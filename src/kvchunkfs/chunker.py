@@ -26,12 +26,12 @@ class Chunker:
         self.min, self.avg, self.max = chunk_min, chunk_avg, chunk_max
         self._cdc = FastCDC(avg_size=chunk_avg, min_size=chunk_min, max_size=chunk_max)
 
-    def cut(self, data: bytes) -> list[memoryview]:
+    def cut(self, data: bytes | memoryview) -> list[memoryview]:
         """Split ``data`` into chunks; the last one may be cut by the end of ``data``."""
-        view = memoryview(data)
-        return [view[c.offset : c.offset + c.length] for c in self._cdc.cut_buf(data)]
+        view = memoryview(data)  # slices of a memoryview are views, not copies
+        return [c.data for c in self._cdc.cut_buf(view)]
 
-    def chunks(self, data: bytes) -> Iterator[tuple[bytes, memoryview]]:
+    def chunks(self, data: bytes | memoryview) -> Iterator[tuple[bytes, memoryview]]:
         """All chunks of a complete buffer with their ids."""
         for piece in self.cut(data):
             yield chunk_id(piece), piece

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from . import cliops
 from . import config as cfgmod
 from .repo import Repository, StoreSettings
+
+if TYPE_CHECKING:
+    from .gc import GarbageCollector
 
 log = logging.getLogger("kvchunkfs")
 
@@ -45,20 +51,52 @@ def open_repo(cfg: cfgmod.Config) -> Repository:
 
 def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from . import daemon
+    from .api import MountApi
+    from .gc import GarbageCollector
+    from .recovery import StoreLocked, lock_store, recover
 
     mountpoint = Path(args.mountpoint).resolve()
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
+    try:
+        lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
+    except StoreLocked as e:
+        print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
+        return 1
     repo = open_repo(cfg)
     try:
-        daemon.serve(repo, mountpoint, cfg.kernel_readahead_kb, daemon_tasks(cfg, repo))
+        recover(repo)  # before serving: cut uncommitted pack tails, drop temp files, report damage
+        collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
+        try:
+            # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
+            api = MountApi(cfg, repo, mountpoint, collector)
+        except (OSError, RuntimeError) as e:
+            print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
+            return 1
+        try:
+            daemon.serve(repo, mountpoint, cfg.kernel_readahead_kb, [*daemon_tasks(cfg, repo, collector), api.task])
+        finally:
+            api.close()
     finally:
         repo.close()
+        os.close(lock_fd)
     return 0
 
 
-def daemon_tasks(cfg: cfgmod.Config, repo: Repository) -> list:
+def daemon_tasks(cfg: cfgmod.Config, repo: Repository, collector: GarbageCollector | None = None) -> list:
     """Background tasks that run beside the FUSE loop (GC timer, HTTP API)."""
-    return []
+    return [collector.periodic] if collector is not None else []
+
+
+def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from .gc import main_gc
+
+    return main_gc(cfg, args)
+
+
+def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from .fsck import main_fsck
+
+    return main_fsck(cfg, args)
 
 
 def cmd_config(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
@@ -96,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")
+    cliops.add_ls_arguments(add("ls", cliops.cmd_ls, "list snapshots: size, unique/shared bytes, uses, score"))
+    p = add("stats", cliops.cmd_stats, "store totals: snapshots, logical/stored bytes, dedup ratio, chunks, packs")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    cliops.add_tree_arguments(add("tree", cliops.cmd_tree, "token-prefix tree of the snapshots"))
+    p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
+    p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
+    p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")
     return parser
 
 

@@ -174,6 +174,8 @@ def _parse_address(value: object) -> str:
     text = _parse_str(value).strip()
     if not text:
         return ""
+    if text.lstrip(":").isdigit():  # a bare port (8765 or :8765) listens on loopback only
+        text = "127.0.0.1:" + text.lstrip(":")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError("not host:port (e.g. 127.0.0.1:8765)")
@@ -232,7 +234,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
         Setting("gc_compact_threshold", "float", 0.5, "rewrite packs with more dead bytes than this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
-        Setting("api_address", "address", "", "host:port of the HTTP API (empty = off)"),
+        Setting("api_address", "address", "", "host:port of the HTTP API; a bare port means 127.0.0.1 (empty = off)"),
         Setting("api_token", "str", "", "bearer token required by the API"),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
@@ -481,4 +483,4 @@ def describe(cfg: Config) -> str:
             rows.append((f.name, value or '""', cfg.sources.get(f.name, "default")))
     name_w = max(len(r[0]) for r in rows)
     value_w = max(len(r[1]) for r in rows)
-    return "".join(f"{n:<{name_w}}  {v:<{value_w}}  {s}".rstrip() + "\n" for n, v, s in rows)
+    return "\n".join(f"{n:<{name_w}}  {v:<{value_w}}  {s}".rstrip() for n, v, s in rows)

@@ -19,7 +19,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyfuse3
 import trio
@@ -48,12 +48,23 @@ class Node:
     content: FileContent | None = None
     lock: trio.Lock = field(default_factory=trio.Lock)
     last_stat: os.stat_result | None = None
+    writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
 
 
 @dataclass(eq=False)
 class Handle:
     node: Node
     cursor: Cursor = field(default_factory=Cursor)
+    writer: bool = False
+    restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
+
+
+class Observer(Protocol):
+    """Told about saves and restores (metrics); called on the FUSE thread, so it must be quick."""
+
+    def on_save(self, seconds: float, size: int, new_bytes: int) -> None: ...
+
+    def on_restore(self, seconds: float, size: int) -> None: ...
 
 
 def _errno_of(e: BaseException) -> int:
@@ -63,7 +74,7 @@ def _errno_of(e: BaseException) -> int:
 
 
 class Operations(pyfuse3.Operations):
-    enable_writeback_cache = True
+    enable_writeback_cache = os.environ.get("KVCFS_WRITEBACK", "0") == "1"
 
     def __init__(self, repo: Repository) -> None:
         super().__init__()
@@ -78,6 +89,9 @@ class Operations(pyfuse3.Operations):
         self.by_path[""] = root
         self.saves = 0
         self.restores = 0
+        self.observer: Observer | None = None
+        self.write_requests = 0
+        self.write_bytes = 0
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -300,7 +314,9 @@ class Operations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent_inode, name)
         try:
-            os.rmdir(self.repo.path(rel))
+            with self.repo.ns_lock:  # see Repository.ns_gen: GC redoes a walk that raced with this
+                os.rmdir(self.repo.path(rel))
+                self.repo.ns_gen += 1
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self.by_path.get(rel)
@@ -313,7 +329,9 @@ class Operations(pyfuse3.Operations):
         if node is not None and node.content is not None:
             node.last_stat = self._stat_node(node)
         try:
-            os.unlink(self.repo.path(rel))
+            with self.repo.ns_lock:
+                os.unlink(self.repo.path(rel))
+                self.repo.ns_gen += 1
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if node is not None:
@@ -340,7 +358,9 @@ class Operations(pyfuse3.Operations):
                 stubs.carry_metadata(dst, src)
             if target is not None and target.content is not None:
                 target.last_stat = self._stat_node(target)
-            os.rename(src, dst)
+            with self.repo.ns_lock:
+                os.rename(src, dst)
+                self.repo.ns_gen += 1
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if target is not None:
@@ -378,11 +398,13 @@ class Operations(pyfuse3.Operations):
             log.error("cannot open snapshot %s: %s", node.path, e)
             raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
-    def _new_handle(self, node: Node) -> int:
+    def _new_handle(self, node: Node, flags: int) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = Handle(node)
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        self.handles[fh] = Handle(node, writer=writer)
         node.opens += 1
+        node.writers += writer
         return fh
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -392,12 +414,14 @@ class Operations(pyfuse3.Operations):
         truncating = bool(flags & os.O_TRUNC)
         if node.content is None:
             node.content = await self._load(node, allow_broken=truncating)
-        fh = self._new_handle(node)
+        fh = self._new_handle(node, flags)
         if truncating:
             async with node.lock:
                 await self._apply_truncate(node.content, 0)
-        if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None:
+        if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
+            # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
+            self.handles[fh].restore_start = time.monotonic()
             stubs.note_use(self.repo.path(node.path))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
@@ -413,13 +437,15 @@ class Operations(pyfuse3.Operations):
         node = self._remember(rel, False)
         if node.content is None:
             node.content = self.repo.content(index)
-        fh = self._new_handle(node)
+        fh = self._new_handle(node, flags)
         attrs = self._attrs(node)
         node.nlookup += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attrs
 
     async def flush(self, fh: int) -> None:
-        await self._commit(self.handles[fh].node)
+        handle = self.handles[fh]
+        if handle.writer:  # a reader's close must not save a half-written file, nor fail with its error
+            await self._commit(handle.node)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         node = self.handles[fh].node
@@ -429,6 +455,9 @@ class Operations(pyfuse3.Operations):
         handle = self.handles.pop(fh)
         node = handle.node
         node.opens -= 1
+        node.writers -= handle.writer
+        if handle.restore_start is not None and node.content is not None:
+            self._observe("on_restore", time.monotonic() - handle.restore_start, node.content.size)
         if node.opens == 0 and node.content is not None:
             content = node.content
             try:
@@ -440,6 +469,20 @@ class Operations(pyfuse3.Operations):
                     node.content = None
                     content.close()
         self._maybe_drop(node)
+
+    async def _forget_unsaved(self, node: Node) -> None:
+        """A save failed: the kernel still caches the unsaved pages and, with the writeback cache, owns
+        the file size, so it would serve the previous version padded with zeros. Give the name a fresh
+        inode instead (as a rename does): the next lookup sees the previous version, size included."""
+        rel = node.path
+        if rel is None:
+            return
+        if self.by_path.get(rel) is node:
+            del self.by_path[rel]  # the old inode keeps working until the kernel drops it
+        parent_rel, _, name = rel.rpartition("/")
+        parent = self.by_path.get(parent_rel)
+        if parent is not None:  # before the failing close() returns, so no new open finds the old inode
+            await self._thread(_invalidate_entry, parent.ino, os.fsencode(name))
 
     async def _commit(self, node: Node, durable: bool = False) -> None:
         """Save the node's content as its stub if it changed (the atomic replace)."""
@@ -470,11 +513,21 @@ class Operations(pyfuse3.Operations):
                     await self._thread(stubs.fsync_dir, self.repo.path(node.path).parent)
             except OSError as e:
                 log.error("saving %s failed, previous version kept: %s", node.path, e)
+                await self._forget_unsaved(node)
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
             content.committed(gen)
             self.saves += 1
+            self._observe("on_save", time.monotonic() - start, index.size, _new_since_last_save(content))
             log.debug("saved %s: %d bytes, %d chunks in %.3fs", node.path, index.size, len(index),
                       time.monotonic() - start)
+
+    def _observe(self, event: str, *args: float) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, event)(*args)
+        except Exception:  # metrics must never fail a save or a restore
+            log.exception("observer %s failed", event)
 
     # -- data -------------------------------------------------------------------------------
 
@@ -498,6 +551,8 @@ class Operations(pyfuse3.Operations):
         node = self.handles[fh].node
         content = node.content
         assert content is not None
+        self.write_requests += 1
+        self.write_bytes += len(buf)
         try:
             async with node.lock:
                 while True:
@@ -578,8 +633,24 @@ class Operations(pyfuse3.Operations):
             "cache_misses": self.repo.cache.misses,
             "saves": self.saves,
             "restores": self.restores,
+            "write_requests": self.write_requests,
+            "write_request_bytes": self.write_bytes,
             "open_files": sum(1 for n in self.nodes.values() if n.content is not None),
         }
+
+
+def _new_since_last_save(content: FileContent) -> int:
+    """Bytes ``content`` added to the store since its previous save (``bytes_new`` is cumulative)."""
+    before = getattr(content, "_bytes_new_saved", 0)
+    content._bytes_new_saved = content.bytes_new  # type: ignore[attr-defined]
+    return content.bytes_new - before
+
+
+def _invalidate_entry(parent_ino: int, name: bytes) -> None:
+    try:
+        pyfuse3.invalidate_entry(parent_ino, name)
+    except OSError as e:  # the kernel does not know the name: nothing to drop
+        log.debug("invalidating %r: %s", name, e)
 
 
 def _fsync_path(path: os.PathLike[str]) -> None:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 PACK_SUFFIX = ".pack"
 _SQL_BATCH = 500
+_IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
 
 
 class ChunkMissing(LookupError):
@@ -140,6 +141,89 @@ class PackStore:
             n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
         return n, total
 
+    # -- maintenance: GC, recovery, fsck ----------------------------------------------------
+
+    def chunk_lengths(self) -> dict[bytes, int]:
+        """Every mapped chunk id with its length."""
+        with self._db_lock:
+            return dict(self.db.execute("SELECT id, length FROM chunks"))
+
+    def pack_usage(self) -> dict[int, tuple[int, int, int]]:
+        """pack -> (mapped chunks, mapped bytes, end of its last mapped chunk)."""
+        q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
+        with self._db_lock:
+            return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
+
+    def _write_many(self, sql: str, params: Sequence[tuple], durable: bool = False) -> int:
+        """Run ``sql`` for every tuple in one transaction; returns the rows changed.
+
+        ``durable``: the commit itself is fsynced (WAL + synchronous=FULL), whatever the setting.
+        """
+        with self._db_lock:
+            if durable and not self.durable:
+                self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("BEGIN")
+            try:
+                changed = 0
+                for row in params:
+                    changed += self.db.execute(sql, row).rowcount
+                self.db.execute("COMMIT")
+            except sqlite3.Error:
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
+                raise
+            finally:
+                if durable and not self.durable:
+                    self.db.execute("PRAGMA synchronous=NORMAL")
+        return changed
+
+    def delete_chunks(self, ids: Iterable[bytes]) -> int:
+        """Drop map rows (GC's sweep: call under ``lock``); the pack bytes become dead space."""
+        return self._write_many("DELETE FROM chunks WHERE id = ?", [(cid,) for cid in ids])
+
+    def move_chunks(self, old_pack: int, moves: Sequence[tuple[bytes, int, int]]) -> int:
+        """Point rows at copies (id, new pack, new offset), each only if it is still in ``old_pack``.
+
+        Durable even with durability=close: the old pack is deleted next, and a power failure must
+        not bring back rows that point into it.
+        """
+        sql = "UPDATE chunks SET pack = ?, offset = ? WHERE id = ? AND pack = ?"
+        with self.lock:
+            return self._write_many(sql, [(pack, off, cid, old_pack) for cid, pack, off in moves], durable=True)
+
+    def rows_outside(self, pack: int, size: int) -> list[bytes]:
+        """Ids of the rows of ``pack`` that end past ``size`` bytes."""
+        with self._db_lock:
+            q = "SELECT id FROM chunks WHERE pack = ? AND offset + length > ?"
+            return [cid for (cid,) in self.db.execute(q, (pack, size))]
+
+    def trim_pack(self, pack: int) -> int:
+        """Cut the dead bytes after the last mapped chunk of a closed pack; returns the bytes cut."""
+        with self.lock:
+            if pack == self._pack_id:
+                return 0
+            with self._db_lock:
+                q = "SELECT coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
+                (end,) = self.db.execute(q, (pack,)).fetchone()
+            path = self.pack_path(pack)
+            size = path.stat().st_size
+            if end == 0 or size <= end:
+                return 0
+            os.truncate(path, end)
+            return size - end
+
+    def remove_pack(self, pack: int) -> bool:
+        """Delete a pack no row points into (never the open one); False if it is still in use."""
+        with self.lock:
+            with self._db_lock:
+                used = self.db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,)).fetchone()
+            if pack == self._pack_id or used:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.pack_path(pack))
+        self.retire_pack(pack)
+        return True
+
     # -- writing ----------------------------------------------------------------------------
 
     def add_chunks(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
@@ -151,7 +235,10 @@ class PackStore:
         with self.lock:
             pinned = self.pins.setdefault(owner, set())
             pinned.update(cid for cid, _ in chunks)
-            present = self.locate_many(cid for cid, _ in chunks)
+            try:
+                present = self.locate_many(cid for cid, _ in chunks)
+            except sqlite3.Error as e:  # callers (the chunker thread) handle OSError only
+                raise _os_error(e) from e
             new: dict[bytes, bytes | memoryview] = {}
             for cid, data in chunks:
                 if cid in present or cid in new:
@@ -167,29 +254,26 @@ class PackStore:
         fd, pack, start = self._open_pack()
         datas = list(new.values())
         total = sum(len(d) for d in datas)
-        try:
-            written = os.writev(fd, datas)
-            if written < total:  # short write: finish from a joined copy (or raise ENOSPC)
-                rest = memoryview(b"".join(datas))
-                while written < total:
-                    written += os.write(fd, rest[written:])
-        except OSError:
-            # Nothing of this batch is in the map; cut the partial bytes so the pack stays exact.
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)
-                os.lseek(fd, start, os.SEEK_SET)
-            raise
         rows = []
         off = start
         for cid, data in new.items():
             rows.append((cid, pack, off, len(data)))
             off += len(data)
-        if self.durable:
-            os.fsync(fd)
-        with self._db_lock:
-            self.db.execute("BEGIN")
-            self.db.executemany("INSERT OR REPLACE INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)", rows)
-            self.db.execute("COMMIT")
+        try:
+            for i in range(0, len(datas), _IOV_MAX):
+                _write_all(fd, datas[i : i + _IOV_MAX])
+            if self.durable:
+                os.fsync(fd)
+            self._insert_rows(rows)
+        except (OSError, sqlite3.Error) as e:
+            # Nothing of this batch is in the map; cut the partial bytes so the pack stays exact and
+            # the next batch is written at _pack_end again (a full disk can fail the map commit too).
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+                os.lseek(fd, start, os.SEEK_SET)
+            if isinstance(e, sqlite3.Error):
+                raise _os_error(e) from e
+            raise
         self._pack_end = off
         self._unsynced.add(pack)
         self.counters.chunks_written += len(rows)
@@ -197,13 +281,38 @@ class PackStore:
         if self._pack_end >= self.pack_size:
             self._close_pack()
 
+    def _insert_rows(self, rows: list[tuple[bytes, int, int, int]]) -> None:
+        with self._db_lock:
+            self.db.execute("BEGIN")
+            try:
+                self.db.executemany("INSERT OR REPLACE INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)", rows)
+                self.db.execute("COMMIT")
+            except sqlite3.Error:
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
+                raise
+
     def _open_pack(self) -> tuple[int, int, int]:
         if self._pack_id is None:
-            ids = self.pack_ids()
-            self._pack_id = (ids[-1] + 1) if ids else 1
-            self._pack_fd = os.open(self.pack_path(self._pack_id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            self._pack_end = 0
+            pack, fd = self.create_pack()
+            self._pack_id, self._pack_fd, self._pack_end = pack, fd, 0
         return self._pack_fd, self._pack_id, self._pack_end
+
+    def create_pack(self) -> tuple[int, int]:
+        """A new empty pack (number, write fd) under a number never used before in this store.
+
+        Numbers of deleted packs are not reused: a reader that located a chunk in a pack GC
+        deleted must get FileNotFoundError and look again, not read another pack's bytes.
+        """
+        with self.lock:
+            ids = self.pack_ids()
+            try:
+                last = max(int(self.get_meta("last_pack") or 0), ids[-1] if ids else 0)
+                self.set_meta("last_pack", str(last + 1))
+            except sqlite3.Error as e:
+                raise _os_error(e) from e
+            fd = os.open(self.pack_path(last + 1), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            return last + 1, fd
 
     def _close_pack(self) -> None:
         if self._pack_id is not None:
@@ -289,6 +398,21 @@ class PackStore:
             self._fds.clear()
         with self._db_lock:
             self.db.close()
+
+
+def _write_all(fd: int, datas: list[bytes | memoryview]) -> None:
+    written = os.writev(fd, datas)
+    total = sum(len(d) for d in datas)
+    if written < total:  # short write (rare on regular files): finish from a joined copy, or raise
+        rest = memoryview(b"".join(datas))
+        while written < total:
+            written += os.write(fd, rest[written:])
+
+
+def _os_error(e: sqlite3.Error) -> OSError:
+    """A chunk-map failure as the OSError callers handle (a full disk stays ENOSPC)."""
+    full = "full" in str(e).lower()
+    return OSError(errno.ENOSPC if full else errno.EIO, f"chunk map: {e}")
 
 
 def _fsync_dir(path: Path) -> None:

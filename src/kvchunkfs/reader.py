@@ -21,6 +21,8 @@ from .packstore import ChunkCorrupt, ChunkMissing, Location, PackStore
 
 log = logging.getLogger(__name__)
 
+Buffer = bytes | memoryview  # cached chunks are views into the run they were read with
+
 RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to spread over workers
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
@@ -31,12 +33,12 @@ class ChunkCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0
-        self._data: OrderedDict[bytes, bytes] = OrderedDict()
+        self._data: OrderedDict[bytes, Buffer] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, cid: bytes) -> bytes | None:
+    def get(self, cid: bytes) -> Buffer | None:
         with self._lock:
             data = self._data.get(cid)
             if data is not None:
@@ -46,7 +48,7 @@ class ChunkCache:
     def __contains__(self, cid: bytes) -> bool:
         return cid in self._data
 
-    def put(self, cid: bytes, data: bytes) -> None:
+    def put(self, cid: bytes, data: Buffer) -> None:
         if len(data) > self.capacity:
             return
         with self._lock:
@@ -66,6 +68,10 @@ class Cursor:
 
     next_offset: int = 0
     prefetched_to: int = 0  # chunk number up to which read-ahead has been scheduled
+    # Locations of the file's chunks, looked up in one batch at the first read-ahead instead of
+    # one query per window. A stale entry (GC moved the chunk) shows up as a vanished pack or a
+    # checksum mismatch and is looked up again.
+    locations: dict[bytes, Location] | None = None
 
 
 class Fetcher:
@@ -78,7 +84,7 @@ class Fetcher:
         self.verify = verify
         self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
         self._lock = threading.Lock()
-        self._inflight: dict[bytes, Future[bytes]] = {}
+        self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk
 
     # -- public -----------------------------------------------------------------------------
@@ -97,14 +103,14 @@ class Fetcher:
         datas = self.get_many(index.ids[first : last + 1])
         head = offset - index.start(first)
         if first == last:
-            return datas[0][head : head + end - offset]
+            return bytes(datas[0][head : head + end - offset])
         parts = [memoryview(datas[0])[head:], *datas[1:-1], memoryview(datas[-1])[: end - index.start(last)]]
         return b"".join(parts)
 
-    def get_many(self, ids: Sequence[bytes]) -> list[bytes]:
+    def get_many(self, ids: Sequence[bytes]) -> list[Buffer]:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
-        waits: list[Future[bytes] | bytes] = []
-        mine: dict[bytes, Future[bytes]] = {}
+        waits: list[Future[Buffer] | Buffer] = []
+        mine: dict[bytes, Future[Buffer]] = {}
         with self._lock:
             for cid in ids:
                 data = self.cache.get(cid)
@@ -119,7 +125,7 @@ class Fetcher:
                 waits.append(fut)
         if mine:
             self._fetch(mine)
-        return [w if isinstance(w, bytes) else w.result() for w in waits]
+        return [w.result() if isinstance(w, Future) else w for w in waits]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -127,7 +133,7 @@ class Fetcher:
     # -- internals --------------------------------------------------------------------------
 
     def _prefetch(self, index: Index, start: int, limit: int, cursor: Cursor) -> None:
-        wanted: dict[bytes, Future[bytes]] = {}
+        wanted: dict[bytes, Future[Buffer]] = {}
         i = start
         with self._lock:
             while i < len(index) and index.start(i) < limit:
@@ -137,22 +143,32 @@ class Fetcher:
                 i += 1
         cursor.prefetched_to = max(cursor.prefetched_to, i)
         if wanted:
-            for run in self._runs(wanted):
+            if cursor.locations is None:
+                cursor.locations = self._locate(index.ids, wanted)
+            for run in self._runs(wanted, cursor.locations):
                 self.pool.submit(self._read_run, run, wanted)
 
-    def _fetch(self, futures: dict[bytes, Future[bytes]]) -> None:
+    def _fetch(self, futures: dict[bytes, Future[Buffer]]) -> None:
         """Fetch in the calling thread (a read that missed the cache)."""
         for run in self._runs(futures):
             self._read_run(run, futures)
 
-    def _runs(self, futures: dict[bytes, Future[bytes]]) -> list[list[tuple[bytes, Location]]]:
-        """Group chunks into runs of back-to-back bytes in one pack; fail those not in the map."""
+    def _locate(self, ids: Sequence[bytes], futures: dict[bytes, Future[Buffer]]) -> dict[bytes, Location]:
         try:
-            found = self.store.locate_many(futures)
+            return self.store.locate_many(ids)
         except Exception as e:  # a broken database fails the chunks, not the worker
             for cid in list(futures):
                 self._fail(cid, futures[cid], e)
-            return []
+            return {}
+
+    def _runs(
+        self, futures: dict[bytes, Future[Buffer]], known: dict[bytes, Location] | None = None
+    ) -> list[list[tuple[bytes, Location]]]:
+        """Group chunks into runs of back-to-back bytes in one pack; fail those not in the map."""
+        if known is not None and all(cid in known for cid in futures):
+            found = {cid: known[cid] for cid in futures}
+        else:
+            found = self._locate(list(futures), futures)
         for cid in futures:
             if cid not in found:
                 self._fail(cid, futures[cid], ChunkMissing(cid.hex()))
@@ -173,7 +189,7 @@ class Fetcher:
                 run_bytes = loc.length
         return runs
 
-    def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[bytes]]) -> None:
+    def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
         start = run[0][1]
         length = run[-1][1].offset + run[-1][1].length - start.offset
         try:
@@ -190,7 +206,8 @@ class Fetcher:
             return
         view = memoryview(data)
         for cid, loc in run:
-            piece = bytes(view[loc.offset - start.offset : loc.offset - start.offset + loc.length])
+            # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
+            piece = view[loc.offset - start.offset : loc.offset - start.offset + loc.length]
             if self.verify and hashlib.sha256(piece).digest() != cid:
                 err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
                 log.error("%s", err)
@@ -202,7 +219,7 @@ class Fetcher:
                 self._inflight.pop(cid, None)
             futures[cid].set_result(piece)
 
-    def _relocate(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[bytes]]) -> None:
+    def _relocate(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
         sub = {cid: futures[cid] for cid, _ in run}
         for new_run in self._runs(sub):
             if any(loc.pack == run[0][1].pack for _, loc in new_run):
@@ -211,7 +228,7 @@ class Fetcher:
                 continue
             self._read_run(new_run, sub)
 
-    def _fail(self, cid: bytes, fut: Future[bytes], err: BaseException) -> None:
+    def _fail(self, cid: bytes, fut: Future[Buffer], err: BaseException) -> None:
         with self._lock:
             self._inflight.pop(cid, None)
         if not fut.done():

@@ -6,8 +6,10 @@ paths relative to ``snapshots/`` and nothing about inodes or requests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,10 @@ class Repository:
         for d in (self.snapshots, self.tmp, self.staging):
             d.mkdir(parents=True, exist_ok=True)
         self.durable = settings.durability == "fsync"
+        # Renames and unlinks of stubs hold ns_lock and bump ns_gen, so GC can tell that its walk
+        # of snapshots/ raced with one (a renamed stub can be missed by a directory listing).
+        self.ns_lock = threading.Lock()
+        self.ns_gen = 0
         self.store = PackStore(root, settings.pack_size, durable=self.durable)
         self.chunker = self._chunker()
         self.cache = ChunkCache(settings.cache_size)
@@ -78,15 +84,21 @@ class Repository:
 
     def load(self, rel: str) -> FileContent:
         """Content of an existing snapshot; raises StubError for a stub that is not an index."""
-        return self.content(stubs.read_index(self.path(rel)))
+        with self.store.lock:  # read and pin as one step: GC's sweep cannot fall between them
+            return self.content(stubs.read_index(self.path(rel)))
 
     def prepare_stub(self, index: Index, like: str | None) -> Path:
         like_path = self.path(like) if like is not None else None
-        return stubs.prepare(self.tmp, index, like_path, fsync=False)
+        tmp = stubs.prepare(self.tmp, index, like_path, fsync=False)
+        with contextlib.suppress(OSError):  # fsck's mark is about the old content, not this one
+            os.removexattr(tmp, stubs.BROKEN)
+        return tmp
 
     def install_stub(self, tmp: Path, rel: str) -> None:
         """The commit point of a save: the complete new stub replaces the old one."""
-        os.rename(tmp, self.path(rel))
+        with self.ns_lock:
+            os.rename(tmp, self.path(rel))
+            self.ns_gen += 1
 
     def close(self) -> None:
         self.fetcher.close()

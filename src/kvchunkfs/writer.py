@@ -35,6 +35,42 @@ AHEAD_WINDOW = 16 << 20
 PAGE = 4096  # how far past the end an early write may land and still stream
 
 
+class ByteQueue:
+    """Bytes queued for the chunker, kept as the pieces FUSE handed us (no copy per write)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes | bytearray] = []
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, data: bytes) -> None:
+        self.pieces.append(data)
+        self.size += len(data)
+
+    def prepend(self, data: bytes) -> None:
+        if data:
+            self.pieces.insert(0, data)
+            self.size += len(data)
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite (and maybe extend) from ``offset``; rare, so it flattens the queue."""
+        flat = bytearray(b"".join(self.pieces))
+        flat[offset : offset + len(data)] = data
+        self.pieces, self.size = [flat], len(flat)
+
+    def take(self, keep: int = 0) -> memoryview:
+        """Everything but the last ``keep`` bytes, as one buffer (one copy, the join)."""
+        data = memoryview(b"".join(self.pieces))
+        rest = bytes(data[len(data) - keep :]) if keep else b""
+        self.pieces, self.size = ([rest] if rest else []), len(rest)
+        return data[: len(data) - keep]
+
+    def join(self) -> bytes:
+        return b"".join(self.pieces)
+
+
 class Mode(enum.Enum):
     CLEAN = "clean"
     STREAM = "stream"
@@ -79,8 +115,8 @@ class FileContent:
     def _reset_stream(self, index: Index, tail: bytes) -> None:
         self.index = index
         self.tail = tail
-        self.inflight: bytes | None = None
-        self.buf = bytearray()
+        self.inflight: memoryview | None = None
+        self.buf = ByteQueue()
         self.ahead: dict[int, bytes] = {}
         self.end = index.size + len(tail)  # end of the contiguous content
         self.epoch += 1
@@ -138,7 +174,7 @@ class FileContent:
         with self.cond:
             if self.mode is Mode.CLEAN:
                 self._reset_stream(base, b"")
-                self.buf += last_chunk
+                self.buf.append(last_chunk)
                 self.end += len(last_chunk)
                 self.mode = Mode.STREAM
                 self._start_worker()
@@ -155,18 +191,21 @@ class FileContent:
             if self.mode is not Mode.STREAM or offset < self._patchable_from():
                 return False
             if offset < self.end - len(self.buf):  # rewriting the tentative tail: requeue it
-                self.buf[0:0] = self.tail
+                self.buf.prepend(self.tail)
                 self.tail = b""
             start = self.end - len(self.buf)
             self._changed()
             if offset > self.end:
                 self.ahead[offset] = bytes(data)
                 return True
-            self.buf[offset - start : offset - start + len(data)] = data
+            if offset == self.end:
+                self.buf.append(data)
+            else:
+                self.buf.patch(offset - start, data)
             self.end = start + len(self.buf)
             while self.end in self.ahead:
                 piece = self.ahead.pop(self.end)
-                self.buf += piece
+                self.buf.append(piece)
                 self.end += len(piece)
             if len(self.buf) >= BATCH:
                 self.cond.notify_all()
@@ -242,7 +281,7 @@ class FileContent:
             self.staging_path = None
 
     def _pending(self) -> bytes:
-        return (self.inflight or b"") + self.tail + bytes(self.buf)
+        return b"".join((self.inflight or b"", self.tail, self.buf.join()))
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -259,6 +298,8 @@ class FileContent:
         end = min(offset + size, total)
         if offset >= end:
             return b""
+        if end <= isize:  # all in chunks: the common restore case, no extra copy
+            return read_chunks(index, offset, end - offset)
         out = bytearray()
         if offset < isize:
             out += read_chunks(index, offset, min(end, isize) - offset)
@@ -291,13 +332,12 @@ class FileContent:
                 epoch = self.epoch
                 # Keep the last partial page queued: with the writeback cache the kernel writes it
                 # again, whole, once the client has filled it.
-                take = len(self.buf) if self._drain else len(self.buf) - self.end % PAGE
-                data = self.tail + bytes(self.buf[:take])
-                del self.buf[:take]
+                self.buf.prepend(self.tail)
+                data = self.buf.take(keep=0 if self._drain else min(self.end % PAGE, len(self.buf)))
                 self.inflight, self.tail = data, b""
             try:
-                stream = StreamChunker(self.chunker)
-                pieces = stream.feed(data)
+                pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
+                last = bytes(pieces.pop()) if pieces else b""
                 chunks = [(chunk_id(p), p) for p in pieces]
                 new = self.store.add_chunks(chunks, self) if chunks else 0
             except OSError as e:
@@ -311,7 +351,7 @@ class FileContent:
                 if epoch == self.epoch:
                     for cid, p in chunks:
                         self.index.append(cid, len(p))
-                    self.tail = stream.tail
+                    self.tail = last
                     self.inflight = None
                     self.bytes_new += new
                 self.cond.notify_all()

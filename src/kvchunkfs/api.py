@@ -1,0 +1,508 @@
+"""HTTP API of a running daemon (Starlette app, served by uvicorn in a background thread).
+
+Endpoints (see ``docs/api.md`` and ``GET /openapi.json``): ``GET /snapshots``, ``GET|DELETE
+/snapshots/{path}``, ``GET /stats``, ``POST /gc``, ``GET /logs``, ``GET /metrics``, ``GET /prefix-tree``,
+``GET /health``, ``GET /openapi.json``.
+
+Threads: the FUSE loop is trio on the main thread; uvicorn runs its own asyncio loop in the thread
+``kvcfs-api``; handlers do blocking work in the anyio worker pool. Nothing here runs on the trio
+thread, so a handler may use the mount itself: DELETE unlinks through the mountpoint, which the
+FUSE thread serves, so open handles and inodes stay right.
+
+Listeners: always the unix socket ``STORE/api.sock`` (0600; its permissions are the authentication;
+the CLI uses it), plus TCP on ``api_address`` when configured, behind the bearer token ``api_token``
+if one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hmac
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import catalog, logbuffer, prefixtree
+from .apiclient import daemon_listening, short_path, socket_path
+from .config import Config
+from .formula import compile_formula
+from .metrics import CONTENT_TYPE, Metrics
+from .openapi import spec
+from .repo import Repository
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LOG_LIMIT = 200
+OPEN_PATHS = frozenset({"/health"})  # answered without a token (no data in them)
+
+
+class Collector(Protocol):
+    """What POST /gc needs of the garbage collector (``gc.GarbageCollector``)."""
+
+    def run(self) -> Any: ...  # a report with to_dict()
+
+
+# -- the service: everything the handlers use --------------------------------------------------
+
+
+@dataclass
+class Service:
+    """The daemon's state the API reads; ``stats_source`` is set once the filesystem is up."""
+
+    repo: Repository
+    mountpoint: Path
+    config: Config
+    collector: Collector | None = None
+    logs: logbuffer.LogBuffer | None = None
+    stats_source: Callable[[], Mapping[str, int]] | None = None
+    metrics: Metrics | None = None
+
+    def __post_init__(self) -> None:
+        self.formula = compile_formula(self.config.score)  # already validated by config.load
+        if self.metrics is None:
+            self.metrics = Metrics(self.repo, self.stats)
+
+    def stats(self) -> dict[str, int]:
+        """The filesystem's counters; {} before it is up."""
+        source = self.stats_source
+        if source is None:
+            return {}
+        for _ in range(5):
+            try:
+                return dict(source())
+            except RuntimeError:  # a dict the FUSE thread changed while we iterated: try again
+                continue
+        return {}
+
+    def snapshots(self) -> list[catalog.Snapshot]:
+        return catalog.snapshots(self.repo.snapshots, self.formula)
+
+    def totals(self) -> dict[str, Any]:
+        infos = catalog.scan(self.repo.snapshots)
+        packs = [self.repo.store.pack_path(p) for p in self.repo.store.pack_ids()]
+        out = catalog.totals(infos, self.repo.store.stats(), packs).to_dict()
+        out["counters"] = self.stats()
+        last = getattr(self.collector, "last", None)
+        out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
+        return out
+
+    def run_gc(self) -> dict[str, Any]:
+        """One collection now; the collector serializes it with periodic runs."""
+        if self.collector is None:
+            raise HTTPException(503, "garbage collection is not available in this daemon")
+        return _report_dict(self.collector.run())
+
+    def observe_gc(self) -> None:
+        """Make every run of the collector count in the metrics, periodic and SIGUSR1 ones too.
+
+        The collector calls its own ``run`` for those, so the instance's ``run`` is wrapped once here.
+        """
+        collector, metrics = self.collector, self.metrics
+        if collector is None or metrics is None:
+            return
+        run = collector.run
+
+        def observed_run() -> Any:
+            start = time.monotonic()
+            report = run()
+            result = _report_dict(report)
+            # The report's own duration leaves out waiting for a run already in progress.
+            metrics.on_gc(float(result.get("duration_s", time.monotonic() - start)), result)
+            return report
+
+        collector.run = observed_run  # type: ignore[method-assign]
+
+    def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
+        return catalog.token_tree(self.repo.snapshots, self.repo.fetcher.read, prefix)
+
+    def delete(self, rel: str) -> None:
+        """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
+        os.unlink(self.mountpoint / rel)
+
+
+def _report_dict(report: Any) -> dict[str, Any]:
+    return report.to_dict() if hasattr(report, "to_dict") else dict(report)
+
+
+# -- request helpers ---------------------------------------------------------------------------
+
+
+def _params(request: Request, allowed: frozenset[str] | None = None) -> dict[str, str]:
+    """Query parameters as a dict; 400 for a repeated or (with ``allowed``) unknown one."""
+    out: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        if name in out:
+            raise HTTPException(400, f"query parameter {name!r} given more than once")
+        if allowed is not None and name not in allowed:
+            raise HTTPException(400, f"unknown query parameter {name!r} (known: {', '.join(sorted(allowed))})")
+        out[name] = value
+    return out
+
+
+def _int_param(params: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise HTTPException(400, f"{name}={raw!r}: expected an integer from {lo} to {hi}")
+    return int(raw)
+
+
+def check_snapshot_path(snapshots_dir: Path, rel: str) -> str:
+    """``rel`` if it names a regular snapshot file inside the store, else HTTPException 400/404.
+
+    No absolute paths, no ``.``/``..``/empty components, no symlink anywhere on the way: a path
+    can only ever reach a stub under ``snapshots/``.
+    """
+    if not rel:
+        raise HTTPException(400, "empty snapshot path")
+    if "\0" in rel:
+        raise HTTPException(400, "snapshot path contains a NUL byte")
+    if rel.startswith("/"):
+        raise HTTPException(400, f"snapshot path {rel!r} is absolute; give it relative to the mount")
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise HTTPException(400, f"snapshot path {rel!r} has an empty, '.' or '..' component")
+    current = snapshots_dir
+    for i, part in enumerate(parts):
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except (FileNotFoundError, NotADirectoryError):
+            raise HTTPException(404, f"no snapshot {rel!r}") from None
+        except OSError as e:
+            raise HTTPException(400, f"snapshot path {rel!r}: {e.strerror}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise HTTPException(400, f"snapshot path {rel!r} goes through a symlink")
+        if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
+            raise HTTPException(404, f"no snapshot {rel!r}")
+    if not stat.S_ISREG(st.st_mode):
+        raise HTTPException(400, f"{rel!r} is a directory, not a snapshot")
+    return rel
+
+
+_UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+
+def create_app(service: Service) -> Starlette:
+    """The API app over ``service``; the same app serves the unix socket and (token-wrapped) TCP."""
+
+    async def list_snapshots(request: Request) -> Response:
+        params = _params(request)
+        rows = await run_in_threadpool(service.snapshots)
+        try:
+            rows = catalog.select(rows, params)
+        except catalog.QueryError as e:
+            raise HTTPException(400, str(e)) from None
+        return JSONResponse({"count": len(rows), "snapshots": [r.to_dict() for r in rows]})
+
+    async def get_snapshot(request: Request) -> Response:
+        _params(request, frozenset())
+        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        rows = await run_in_threadpool(service.snapshots)
+        for row in rows:
+            if row.path == rel:
+                return JSONResponse(row.to_dict())
+        raise HTTPException(404, f"no snapshot {rel!r}")
+
+    async def delete_snapshot(request: Request) -> Response:
+        _params(request, frozenset())
+        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        try:
+            await run_in_threadpool(service.delete, rel)
+        except OSError as e:
+            status = _UNLINK_STATUS.get(e.errno or 0, 500)
+            log.log(logging.ERROR if status == 500 else logging.INFO, "API delete of %s failed: %s", rel, e)
+            raise HTTPException(status, f"cannot delete {rel!r}: {e.strerror or e}") from None
+        log.info("API deleted snapshot %s", rel)
+        return JSONResponse({"deleted": rel})
+
+    async def get_stats(request: Request) -> Response:
+        _params(request, frozenset())
+        return JSONResponse(await run_in_threadpool(service.totals))
+
+    async def post_gc(request: Request) -> Response:
+        _params(request, frozenset())
+        return JSONResponse(await run_in_threadpool(service.run_gc))
+
+    async def get_logs(request: Request) -> Response:
+        params = _params(request, frozenset({"level", "limit"}))
+        if service.logs is None:
+            raise HTTPException(503, "no log buffer in this daemon")
+        try:
+            level = logbuffer.parse_level(params.get("level", "debug"))
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        limit = _int_param(params, "limit", DEFAULT_LOG_LIMIT, 0, logbuffer.DEFAULT_CAPACITY)
+        lines = service.logs.lines(level, limit)
+        return JSONResponse({"count": len(lines), "lines": [line.to_dict() for line in lines]})
+
+    async def get_metrics(request: Request) -> Response:
+        _params(request, frozenset())
+        assert service.metrics is not None
+        body = await run_in_threadpool(service.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def get_prefix_tree(request: Request) -> Response:
+        params = _params(request, frozenset({"prefix", "format"}))
+        fmt = params.get("format", "json")
+        if fmt not in ("json", "text"):
+            raise HTTPException(400, f"format={fmt!r}: use json or text")
+        root, skipped = await run_in_threadpool(service.prefix_tree, params.get("prefix", ""))
+        if fmt == "text":
+            return PlainTextResponse(render_tree_text(root, skipped))
+        return JSONResponse(
+            {
+                "snapshots": len(root.snapshots),
+                "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
+                "tree": prefixtree.to_json(root),
+            }
+        )
+
+    async def get_openapi(request: Request) -> Response:
+        return JSONResponse(spec())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "filesystem": service.stats_source is not None})
+
+    routes = [
+        Route("/snapshots", list_snapshots, methods=["GET"]),
+        Route("/snapshots/{path:path}", get_snapshot, methods=["GET"]),
+        Route("/snapshots/{path:path}", delete_snapshot, methods=["DELETE"]),
+        Route("/stats", get_stats, methods=["GET"]),
+        Route("/gc", post_gc, methods=["POST"]),
+        Route("/logs", get_logs, methods=["GET"]),
+        Route("/metrics", get_metrics, methods=["GET"]),
+        Route("/prefix-tree", get_prefix_tree, methods=["GET"]),
+        Route("/openapi.json", get_openapi, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers = {HTTPException: _http_error, Exception: _server_error}
+    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def render_tree_text(root: prefixtree.Node, skipped: Mapping[str, str]) -> str:
+    text = prefixtree.render_text(root)
+    for path, reason in sorted(skipped.items()):
+        text += f"skipped {path}: {reason}\n"
+    return text
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = exc.detail
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"no such endpoint: {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} not allowed on {request.url.path}"
+    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    # A bug, not a bad request: the traceback goes to the daemon's log, the client gets one line.
+    log.error("API %s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+
+class BearerAuth:
+    """ASGI wrapper that requires ``Authorization: Bearer <token>`` (the TCP listener only)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            response = JSONResponse(
+                {"error": "missing or wrong bearer token"},
+                401,
+                headers={"WWW-Authenticate": 'Bearer realm="kv-chunk-fs"'},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token)
+        return False
+
+
+# -- serving -------------------------------------------------------------------------------------
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def bind_tcp(address: str) -> socket.socket:
+    host, port = split_address(address)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)  # queue clients until the server thread runs
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_unix(path: Path, tmp_dir: Path) -> socket.socket:
+    """Listen on ``path`` with mode 0600 from the first moment.
+
+    The socket is bound inside a fresh 0700 directory under ``tmp_dir`` (same filesystem; recovery
+    cleans it after a crash), chmod'ed and only then renamed into place: no window in which another
+    user could connect, and no process-wide umask change.
+    """
+    if path.exists() or path.is_symlink():
+        if daemon_listening(path):
+            raise RuntimeError(f"another daemon is serving this store (it answers on {path})")
+        path.unlink()  # left behind by a daemon that was killed
+    private = Path(tempfile.mkdtemp(prefix="api-", dir=tmp_dir))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        tmp = private / "sock"
+        with short_path(tmp) as name:
+            sock.bind(name)
+        os.chmod(tmp, 0o600)
+        sock.listen(128)
+        os.rename(tmp, path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return sock
+
+
+def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
+    # log_config=None keeps our logging setup; no lifespan (the app has none); a short graceful
+    # shutdown so a stuck request cannot hold up unmounting.
+    return uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3, loop="asyncio"
+    )
+
+
+class ApiServer:
+    """uvicorn servers for the unix socket and, optionally, TCP, in one background thread."""
+
+    def __init__(
+        self, app: ASGIApp, unix_path: Path, tmp_dir: Path, tcp_address: str = "", token: str = ""
+    ) -> None:
+        self.unix_path = unix_path
+        self._listeners: list[tuple[socket.socket, ASGIApp]] = [(bind_unix(unix_path, tmp_dir), app)]
+        if tcp_address:
+            try:
+                tcp = bind_tcp(tcp_address)
+            except BaseException:
+                self.close()
+                raise
+            self._listeners.append((tcp, BearerAuth(app, token) if token else app))
+        self._servers: list[uvicorn.Server] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._servers = [uvicorn.Server(_uvicorn_config(app)) for _, app in self._listeners]
+        self._thread = threading.Thread(target=self._run, name="kvcfs-api", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException:  # uvicorn exits with SystemExit on startup failure
+            log.exception("API server stopped")
+
+    async def _serve(self) -> None:
+        pairs = zip(self._servers, self._listeners, strict=True)
+        await asyncio.gather(*(server.serve(sockets=[sock]) for server, (sock, _) in pairs))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("API server did not stop within %.0fs; leaving it behind", timeout)
+            self._thread = None
+        self.close()
+
+    def close(self) -> None:
+        for sock, _ in self._listeners:
+            sock.close()
+        self._listeners = []
+        try:
+            self.unix_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class MountApi:
+    """The API of one mount: create before mounting (binds now), pass ``task`` to daemon.serve."""
+
+    def __init__(
+        self, cfg: Config, repo: Repository, mountpoint: Path, collector: Collector | None = None
+    ) -> None:
+        self.logs = logbuffer.install()
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not "Started server process" per listener
+        self.service = Service(repo, mountpoint, cfg, collector=collector, logs=self.logs)
+        self.service.observe_gc()
+        app = create_app(self.service)
+        try:
+            self.server = ApiServer(app, socket_path(repo.root), repo.tmp, cfg.api_address, cfg.api_token)
+        except BaseException:
+            logging.getLogger().removeHandler(self.logs)
+            raise
+        if cfg.api_address:
+            host, _ = split_address(cfg.api_address)
+            if not cfg.api_token and not _is_loopback(host):
+                log.warning("the API on %s is reachable from the network without a token", cfg.api_address)
+            log.info("HTTP API on %s%s", cfg.api_address, " (bearer token required)" if cfg.api_token else "")
+
+    async def task(self, ops: Any) -> None:
+        """Background task of the FUSE loop: serve the API while the filesystem runs."""
+        self.service.stats_source = ops.stats
+        ops.observer = self.service.metrics
+        self.server.start()
+        try:
+            await trio.sleep_forever()
+        finally:
+            ops.observer = None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.server.stop)
+
+    def close(self) -> None:
+        self.server.stop()
+        logging.getLogger().removeHandler(self.logs)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -1,0 +1,436 @@
+"""Snapshot listing: sizes, unique and shared bytes, metadata and score, read from the stubs alone.
+
+Everything here is a pure function of the ``snapshots/`` directory (plus, for store totals, the chunk
+map read-only), so the CLI can list a store without a daemon and the API can list it beside one.
+
+Unique and shared bytes come from a reference count over the *distinct* chunk ids of every stub:
+
+* ``unique_bytes``: bytes of this snapshot's chunks that no other snapshot names, i.e. what deleting
+  the snapshot would free (once GC runs);
+* ``shared_bytes``: bytes of its chunks that at least one other snapshot names too.
+
+A chunk repeated inside one file counts once, so ``unique_bytes + shared_bytes`` can be less than
+``size``. Chunk lengths come from the index (the differences of its end offsets), not the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sqlite3
+import stat
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import prefixtree, stubs
+from .config import parse_size
+from .formula import Formula
+from .index import Index
+from .packstore import PACK_SUFFIX
+
+HOUR = 3600.0
+# Sortable and filterable numeric fields (min_<field>, max_<field>); the formula's fields plus a few.
+NUMERIC = (
+    "size",
+    "chunks",
+    "distinct_chunks",
+    "unique_bytes",
+    "shared_bytes",
+    "use_count",
+    "last_use",
+    "created",
+    "age_hours",
+    "idle_hours",
+    "score",
+)
+BYTE_FIELDS = frozenset({"size", "unique_bytes", "shared_bytes"})
+MAX_JSON_FLOAT = 1.7976931348623157e308  # JSON has no inf: report it as the largest float
+
+
+class QueryError(ValueError):
+    """A sort or filter parameter is invalid; the message says which and why."""
+
+
+@dataclass
+class StubInfo:
+    """What one stub says: its index's chunks and its metadata xattrs."""
+
+    path: str  # relative to snapshots/, "/"-separated
+    size: int
+    chunks: int
+    lengths: dict[bytes, int]  # distinct chunk id -> length
+    created: float
+    use_count: int
+    last_use: float | None
+    labels: dict[str, str]
+    error: str | None = None  # the stub could not be read as an index
+
+
+@dataclass
+class Snapshot:
+    """One row of the listing."""
+
+    path: str
+    size: int
+    chunks: int
+    distinct_chunks: int
+    unique_bytes: int
+    shared_bytes: int
+    use_count: int
+    last_use: float | None
+    created: float
+    age_hours: float
+    idle_hours: float
+    labels: dict[str, str] = field(default_factory=dict)
+    score: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["score"] = json_float(self.score)
+        if self.error is None:
+            del out["error"]
+        return out
+
+    def number(self, name: str) -> float:
+        value = getattr(self, name)
+        return 0.0 if value is None else float(value)
+
+
+def json_float(x: float) -> float:
+    """``x`` clamped to what strict JSON can carry (inf becomes the largest float)."""
+    if math.isnan(x):
+        return 0.0
+    return max(-MAX_JSON_FLOAT, min(MAX_JSON_FLOAT, x))
+
+
+# -- reading stubs -------------------------------------------------------------------------------
+
+
+def stub_paths(snapshots_dir: Path) -> Iterator[str]:
+    """Relative paths of the regular files under ``snapshots_dir``, sorted; symlinks are skipped."""
+    for dirpath, dirnames, filenames in os.walk(snapshots_dir):
+        dirnames.sort()
+        base = Path(dirpath).relative_to(snapshots_dir)
+        for name in sorted(filenames):
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                if stat.S_ISREG(os.lstat(Path(dirpath) / name).st_mode):
+                    yield (base / name).as_posix()
+
+
+def _float_attr(attrs: Mapping[str, bytes], name: str) -> float | None:
+    try:
+        value = float(attrs[name])
+    except (KeyError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _int_attr(attrs: Mapping[str, bytes], name: str) -> int:
+    try:
+        return max(0, int(attrs[name]))
+    except (KeyError, ValueError):
+        return 0
+
+
+def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
+    """Read one stub; an unreadable index gives a row with ``error`` set instead of an exception."""
+    path = snapshots_dir / rel
+    st = os.lstat(path)
+    attrs = stubs.user_xattrs(path)
+    created = _float_attr(attrs, stubs.CREATED)
+    labels = {
+        name[len(stubs.LABEL_PREFIX) :]: value.decode("utf-8", "replace")
+        for name, value in attrs.items()
+        if stubs.is_user_settable(name)
+    }
+    info = StubInfo(
+        path=rel,
+        size=stubs.stub_size(path) or 0,
+        chunks=0,
+        lengths={},
+        created=created if created is not None else st.st_mtime,  # stubs from before metadata existed
+        use_count=_int_attr(attrs, stubs.USE_COUNT),
+        last_use=_float_attr(attrs, stubs.LAST_USE),
+        labels=dict(sorted(labels.items())),
+    )
+    try:
+        index = stubs.read_index(path)
+    except FileNotFoundError:
+        raise  # deleted meanwhile: no row at all
+    except OSError as e:  # StubError is an OSError
+        info.error = str(e)
+        return info
+    info.size, info.chunks = index.size, len(index)
+    start = 0
+    for end, cid in zip(index.ends, index.ids, strict=True):
+        info.lengths[cid] = end - start
+        start = end
+    return info
+
+
+def scan(snapshots_dir: Path) -> list[StubInfo]:
+    out = []
+    for rel in stub_paths(snapshots_dir):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(read_stub(snapshots_dir, rel))
+    return out
+
+
+# -- the listing -----------------------------------------------------------------------------------
+
+
+def share(infos: list[StubInfo]) -> dict[str, tuple[int, int]]:
+    """path -> (unique_bytes, shared_bytes) by a reference count over distinct chunk ids."""
+    refs: Counter[bytes] = Counter()
+    for info in infos:
+        refs.update(info.lengths.keys())
+    out = {}
+    for info in infos:
+        unique = sum(n for cid, n in info.lengths.items() if refs[cid] == 1)
+        out[info.path] = (unique, sum(info.lengths.values()) - unique)
+    return out
+
+
+def formula_fields(row: Snapshot) -> dict[str, float]:
+    """The values a score formula can read (see formula.FIELDS); never-used gives last_use 0."""
+    return {
+        "size": row.size,
+        "unique_bytes": row.unique_bytes,
+        "shared_bytes": row.shared_bytes,
+        "chunks": row.chunks,
+        "use_count": row.use_count,
+        "age_hours": row.age_hours,
+        "idle_hours": row.idle_hours,
+        "last_use": row.last_use or 0.0,
+        "created": row.created,
+    }
+
+
+def listing(infos: list[StubInfo], formula: Formula | None = None, now: float | None = None) -> list[Snapshot]:
+    now = time.time() if now is None else now
+    shared = share(infos)
+    rows = []
+    for info in infos:
+        unique, shared_bytes = shared[info.path]
+        row = Snapshot(
+            path=info.path,
+            size=info.size,
+            chunks=info.chunks,
+            distinct_chunks=len(info.lengths),
+            unique_bytes=unique,
+            shared_bytes=shared_bytes,
+            use_count=info.use_count,
+            last_use=info.last_use,
+            created=info.created,
+            age_hours=max(0.0, (now - info.created) / HOUR),
+            idle_hours=max(0.0, (now - (info.last_use or info.created)) / HOUR),
+            labels=info.labels,
+            error=info.error,
+        )
+        if formula is not None:
+            row.score = formula.evaluate(formula_fields(row))
+        rows.append(row)
+    return rows
+
+
+def snapshots(snapshots_dir: Path, formula: Formula | None = None, now: float | None = None) -> list[Snapshot]:
+    return listing(scan(snapshots_dir), formula, now)
+
+
+# -- sorting and filtering -------------------------------------------------------------------------
+
+
+def _number_param(name: str, value: str, field_name: str) -> float:
+    try:
+        if field_name in BYTE_FIELDS:
+            return float(parse_size(value))
+        number = float(value)
+    except ValueError:
+        what = "a size (e.g. 1048576 or 1MiB)" if field_name in BYTE_FIELDS else "a number"
+        raise QueryError(f"{name}={value!r}: not {what}") from None
+    if math.isnan(number):
+        raise QueryError(f"{name}={value!r}: not a number")
+    return number
+
+
+def _sort_key_fn(sort: str) -> Any:
+    if sort == "path":
+        return lambda r: r.path
+    if sort in NUMERIC:
+        return lambda r: (r.number(sort), r.path)
+    if sort.startswith("label.") and len(sort) > len("label."):
+        key = sort[len("label.") :]
+        # Rows without the label sort after those with it (in ascending order).
+        return lambda r: (key not in r.labels, r.labels.get(key, ""), r.path)
+    known = ", ".join(("path", *NUMERIC, "label.<key>"))
+    raise QueryError(f"sort={sort!r}: unknown field (known: {known})")
+
+
+def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
+    """Filter, sort and limit rows by query parameters; QueryError for anything unknown or malformed.
+
+    ``sort=FIELD`` (``-FIELD`` or ``order=desc`` for descending), ``prefix=PATH``, ``label.KEY=VALUE``,
+    ``has_label=KEY``, ``min_FIELD=N`` / ``max_FIELD=N`` for numeric fields, ``limit=N``.
+    """
+    out = list(rows)
+    for name, value in params.items():
+        out = _apply_filter(out, name, value)
+    sort = params.get("sort", "path")
+    descending = sort.startswith("-")
+    sort = sort.lstrip("-")
+    order = params.get("order", "desc" if descending else "asc").lower()
+    if order not in ("asc", "desc"):
+        raise QueryError(f"order={order!r}: use asc or desc")
+    out.sort(key=_sort_key_fn(sort), reverse=order == "desc")
+    if "limit" in params:
+        limit = params["limit"]
+        if not limit.isdigit():
+            raise QueryError(f"limit={limit!r}: not a non-negative integer")
+        out = out[: int(limit)]
+    return out
+
+
+def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]:
+    if name in ("sort", "order", "limit"):
+        return rows
+    if name == "prefix":
+        return [r for r in rows if r.path.startswith(value.lstrip("/"))]
+    if name == "has_label":
+        return [r for r in rows if value in r.labels]
+    if name.startswith("label.") and len(name) > len("label."):
+        key = name[len("label.") :]
+        return [r for r in rows if r.labels.get(key) == value]
+    bound, _, field_name = name.partition("_")
+    if bound in ("min", "max") and field_name in NUMERIC:
+        limit = _number_param(name, value, field_name)
+        if bound == "min":
+            return [r for r in rows if r.number(field_name) >= limit]
+        return [r for r in rows if r.number(field_name) <= limit]
+    raise QueryError(
+        f"unknown query parameter {name!r} (known: sort, order, limit, prefix, label.<key>, has_label, "
+        "min_<field>, max_<field>)"
+    )
+
+
+# -- store totals ----------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreTotals:
+    snapshots: int
+    logical_bytes: int  # sum of snapshot sizes: what the files would take uncompressed
+    referenced_bytes: int  # distinct chunk bytes named by some snapshot
+    stored_bytes: int  # chunk bytes in the chunk map (live and not yet collected)
+    pack_bytes: int  # pack files on disk, including dead space GC has not compacted yet
+    chunks: int
+    packs: int
+    dedup_ratio: float  # logical_bytes / stored_bytes
+    broken: int = 0  # stubs that are not readable indexes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def chunk_map_stats(root: Path) -> tuple[int, int]:
+    """(chunks, bytes) in the chunk map, read-only so it is safe beside a running daemon."""
+    db_path = root / "chunks.db"
+    if not db_path.exists():
+        return 0, 0
+    try:
+        db = sqlite3.connect(f"{db_path.as_uri()}?mode=ro", uri=True)
+        try:
+            n, total = db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error as e:  # e.g. no permission for the WAL index of a root-owned store
+        raise OSError(f"cannot read the chunk map {db_path}: {e}") from None
+    return n, total
+
+
+def pack_files(root: Path) -> list[Path]:
+    packs = root / "packs"
+    return sorted(packs.glob("*" + PACK_SUFFIX)) if packs.is_dir() else []
+
+
+def totals(infos: list[StubInfo], chunk_stats: tuple[int, int], packs: list[Path]) -> StoreTotals:
+    referenced: dict[bytes, int] = {}
+    for info in infos:
+        referenced.update(info.lengths)
+    logical = sum(i.size for i in infos)
+    chunks, stored = chunk_stats
+    pack_bytes = 0
+    for p in packs:
+        with contextlib.suppress(FileNotFoundError):  # GC may delete a pack meanwhile
+            pack_bytes += p.stat().st_size
+    return StoreTotals(
+        snapshots=len(infos),
+        logical_bytes=logical,
+        referenced_bytes=sum(referenced.values()),
+        stored_bytes=stored,
+        pack_bytes=pack_bytes,
+        chunks=chunks,
+        packs=len(packs),
+        dedup_ratio=round(logical / stored, 4) if stored else 1.0,
+        broken=sum(1 for i in infos if i.error is not None),
+    )
+
+
+def store_totals(root: Path) -> StoreTotals:
+    """Totals of a store directory without a daemon."""
+    return totals(scan(root / "snapshots"), chunk_map_stats(root), pack_files(root))
+
+
+# -- token prefixes ------------------------------------------------------------------------------
+
+ReadChunks = Callable[[Index, int, int], bytes]
+
+
+class _ChunkReader:
+    """A snapshot's content as a file, read through its chunks: ``read_tokens`` reads just the header.
+
+    Reading the chunks directly (not the file on the mount) keeps a listing from counting as a restore.
+    """
+
+    def __init__(self, index: Index, read_chunks: ReadChunks) -> None:
+        self.index = index
+        self.read_chunks = read_chunks
+        self.pos = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            size = self.index.size - self.pos
+        data = self.read_chunks(self.index, self.pos, size)
+        self.pos += len(data)
+        return data
+
+
+def snapshot_tokens(
+    snapshots_dir: Path, read_chunks: ReadChunks, paths: Iterable[str]
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """(path -> prompt tokens, path -> why it was skipped) for the given snapshots."""
+    tokens: dict[str, list[int]] = {}
+    skipped: dict[str, str] = {}
+    for rel in paths:
+        try:
+            index = stubs.read_index(snapshots_dir / rel)
+            tokens[rel] = prefixtree.read_tokens(_ChunkReader(index, read_chunks))  # type: ignore[arg-type]
+        except FileNotFoundError:
+            continue  # deleted meanwhile
+        except (OSError, ValueError, LookupError) as e:  # bad stub, not a ggsq file, missing/corrupt chunk
+            skipped[rel] = str(e) or type(e).__name__
+    return tokens, skipped
+
+
+def token_tree(
+    snapshots_dir: Path, read_chunks: ReadChunks, prefix: str = ""
+) -> tuple[prefixtree.Node, dict[str, str]]:
+    """The token-prefix tree of the snapshots under ``prefix`` and the ones that were skipped."""
+    paths = [p for p in stub_paths(snapshots_dir) if p.startswith(prefix.lstrip("/"))]
+    tokens, skipped = snapshot_tokens(snapshots_dir, read_chunks, paths)
+    return prefixtree.build_tree(tokens), skipped

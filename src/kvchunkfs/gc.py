@@ -1,0 +1,439 @@
+"""Garbage collection: drop chunks no snapshot and no open file needs, and give their space back.
+
+1. Mark (no lock): walk ``snapshots/`` and collect every chunk id a stub names.
+2. Sweep (under ``repo.ns_lock`` and ``store.lock``): live = named ids | ``store.pinned()``; delete
+   the map rows of every other chunk. A save checks "store has it" and pins the chunk under the
+   same ``store.lock``, so a chunk it is about to reuse cannot vanish before its stub is renamed.
+   A stub renamed during the walk may be missed by the directory listing, so renames and unlinks
+   bump ``repo.ns_gen`` under ``ns_lock``; if it moved, the walk is redone (at most MAX_WALKS
+   times, then once more while holding ``ns_lock``, which makes renames wait for that walk).
+3. Packs (outside the long lock): a pack no row points into is deleted; dead bytes after the last
+   live chunk of a closed pack are cut off; a pack whose live share is below the threshold is
+   compacted: live chunks are copied (and re-hashed) to a new pack in batches, each batch's rows
+   are moved only if they still point at the old pack, then the old pack is deleted. The open
+   pack saves append to is never touched. A reader that already has the old pack open keeps
+   reading it (``PackStore.pack_fd``); one that opens it after the unlink gets FileNotFoundError
+   and locates the chunks again.
+
+A save waits for GC only while the sweep deletes rows (one SQL transaction) and while one batch
+of moved rows is committed; a rename or unlink waits only for the sweep (or, rarely, for the
+fallback walk). Copying and deleting packs never blocks them.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import index as idx
+from .packstore import ChunkCorrupt, PackStore
+from .repo import Repository
+
+log = logging.getLogger(__name__)
+
+MAX_WALKS = 3
+COPY_BATCH = 4 << 20  # bytes copied (and rows moved) per step of a compaction
+_ITEMS_AT = 64  # where a caibx item table starts: 48-byte header + 16-byte table header
+_ITEM = 40
+
+
+@dataclass
+class GCReport:
+    chunks_freed: int = 0
+    bytes_freed: int = 0  # chunk bytes whose map rows were deleted
+    disk_bytes_freed: int = 0  # pack file bytes given back to the filesystem
+    packs_deleted: int = 0
+    packs_compacted: int = 0
+    chunks_moved: int = 0
+    bytes_moved: int = 0
+    live_chunks: int = 0
+    snapshots: int = 0
+    unreadable_snapshots: int = 0
+    missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
+    walks: int = 0
+    interrupted: bool = False
+    errors: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return format_summary(self.to_dict())
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    """One line for a report (also for the JSON a daemon sends back)."""
+    text = (
+        f"gc finished: freed {r['chunks_freed']} chunks ({r['bytes_freed']} bytes), deleted {r['packs_deleted']} "
+        f"packs, compacted {r['packs_compacted']} ({r['bytes_moved']} bytes moved), {r['disk_bytes_freed']} bytes "
+        f"of disk reclaimed; {r['live_chunks']} live chunks in {r['snapshots']} snapshots; {r['duration_s']:.2f}s"
+    )
+    if r.get("missing_chunks"):
+        text += f"; {r['missing_chunks']} chunks missing (run fsck)"
+    if r.get("interrupted"):
+        text += "; interrupted"
+    if r.get("errors"):
+        text += f"; {len(r['errors'])} errors: " + "; ".join(r["errors"])
+    return text
+
+
+def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = None) -> GCReport:
+    """One collection. Raises (before deleting anything) if the snapshots cannot be walked."""
+    start = time.monotonic()
+    report = GCReport()
+    mark_and_sweep(repo, report)
+    reclaim_packs(repo, threshold, report, stop)
+    report.duration_s = time.monotonic() - start
+    return report
+
+
+# -- mark -----------------------------------------------------------------------------------------
+
+
+def walk_stubs(snapshots: Path) -> Iterator[Path]:
+    """Every regular file under ``snapshots``; a directory that cannot be listed raises."""
+    if not snapshots.is_dir():  # an empty walk would make every chunk garbage
+        raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
+
+    def fail(e: OSError) -> None:
+        if not isinstance(e, FileNotFoundError):  # a directory removed during the walk
+            raise e
+
+    for dirpath, _dirs, files in os.walk(snapshots, onerror=fail):
+        for name in files:
+            path = Path(dirpath, name)
+            if not path.is_symlink():
+                yield path
+
+
+def stub_ids(data: bytes) -> list[bytes] | None:
+    """Chunk ids of a stub's index, or None if it is not a valid index."""
+    try:
+        return idx.decode(data).ids
+    except idx.IndexFormatError:
+        return None
+
+
+def salvage_ids(data: bytes) -> list[bytes]:
+    """Whatever a damaged index seems to name: kept live so a stub fsck may still rescue loses nothing."""
+    return [data[o + 8 : o + _ITEM] for o in range(_ITEMS_AT, len(data) - _ITEM + 1, _ITEM)]
+
+
+def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
+    named: set[bytes] = set()
+    report.snapshots = report.unreadable_snapshots = 0
+    for path in walk_stubs(repo.snapshots):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # renamed or unlinked meanwhile: ns_gen tells
+            continue
+        report.snapshots += 1
+        ids = stub_ids(data)
+        if ids is None:
+            report.unreadable_snapshots += 1
+            log.warning("gc: %s is not a valid index; keeping every chunk it may name", path)
+            ids = salvage_ids(data)
+        named.update(ids)
+    return named
+
+
+# -- sweep ----------------------------------------------------------------------------------------
+
+
+def mark_and_sweep(repo: Repository, report: GCReport) -> None:
+    store = repo.store
+    for _ in range(MAX_WALKS):
+        gen = repo.ns_gen
+        report.walks += 1
+        named = named_ids(repo, report)
+        candidates = _candidates(store, named, report)
+        with repo.ns_lock, store.lock:
+            if repo.ns_gen == gen:
+                _sweep(store, candidates, report)
+                return
+        log.info("gc: snapshots were renamed during the walk; walking again")
+    with repo.ns_lock:  # renames and unlinks wait for this walk
+        report.walks += 1
+        named = named_ids(repo, report)
+        candidates = _candidates(store, named, report)
+        with store.lock:
+            _sweep(store, candidates, report)
+
+
+def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[bytes, int]:
+    """Mapped chunks no stub names (id -> length); pins are subtracted under the lock."""
+    mapped = store.chunk_lengths()
+    report.missing_chunks = sum(1 for cid in named if cid not in mapped)
+    return {cid: n for cid, n in mapped.items() if cid not in named}
+
+
+def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
+    """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
+    pinned = store.pinned()
+    dead = [cid for cid in candidates if cid not in pinned]
+    report.chunks_freed = store.delete_chunks(dead)
+    report.bytes_freed = sum(candidates[cid] for cid in dead)
+    report.live_chunks = store.stats()[0]
+
+
+# -- packs ----------------------------------------------------------------------------------------
+
+
+def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: threading.Event | None) -> None:
+    store = repo.store
+    out = _PackWriter(store)
+    try:
+        usage = store.pack_usage()
+        for pack in store.pack_ids():
+            if stop is not None and stop.is_set():
+                report.interrupted = True
+                return
+            if pack == store.open_pack or pack in out.packs:
+                continue
+            size = _size(store.pack_path(pack))
+            live = usage[pack][1] if pack in usage else 0
+            if live == 0:
+                if store.remove_pack(pack):  # re-checks under the lock: rows may have come since
+                    report.packs_deleted += 1
+                    report.disk_bytes_freed += size
+                continue
+            cut = store.trim_pack(pack)  # dead chunks at the end: no tail is left that looks like a crash's
+            size -= cut
+            report.disk_bytes_freed += cut
+            if size and live / size < threshold:
+                _compact_logged(store, pack, size, out, report, stop)
+    finally:
+        out.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _compact_logged(
+    store: PackStore, pack: int, size: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
+) -> None:
+    try:
+        moved = _compact(store, pack, out, report, stop)
+    except (OSError, ChunkCorrupt) as e:
+        msg = f"pack {pack} not compacted: {e}"
+        log.error("gc: %s", msg)
+        report.errors.append(msg)
+        return
+    if moved is not None and store.remove_pack(pack):
+        report.packs_compacted += 1
+        report.disk_bytes_freed += size - moved
+
+
+def _compact(
+    store: PackStore, pack: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
+) -> int | None:
+    """Copy the live chunks of ``pack`` elsewhere; the bytes copied, or None if interrupted."""
+    with store.lock:
+        if pack == store.open_pack:
+            return None
+    rows = store.chunks_in_pack(pack)
+    src = os.open(store.pack_path(pack), os.O_RDONLY)
+    moved = 0
+    try:
+        for batch in _batches(rows):
+            if stop is not None and stop.is_set():
+                report.interrupted = True
+                return None
+            moves = out.copy(src, pack, batch)
+            report.chunks_moved += store.move_chunks(pack, moves)
+            nbytes = sum(n for _, _, n in batch)
+            report.bytes_moved += nbytes
+            moved += nbytes
+    finally:
+        os.close(src)
+    return moved
+
+
+def _batches(rows: list[tuple[bytes, int, int]]) -> Iterator[list[tuple[bytes, int, int]]]:
+    """Rows in pack order, grouped so one pread of at most COPY_BATCH bytes covers a group."""
+    batch: list[tuple[bytes, int, int]] = []
+    for row in rows:
+        if batch and row[1] + row[2] - batch[0][1] > COPY_BATCH:
+            yield batch
+            batch = []
+        batch.append(row)
+    if batch:
+        yield batch
+
+
+class _PackWriter:
+    """GC's own output packs: created like any pack, never the one saves append to."""
+
+    def __init__(self, store: PackStore) -> None:
+        self.store = store
+        self.packs: set[int] = set()
+        self.pack = 0
+        self.fd = -1
+        self.end = 0
+
+    def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
+        """Append verified copies of ``batch`` and fsync them; returns (id, new pack, new offset)."""
+        first = batch[0][1]
+        span = batch[-1][1] + batch[-1][2] - first
+        data = memoryview(os.pread(src, span, first))
+        pieces = []
+        for cid, off, n in batch:
+            piece = data[off - first : off - first + n]
+            if len(piece) != n or hashlib.sha256(piece).digest() != cid:
+                raise ChunkCorrupt(f"chunk {cid.hex()} in pack {old_pack} at {off} fails its checksum")
+            pieces.append(piece)
+        if self.fd < 0 or self.end >= self.store.pack_size:
+            self._next_pack()
+        moves = []
+        off = self.end
+        for (cid, _, n), _piece in zip(batch, pieces, strict=True):
+            moves.append((cid, self.pack, off))
+            off += n
+        self._write(pieces)
+        os.fsync(self.fd)  # the copies are on disk before any row points at them
+        self.end = off
+        return moves
+
+    def _write(self, pieces: list[memoryview]) -> None:
+        try:
+            total = sum(len(p) for p in pieces)
+            if os.pwritev(self.fd, pieces, self.end) != total:
+                raise OSError(errno.EIO, "short write to a GC pack")
+        except OSError:
+            os.ftruncate(self.fd, self.end)
+            raise
+
+    def _next_pack(self) -> None:
+        self.close()
+        self.pack, self.fd = self.store.create_pack()
+        self.packs.add(self.pack)
+        self.end = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            if self.end == 0:  # nothing copied into it
+                self.store.remove_pack(self.pack)
+
+
+# -- in the daemon --------------------------------------------------------------------------------
+
+
+class GarbageCollector:
+    """One GC at a time for a mounted store: at start, every ``interval`` seconds, on SIGUSR1 and on
+    demand (``run()``, e.g. the API's POST /gc)."""
+
+    def __init__(self, repo: Repository, threshold: float = 0.5, interval: int = 3600) -> None:
+        self.repo = repo
+        self.threshold = threshold
+        self.interval = interval
+        self.last: GCReport | None = None
+        self.runs = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()  # set at unmount: a long compaction stops between batches
+        self._wake: trio.Event | None = None
+
+    def run(self) -> GCReport:
+        """Collect now (waits for a collection already running, then starts a new one)."""
+        with self._lock:
+            report = run_gc(self.repo, self.threshold, self._stop)
+            self.last = report
+            self.runs += 1
+        log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
+        return report
+
+    def _run_logged(self) -> None:
+        try:
+            self.run()
+        except Exception:
+            log.exception("gc failed; nothing was deleted in the failing phase")
+
+    async def periodic(self, ops: object) -> None:
+        """Background task for ``daemon.serve``: GC at mount, then every ``interval`` (0 = never again)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._loop)
+            nursery.start_soon(self._on_sigusr1)
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._stop.set()  # before the nursery waits for a GC thread to finish
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake = wake = trio.Event()  # a request during this run triggers one more run
+            await trio.to_thread.run_sync(self._run_logged)
+            with trio.move_on_after(self.interval or math.inf):
+                await wake.wait()
+
+    async def _on_sigusr1(self) -> None:
+        with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+            async for _ in signals:
+                log.info("gc requested by SIGUSR1")
+                if self._wake is not None:
+                    self._wake.set()
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def main_gc(cfg: Any, args: Any) -> int:
+    """``kv-chunk-fs gc``: through the daemon's API if it holds the store, else right here."""
+    from .recovery import try_lock_store
+
+    root = Path(cfg.store)
+    if not (root / "chunks.db").exists():
+        print(f"kv-chunk-fs: no store at {root}", file=sys.stderr)
+        return 2
+    lock_fd = try_lock_store(root)
+    try:
+        result = _gc_offline(cfg) if lock_fd is not None else _gc_through_daemon(root)
+    except (OSError, RuntimeError) as e:
+        print(f"kv-chunk-fs: gc failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    print(json.dumps(result, indent=2) if args.json else format_summary(result))
+    return 1 if result.get("errors") else 0
+
+
+def _gc_offline(cfg: Any) -> dict[str, Any]:
+    from .cli import open_repo
+    from .recovery import recover
+
+    repo = open_repo(cfg)
+    try:
+        recover(repo)  # a crashed daemon's leftovers first: GC must not copy an uncommitted tail
+        return run_gc(repo, cfg.gc_compact_threshold).to_dict()
+    finally:
+        repo.close()
+
+
+def _gc_through_daemon(root: Path) -> dict[str, Any]:
+    from .apiclient import DaemonClient
+
+    try:
+        return DaemonClient(root).json("POST", "/gc")
+    except OSError as e:
+        sock = root / "api.sock"
+        raise OSError(e.errno, f"the store is mounted but its daemon does not answer on {sock}: {e}") from e

@@ -1,0 +1,154 @@
+"""Prometheus metrics of a running daemon (``GET /metrics``), in a registry of their own.
+
+Two sources:
+
+* events the filesystem reports through its ``observer`` hook (``on_save`` / ``on_restore``) and GC
+  runs (``on_gc``): durations as histograms, sizes as counters;
+* counters the store, the read path and ``Operations`` keep anyway, read at scrape time by a custom
+  collector, so the hot paths pay nothing for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .repo import Repository
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Saves and restores of multi-GiB snapshots take seconds to minutes.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+StatsFn = Callable[[], Mapping[str, int]]
+
+
+class Metrics:
+    """The registry plus the observer interface ``fsops.Operations.observer`` calls."""
+
+    def __init__(self, repo: Repository, stats: StatsFn | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.save_seconds = Histogram(
+            "kvcfs_save_duration_seconds", "Time to commit a save (chunk the rest, write the stub)",
+            buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.restore_seconds = Histogram(
+            "kvcfs_restore_duration_seconds", "Time from a read-only open of a snapshot to its release",
+            buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.saved_bytes = Counter("kvcfs_saved_bytes", "Logical bytes of snapshots saved", registry=r)
+        self.saved_new_bytes = Counter(
+            "kvcfs_saved_new_bytes", "Bytes saves added to the store (chunks it lacked)", registry=r
+        )
+        self.restored_bytes = Counter(
+            "kvcfs_restored_bytes", "Logical bytes of snapshots opened to restore", registry=r
+        )
+        self.gc_runs = Counter("kvcfs_gc_runs", "Garbage collection runs", registry=r)
+        self.gc_freed = Counter("kvcfs_gc_freed_bytes", "Chunk bytes garbage collection dropped", registry=r)
+        self.gc_disk_freed = Counter(
+            "kvcfs_gc_disk_freed_bytes", "Pack file bytes garbage collection gave back to the disk", registry=r
+        )
+        self.gc_seconds = Histogram(
+            "kvcfs_gc_duration_seconds", "Time of a garbage collection run", buckets=DURATION_BUCKETS, registry=r
+        )
+        r.register(StoreCollector(repo, stats or dict))
+
+    # -- observer hooks (called from the FUSE thread: keep them cheap) ------------------------
+
+    def on_save(self, seconds: float, size: int, new_bytes: int) -> None:
+        self.save_seconds.observe(seconds)
+        self.saved_bytes.inc(size)
+        self.saved_new_bytes.inc(max(0, new_bytes))
+
+    def on_restore(self, seconds: float, size: int) -> None:
+        self.restore_seconds.observe(seconds)
+        self.restored_bytes.inc(size)
+
+    def on_gc(self, seconds: float, report: Mapping[str, Any]) -> None:
+        """A finished GC run; ``report`` is ``GCReport.to_dict()``."""
+        self.gc_runs.inc()
+        self.gc_seconds.observe(seconds)
+        self.gc_freed.inc(max(0, int(report.get("bytes_freed", 0))))
+        self.gc_disk_freed.inc(max(0, int(report.get("disk_bytes_freed", 0))))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class StoreCollector(Collector):
+    """Reads the store's and the filesystem's own counters at scrape time."""
+
+    def __init__(self, repo: Repository, stats: StatsFn) -> None:
+        self.repo = repo
+        self.stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # names vary with what is available; skip the registry's duplicate check
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.repo.store.counters
+        written = c.bytes_written + c.bytes_deduped
+        yield _counter("kvcfs_written_bytes", "Chunk bytes saves passed to the store", written)
+        yield _counter("kvcfs_new_bytes", "Chunk bytes the store lacked and appended to a pack", c.bytes_written)
+        yield _counter("kvcfs_deduped_bytes", "Chunk bytes the store already had", c.bytes_deduped)
+        yield _counter("kvcfs_chunks_written", "Chunks appended to packs", c.chunks_written)
+        yield _counter("kvcfs_chunks_deduped", "Chunks the store already had", c.chunks_deduped)
+        ratio = written / c.bytes_written if c.bytes_written else 1.0
+        yield _gauge("kvcfs_dedup_ratio", "Chunk bytes written per new byte stored since start", ratio)
+        yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)
+        yield _counter("kvcfs_pack_read_bytes", "Bytes read from packs", c.pack_bytes_read)
+        yield _counter("kvcfs_chunks_read", "Chunks read from disk", self.repo.fetcher.chunks_read)
+        cache = self.repo.cache
+        yield _counter("kvcfs_readahead_cache_hits", "Chunk reads served by the read-ahead cache", cache.hits)
+        yield _counter("kvcfs_readahead_cache_misses", "Chunk reads that had to wait for disk", cache.misses)
+        yield _gauge("kvcfs_readahead_cache_bytes", "Bytes held by the read-ahead cache", cache.size)
+        yield from self._ops()
+        yield from self._store()
+
+    def _ops(self) -> Iterator[Metric]:
+        stats = _safe(self.stats) or {}
+        if "saves" in stats:
+            yield _counter("kvcfs_saves", "Snapshots saved", stats["saves"])
+        if "restores" in stats:
+            yield _counter("kvcfs_restores", "Snapshots opened read-only (restores)", stats["restores"])
+        if "open_files" in stats:
+            yield _gauge("kvcfs_open_files", "Snapshots open", stats["open_files"])
+
+    def _store(self) -> Iterator[Metric]:
+        chunk_stats = _safe(self.repo.store.stats)
+        if chunk_stats is not None:
+            yield _gauge("kvcfs_store_chunks", "Chunks in the chunk map", chunk_stats[0])
+            yield _gauge("kvcfs_store_bytes", "Chunk bytes in the chunk map", chunk_stats[1])
+        packs = _safe(self.repo.store.pack_ids)
+        if packs is not None:
+            yield _gauge("kvcfs_packs", "Pack files", len(packs))
+            size = 0
+            for pack in packs:
+                try:
+                    size += self.repo.store.pack_path(pack).stat().st_size
+                except FileNotFoundError:
+                    continue  # GC removed it meanwhile
+            yield _gauge("kvcfs_pack_file_bytes", "Bytes of pack files on disk (live and dead)", size)
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    """A scrape must not fail because one source is briefly unavailable (e.g. during shutdown)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported, and the rest of the scrape still works
+        log.debug("metrics source %s failed: %s", getattr(fn, "__name__", fn), e)
+        return None

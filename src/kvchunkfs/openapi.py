@@ -1,0 +1,223 @@
+"""OpenAPI 3.1 description of the HTTP API (served at ``GET /openapi.json``).
+
+``docs/openapi.json`` is this, written by ``python -m kvchunkfs.openapi > docs/openapi.json``; a test
+checks the two agree and that every route of the app is described.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import __version__
+
+_ERROR = {"$ref": "#/components/responses/Error"}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _query(name: str, description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "description": description,
+            "schema": schema or {"type": "string"}}  # fmt: skip
+
+
+_SNAPSHOT = {
+    "type": "object",
+    "required": ["path", "size", "chunks", "unique_bytes", "shared_bytes", "use_count", "created", "labels", "score"],
+    "properties": {
+        "path": {"type": "string", "description": "path relative to the mount, '/'-separated"},
+        "size": {"type": "integer", "description": "logical size in bytes"},
+        "chunks": {"type": "integer", "description": "entries in the chunk index"},
+        "distinct_chunks": {"type": "integer"},
+        "unique_bytes": {"type": "integer", "description": "bytes of chunks no other snapshot names (freed by delete)"},
+        "shared_bytes": {"type": "integer", "description": "bytes of chunks other snapshots name too"},
+        "use_count": {"type": "integer", "description": "read-only opens (restores)"},
+        "last_use": {"type": ["number", "null"], "description": "epoch seconds of the last restore"},
+        "created": {"type": "number", "description": "epoch seconds of the first save under this name"},
+        "age_hours": {"type": "number"},
+        "idle_hours": {"type": "number", "description": "hours since last use (or creation)"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
+        "error": {"type": "string", "description": "present if the stub is not a readable index"},
+    },
+}
+
+_FIELDS = ("path, size, chunks, distinct_chunks, unique_bytes, shared_bytes, use_count, last_use, created, "
+           "age_hours, idle_hours, score, label.<key>")  # fmt: skip
+
+_PATHS: dict[str, Any] = {
+    "/snapshots": {
+        "get": {
+            "summary": "List snapshots with sizes, unique/shared bytes, metadata and score",
+            "parameters": [
+                _query("sort", f"field to sort by, '-' prefix for descending: {_FIELDS}"),
+                _query("order", "asc (default) or desc", {"type": "string", "enum": ["asc", "desc"]}),
+                _query("prefix", "only paths starting with this"),
+                _query("label.{key}", "only snapshots whose label <key> equals the value"),
+                _query("has_label", "only snapshots that have this label"),
+                _query("min_{field}", "lower bound of a numeric field; sizes take units (1MiB)"),
+                _query("max_{field}", "upper bound of a numeric field"),
+                _query("limit", "at most this many rows", {"type": "integer", "minimum": 0}),
+            ],
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "count": {"type": "integer"},
+                    "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
+                }}),  # fmt: skip
+                "400": _ERROR,
+            },
+        }
+    },
+    "/snapshots/{path}": {
+        "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"},
+                        "description": "snapshot path relative to the mount; no '..', no symlinks"}],  # fmt: skip
+        "get": {
+            "summary": "One snapshot",
+            "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR},
+        },
+        "delete": {
+            "summary": "Delete a snapshot (unlinked through the mount; GC frees its unique chunks)",
+            "responses": {
+                "200": _json({"type": "object", "properties": {"deleted": {"type": "string"}}}),
+                "400": _ERROR, "403": _ERROR, "404": _ERROR,
+            },  # fmt: skip
+        },
+    },
+    "/stats": {
+        "get": {
+            "summary": "Store totals and filesystem counters",
+            "responses": {"200": _json({"type": "object", "properties": {
+                "snapshots": {"type": "integer"},
+                "logical_bytes": {"type": "integer"},
+                "referenced_bytes": {"type": "integer"},
+                "stored_bytes": {"type": "integer"},
+                "pack_bytes": {"type": "integer"},
+                "chunks": {"type": "integer"},
+                "packs": {"type": "integer"},
+                "dedup_ratio": {"type": "number"},
+                "broken": {"type": "integer"},
+                "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "gc": {"type": "object", "properties": {
+                    "runs": {"type": "integer"}, "last": {"type": ["object", "null"]},
+                }},
+            }})},  # fmt: skip
+        }
+    },
+    "/gc": {
+        "post": {
+            "summary": "Run garbage collection now and return its report",
+            "responses": {
+                "200": _json({"type": "object", "description": "the collector's report (GCReport)", "properties": {
+                    "chunks_freed": {"type": "integer"},
+                    "bytes_freed": {"type": "integer", "description": "chunk bytes dropped from the map"},
+                    "disk_bytes_freed": {"type": "integer", "description": "pack file bytes given back"},
+                    "packs_deleted": {"type": "integer"},
+                    "packs_compacted": {"type": "integer"},
+                    "errors": {"type": "array", "items": {"type": "string"}},
+                    "duration_s": {"type": "number"},
+                }}),
+                "503": _ERROR,
+            },  # fmt: skip
+        }
+    },
+    "/logs": {
+        "get": {
+            "summary": "Recent log lines of the daemon (in-memory ring buffer)",
+            "parameters": [
+                _query("level", "minimum level", {"type": "string",
+                                                  "enum": ["debug", "info", "warning", "error", "critical"]}),
+                _query("limit", "newest this many lines (default 200)", {"type": "integer", "minimum": 0}),
+            ],  # fmt: skip
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "count": {"type": "integer"},
+                    "lines": {"type": "array", "items": {"type": "object", "properties": {
+                        "time": {"type": "number"}, "level": {"type": "string"},
+                        "logger": {"type": "string"}, "message": {"type": "string"},
+                    }}},
+                }}),  # fmt: skip
+                "400": _ERROR,
+            },
+        }
+    },
+    "/metrics": {
+        "get": {
+            "summary": "Prometheus metrics (text exposition format)",
+            "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }
+    },
+    "/prefix-tree": {
+        "get": {
+            "summary": "Token-prefix tree of the snapshots (llama-server ggsq files)",
+            "parameters": [
+                _query("prefix", "only snapshot paths starting with this"),
+                _query("format", "json (default) or text", {"type": "string", "enum": ["json", "text"]}),
+            ],
+            "responses": {
+                "200": {
+                    "description": "OK",
+                    "content": {
+                        "application/json": {"schema": {"type": "object", "properties": {
+                            "snapshots": {"type": "integer"},
+                            "skipped": {"type": "array", "items": {"type": "object"}},
+                            "tree": {"$ref": "#/components/schemas/TreeNode"},
+                        }}},  # fmt: skip
+                        "text/plain": {"schema": {"type": "string"}},
+                    },
+                },
+                "400": _ERROR,
+            },
+        }
+    },
+    "/openapi.json": {"get": {"summary": "This description", "responses": {"200": _json({"type": "object"})}}},
+    "/health": {
+        "get": {
+            "summary": "Liveness (no token needed)",
+            "security": [],
+            "responses": {"200": _json({"type": "object", "properties": {"status": {"type": "string"}}})},
+        }
+    },
+}
+
+_TREE_NODE = {
+    "type": "object",
+    "properties": {
+        "prefix_tokens": {"type": "integer", "description": "prefix length at the end of this node's edge"},
+        "edge_tokens": {"type": "integer"},
+        "shared_by": {"type": "array", "items": {"type": "string"}},
+        "ends_here": {"type": "array", "items": {"type": "string"}},
+        "first_tokens": {"type": "array", "items": {"type": "integer"}},
+        "children": {"type": "array", "items": {"$ref": "#/components/schemas/TreeNode"}},
+    },
+}
+
+
+def spec() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kv-chunk-fs",
+            "version": __version__,
+            "description": "API of a kv-chunk-fs daemon. TCP (api_address) needs the bearer token api_token "
+            "when one is set; the unix socket STORE/api.sock (mode 0600) needs none.",
+        },
+        "servers": [{"url": "http://127.0.0.1:8765"}],
+        "security": [{"bearer": []}],
+        "paths": _PATHS,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Snapshot": _SNAPSHOT, "TreeNode": _TREE_NODE},
+            "responses": {
+                "Error": _json(
+                    {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+                    "error with a message",
+                )
+            },
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(spec(), indent=2))

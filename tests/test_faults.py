@@ -1,0 +1,363 @@
+"""Fault injection on a real mount: kill -9 under a proxy-like workload, a full disk, corruption.
+
+KVCFS_KILL_ITERATIONS sets the number of kill -9 rounds (default 50; use >= 500 locally) and
+KVCFS_KILL_SEED makes a run repeatable (the seed is printed and named in every failure).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Mount, is_mounted
+from helpers import rand_bytes, sha, write_in_pieces
+
+from kvchunkfs import fsck, stubs
+
+MiB = 1 << 20
+ABSENT = "absent"
+EMPTY = sha(b"")
+SRC = Path(__file__).resolve().parent.parent / "src"
+THRESHOLD = 0.6
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def wait_for_log(m: Mount, text: str, count: int, timeout: float = 30) -> None:
+    """Until the daemon log holds ``count`` lines containing ``text``."""
+    deadline = time.monotonic() + timeout
+    while m.log().count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}")
+        time.sleep(0.02)
+
+
+def start_and_settle(m: Mount, extra: list[str] | None = None) -> None:
+    """Start the daemon (it may find a dead mount to clear) and wait for recovery and its first GC."""
+    mounted, gcs = m.log().count("kvchunkfs.daemon: mounted"), m.log().count("gc finished")
+    m.start(extra)
+    wait_for_log(m, "kvchunkfs.daemon: mounted", mounted + 1)
+    wait_for_log(m, "gc finished", gcs + 1)
+    assert is_mounted(m.mnt)
+
+
+def gc_now(m: Mount) -> None:
+    """Ask the daemon for a GC (SIGUSR1) and wait until it finished."""
+    n = m.log().count("gc finished")
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGUSR1)
+    wait_for_log(m, "gc finished", n + 1)
+
+
+def file_state(path: Path) -> str:
+    try:
+        return sha(path.read_bytes())
+    except FileNotFoundError:
+        return ABSENT
+
+
+def kv_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    return subprocess.run([sys.executable, "-m", "kvchunkfs.cli", *args], capture_output=True, text=True, env=env)
+
+
+# -- kill -9 --------------------------------------------------------------------------------------
+
+
+class Workload:
+    """A proxy-like client: save NAME.tmp, rename to NAME, touch, delete, restore, GC.
+
+    ``expected[name]`` holds every state (sha256 or ABSENT) the name may be in after a crash: one
+    state once an operation returned, old and new while it is in flight.
+    """
+
+    NAMES = ("conv0", "conv1", "conv2", "conv3")
+
+    def __init__(self, m: Mount, rng: random.Random) -> None:
+        self.m = m
+        self.rng = rng
+        self.system = rand_bytes(MiB, 4242)  # a shared "system prompt": dedup across conversations
+        self.expected: dict[str, set[str]] = {}
+        for name in self.NAMES:
+            self.expected[name] = {ABSENT}
+            self.expected[name + ".tmp"] = {ABSENT}
+        self.killed = threading.Event()
+        self.in_flight: dict[str, int] = {}
+        self.saves = 0
+        self.discarded = 0
+
+    def content(self) -> bytes:
+        head = self.system[: self.rng.randrange(0, MiB)]
+        return head + self.rng.randbytes(self.rng.randrange(MiB, 3 * MiB))
+
+    def run_until_killed(self) -> None:
+        try:
+            while True:
+                self.step()
+        except OSError as e:
+            if not self.killed.is_set():
+                raise
+            assert e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO, errno.ENOENT), e
+
+    def step(self) -> None:
+        op = self.rng.choices(("save", "touch", "delete", "restore", "gc"), weights=(6, 2, 1, 2, 1))[0]
+        self.in_flight[op] = self.in_flight.get(op, 0) + 1
+        name = self.rng.choice(self.NAMES)
+        path = self.m.path(name)
+        if op == "save":
+            self.save(name)
+        elif op == "touch" and self.expected[name] != {ABSENT}:
+            os.utime(path)
+        elif op == "delete" and self.expected[name] != {ABSENT}:
+            self.expected[name].add(ABSENT)
+            path.unlink()
+            self.expected[name] = {ABSENT}
+        elif op == "restore" and self.expected[name] != {ABSENT}:
+            got = sha(path.read_bytes())
+            assert {got} == self.expected[name], f"{name} changed while the daemon ran"
+        elif op == "gc" and self.m.proc is not None:
+            self.m.proc.send_signal(signal.SIGUSR1)  # runs concurrently with the next saves
+
+    def save(self, name: str) -> None:
+        data = self.content()
+        new = sha(data)
+        tmp = name + ".tmp"
+        self.expected[tmp] = {ABSENT, EMPTY, new}
+        write_in_pieces(self.m.path(tmp), data, self.rng.choice((64 << 10, 256 << 10, MiB)))
+        self.expected[tmp] = {new}
+        self.expected[name].add(new)
+        self.expected[tmp].add(ABSENT)
+        os.rename(self.m.path(tmp), self.m.path(name))
+        self.expected[name] = {new}
+        self.expected[tmp] = {ABSENT}
+        self.saves += 1
+
+    def verify(self, context: str) -> int:
+        """After a restart: every name is in one allowed state; leftover .tmp files are removed."""
+        verified = 0
+        self.discarded = 0
+        for name, allowed in self.expected.items():
+            path = self.m.path(name)
+            got = file_state(path)
+            assert got in allowed, f"{context}: {name} is {got}, expected one of {allowed}"
+            if got != ABSENT:
+                verified += path.stat().st_size
+            if name.endswith(".tmp") and got != ABSENT:
+                path.unlink()  # the proxy discards an unfinished save
+                self.discarded += 1
+                got = ABSENT
+            self.expected[name] = {got}
+        return verified
+
+
+def check_store_clean(store: Path, context: str) -> fsck.FsckReport:
+    """fsck on the idle store: no damage, no leftovers, no garbage; compacted packs are dense enough."""
+    report, _ = fsck.check(store, live=False)
+    assert report.ok, f"{context}: {report.problems}"
+    assert report.garbage_chunks == 0, f"{context}: GC at mount left {report.garbage_chunks} orphaned chunks"
+    assert report.unused_packs == 0, f"{context}: GC at mount left {report.unused_packs} unused packs"
+    assert report.pack_bytes * THRESHOLD <= report.chunk_bytes + 1, f"{context}: packs not compacted: {report}"
+    return report
+
+
+def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
+    iterations = int(os.environ.get("KVCFS_KILL_ITERATIONS", "50"))
+    seed = int(os.environ.get("KVCFS_KILL_SEED", str(random.randrange(1 << 32))))
+    rng = random.Random(seed)
+    base = ["--pack-size", "1MiB", "--gc-compact-threshold", str(THRESHOLD)]
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", base)
+    work = Workload(m, rng)
+    verified = 0
+    started = time.monotonic()
+    try:
+        for i in range(iterations):
+            context = f"seed {seed}, iteration {i}"
+            durability = "fsync" if i % 4 == 3 else "close"
+            start_and_settle(m, [*base, "--durability", durability])
+            verified += work.verify(context)
+            if work.discarded:
+                gc_now(m)  # the discarded .tmp files' chunks are garbage only now
+            check_store_clean(m.store, context)
+            work.killed.clear()
+            delay = rng.uniform(0.0, 1.5)
+            proc = m.proc
+            assert proc is not None
+
+            def kill(proc: subprocess.Popen[bytes] = proc, delay: float = delay) -> None:
+                time.sleep(delay)
+                work.killed.set()
+                proc.kill()
+
+            killer = threading.Thread(target=kill)
+            killer.start()
+            work.run_until_killed()
+            killer.join()
+            m.kill()
+        start_and_settle(m)
+        verified += work.verify(f"seed {seed}, final")
+        check_store_clean(m.store, f"seed {seed}, final")
+    finally:
+        if m.proc is not None:
+            m.stop()
+        elif is_mounted(m.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mnt)], check=False)
+    print(
+        f"\nkill -9: {iterations} iterations (seed {seed}), {work.saves} saves, {verified} bytes verified, "
+        f"ops started {work.in_flight}, {time.monotonic() - started:.1f}s"
+    )
+    assert work.saves > iterations // 4, "the workload hardly ran before the kills"
+
+
+# -- full disk ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    d = tmp_path / "small"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def save_expecting_enospc(path: Path, data: bytes) -> OSError:
+    try:
+        write_in_pieces(path, data, MiB)
+    except OSError as e:
+        return e
+    raise AssertionError(f"saving {len(data)} bytes to {path} on a full disk did not fail")
+
+
+def test_enospc_mid_save_keeps_previous_version(small_fs: Path, tmp_path: Path) -> None:
+    m = Mount(small_fs / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--pack-size", "1MiB"])
+    start_and_settle(m)
+    try:
+        v1, other = rand_bytes(4 * MiB, 1), rand_bytes(2 * MiB, 2)
+        write_in_pieces(m.path("snap"), v1, MiB)
+        write_in_pieces(m.path("other"), other, MiB)
+        # Leave different amounts free so the disk fills in different places (pack, map, stub).
+        for round_, free in enumerate((6 * MiB, 2 * MiB, 64 << 10)):
+            filler = small_fs / "filler"
+            st = os.statvfs(small_fs)
+            filler.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - free))
+            big = rand_bytes(30 * MiB, 10 + round_)
+            for target in ("snap", "snap.tmp"):  # overwrite in place, and the proxy's way
+                reader = open(m.path("snap"), "rb")  # noqa: SIM115 - open across the failing save
+                err = save_expecting_enospc(m.path(target), big)
+                assert err.errno == errno.ENOSPC, err
+                reader.close()  # a reader's close neither saves the failed content nor reports its error
+                assert m.path("snap").read_bytes() == v1, f"round {round_}: previous version damaged"
+                assert m.path("other").read_bytes() == other
+            if m.path("snap.tmp").exists():  # unless the disk was too full to even create it
+                assert m.path("snap.tmp").stat().st_size == 0  # the failed new file keeps its (empty) content
+                m.path("snap.tmp").unlink()
+            filler.unlink()
+            gc_now(m)  # the failed saves' chunks are garbage now
+            v2 = rand_bytes(3 * MiB, 20 + round_)
+            write_in_pieces(m.path("snap.tmp"), v2, MiB)  # still serving: the next save works
+            os.rename(m.path("snap.tmp"), m.path("snap"))
+            assert m.path("snap").read_bytes() == v2
+            v1 = v2
+        log = m.log()
+        assert "No space left on device" in log
+        assert "Traceback" not in log
+        m.stop()
+        report, _ = fsck.check(m.store)
+        assert report.ok, report.problems
+        m.start()
+        assert m.path("snap").read_bytes() == v1
+    finally:
+        if m.proc is not None:
+            m.stop()
+
+
+# -- corruption -----------------------------------------------------------------------------------
+
+
+def chunk_location(store: Path, cid: bytes) -> tuple[int, int, int]:
+    db = sqlite3.connect(store / "chunks.db")
+    try:
+        return db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (cid,)).fetchone()
+    finally:
+        db.close()
+
+
+def pack_path(store: Path, pack: int) -> Path:
+    return store / "packs" / f"{pack:08d}.pack"
+
+
+def test_corruption_fails_only_the_damaged_snapshots(kvfs) -> None:
+    datas = {name: rand_bytes(2 * MiB + i, 30 + i) for i, name in enumerate(("flipped", "cut", "good", "junk"))}
+    for name, data in datas.items():
+        write_in_pieces(kvfs.path(name), data, MiB)
+        kvfs.remount()  # a new daemon starts a new pack: each snapshot has packs of its own
+    snaps = kvfs.store / "snapshots"
+    kvfs.stop()
+    # A flipped byte inside a chunk of "flipped".
+    victim = stubs.read_index(snaps / "flipped").ids[3]
+    pack, off, length = chunk_location(kvfs.store, victim)
+    with open(pack_path(kvfs.store, pack), "r+b") as f:
+        f.seek(off + length // 2)
+        byte = f.read(1)
+        f.seek(off + length // 2)
+        f.write(bytes([byte[0] ^ 0x55]))
+    # The pack holding the end of "cut" loses its second half.
+    last = stubs.read_index(snaps / "cut").ids[-1]
+    cut_pack = chunk_location(kvfs.store, last)[0]
+    os.truncate(pack_path(kvfs.store, cut_pack), pack_path(kvfs.store, cut_pack).stat().st_size // 2)
+    # A stub that is not an index any more.
+    (snaps / "junk").write_bytes(b"garbage" * 100)
+
+    offline = kv_cli("fsck", "--store", str(kvfs.store), "--verify-data")
+    assert offline.returncode == 1, offline.stdout + offline.stderr
+    assert f"pack {cut_pack}:" in offline.stdout and "past its end" in offline.stdout
+    assert victim.hex() in offline.stdout and "fails its checksum" in offline.stdout
+    for name in ("flipped", "cut", "junk"):
+        assert f"snapshot {name}:" in offline.stdout
+    assert "snapshot good:" not in offline.stdout
+
+    kvfs.start()
+    for name in ("flipped", "cut", "junk"):
+        with pytest.raises(OSError) as e:
+            kvfs.path(name).read_bytes()
+        assert e.value.errno == errno.EIO, name
+    assert kvfs.path("good").read_bytes() == datas["good"]
+    log = kvfs.log()
+    assert "read of flipped" in log and victim.hex() in log
+    assert "snapshot cut needs" in log and "read of cut" in log
+    assert "cannot open snapshot junk" in log
+
+    mounted = kv_cli("fsck", "--store", str(kvfs.store), "--verify-data")
+    assert mounted.returncode == 1, mounted.stdout + mounted.stderr
+    for name in ("flipped", "cut", "junk"):
+        assert f"snapshot {name}:" in mounted.stdout
+    assert "snapshot good:" not in mounted.stdout
+    assert "mounted: read-only check" in mounted.stdout
+
+
+def test_flipped_byte_in_stub_keeps_its_chunks(kvfs) -> None:
+    """GC must not collect the chunks of a stub it cannot parse: fsck may still rescue it."""
+    data = rand_bytes(2 * MiB, 40)
+    write_in_pieces(kvfs.path("s"), data, MiB)
+    stub = kvfs.store / "snapshots" / "s"
+    good = stub.read_bytes()
+    broken = bytearray(good)
+    broken[-3] ^= 0xFF  # the tail marker
+    stub.write_bytes(bytes(broken))
+    gc_now(kvfs)
+    assert "not a valid index" in kvfs.log()
+    stub.write_bytes(good)
+    kvfs.remount()
+    assert kvfs.path("s").read_bytes() == data

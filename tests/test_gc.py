@@ -1,0 +1,299 @@
+"""Garbage collection on a real mount: what it frees, what it must keep, and reads during compaction."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SRC, Mount
+from helpers import rand_bytes, sha, write_in_pieces
+
+from kvchunkfs import fsck, gc, stubs
+from kvchunkfs.index import Index
+from kvchunkfs.repo import Repository
+
+MiB = 1 << 20
+
+
+def wait_for_log(m: Mount, text: str, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while m.log().count(text) < count:
+        assert time.monotonic() < deadline, f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}"
+        time.sleep(0.02)
+
+
+def gc_now(m: Mount) -> None:
+    n = m.log().count("gc finished")
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGUSR1)
+    wait_for_log(m, "gc finished", n + 1)
+
+
+def kv_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    return subprocess.run([sys.executable, "-m", "kvchunkfs.cli", *args], capture_output=True, text=True, env=env)
+
+
+def chunk_sizes(stub: Path) -> dict[bytes, int]:
+    index = stubs.read_index(stub)
+    return {cid: index.length(i) for i, cid in enumerate(index.ids)}
+
+
+def pack_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in (store / "packs").glob("*.pack"))
+
+
+def settled(m: Mount) -> Mount:
+    wait_for_log(m, "gc finished", 1)  # the GC at mount ran
+    return m
+
+
+@pytest.fixture
+def small_packs(tmp_path: Path):
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--pack-size", "1MiB"])
+    m.start()
+    try:
+        yield settled(m)
+    finally:
+        m.stop()
+
+
+def test_gc_through_the_daemon_frees_exactly_the_dead_chunks(small_packs: Mount) -> None:
+    m = small_packs
+    a = rand_bytes(4 * MiB, 1)
+    b = a[: 2 * MiB] + rand_bytes(3 * MiB, 2)  # shares a prefix with a
+    write_in_pieces(m.path("a"), a, MiB)
+    write_in_pieces(m.path("b"), b, MiB)
+    live, doomed = chunk_sizes(m.store / "snapshots" / "a"), chunk_sizes(m.store / "snapshots" / "b")
+    dead = {cid: n for cid, n in doomed.items() if cid not in live}
+    assert 0 < len(dead) < len(doomed)
+    before = pack_bytes(m.store)
+    m.path("b").unlink()
+
+    r = kv_cli("gc", "--store", str(m.store), "--json")  # mounted: the daemon collects (POST /gc)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["chunks_freed"] == len(dead)
+    assert report["bytes_freed"] == sum(dead.values())
+    assert report["packs_deleted"] >= 1
+    assert report["live_chunks"] == len(live)
+    assert report["disk_bytes_freed"] == before - pack_bytes(m.store) > 0
+    assert "gc finished: freed" in m.log()
+    m.remount()
+    assert m.path("a").read_bytes() == a
+    report2 = json.loads(kv_cli("gc", "--store", str(m.store), "--json").stdout)
+    assert report2["chunks_freed"] == 0
+
+
+def test_gc_of_an_unmounted_store_runs_directly(kvfs) -> None:
+    a = rand_bytes(3 * MiB, 3)
+    write_in_pieces(kvfs.path("a"), a, MiB)
+    write_in_pieces(kvfs.path("b"), rand_bytes(2 * MiB, 4), MiB)
+    kvfs.path("b").unlink()
+    kvfs.stop()
+    (kvfs.store / "api.sock").unlink(missing_ok=True)
+    r = kv_cli("gc", "--store", str(kvfs.store))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("gc finished: freed ") and "freed 0 chunks" not in r.stdout
+    report, _ = fsck.check(kvfs.store)
+    assert report.ok and report.garbage_chunks == 0
+    kvfs.start()
+    assert kvfs.path("a").read_bytes() == a
+
+
+def read_direct(fd: int, offset: int, size: int) -> bytes:
+    """O_DIRECT read: the daemon answers, not the kernel's page cache."""
+    buf = mmap.mmap(-1, size)
+    try:
+        return buf[: os.preadv(fd, [buf], offset)]
+    finally:
+        buf.close()
+
+
+def test_gc_keeps_the_chunks_of_a_file_unlinked_while_open(tmp_path: Path) -> None:
+    extra = ["--pack-size", "1MiB", "--cache-size", "0", "--readahead", "0"]  # every read goes to the packs
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", extra)
+    m.start()
+    try:
+        data = rand_bytes(3 * MiB, 5)
+        write_in_pieces(m.path("x"), data, MiB)
+        fd = os.open(m.path("x"), os.O_RDONLY | os.O_DIRECT)
+        try:
+            head = read_direct(fd, 0, MiB)
+            m.path("x").unlink()
+            gc_now(m)
+            rest = read_direct(fd, MiB, 2 * MiB)
+        finally:
+            os.close(fd)
+        assert head + rest == data
+        gc_now(m)  # closed now: its chunks go
+        last_gc = [line for line in m.log().splitlines() if "gc finished" in line][-1]
+        assert "freed 0 chunks" not in last_gc
+    finally:
+        m.stop()
+
+
+def direct_write(fd: int, data: bytes, offset: int) -> None:
+    """Write page-aligned data with O_DIRECT: it reaches the daemon now, not at close."""
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    try:
+        assert os.pwritev(fd, [buf], offset) == len(data)
+    finally:
+        buf.close()
+
+
+def test_gc_never_drops_a_chunk_a_save_is_reusing(small_packs: Mount) -> None:
+    """The chunks of a deleted snapshot are found in the store by a new save and pinned: GC keeps them."""
+    m = small_packs
+    data = rand_bytes(8 * MiB, 6)
+    write_in_pieces(m.path("old"), data, MiB)
+    m.path("old").unlink()  # its chunks are garbage now ...
+    deduped = m.stats()["chunks_deduped"]
+    fd = os.open(m.path("new"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        direct_write(fd, data[: 6 * MiB], 0)  # ... until this save finds them again
+        deadline = time.monotonic() + 10
+        while m.stats()["chunks_deduped"] - deduped < 40:
+            assert time.monotonic() < deadline, "the save did not reach the store"
+            time.sleep(0.05)
+        gc_now(m)
+        direct_write(fd, data[6 * MiB :], 6 * MiB)
+    finally:
+        os.close(fd)
+    m.remount()
+    assert m.path("new").read_bytes() == data
+
+
+def test_restore_while_its_packs_are_compacted(tmp_path: Path) -> None:
+    """Readers keep getting the right bytes while GC copies their chunks and deletes the old packs."""
+    extra = ["--pack-size", "16MiB", "--gc-compact-threshold", "0.9", "--cache-size", "0", "--readahead", "0"]
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", extra)
+    m.start()
+    settled(m)
+    files: dict[str, bytes] = {}
+    errors: list[str] = []
+    reads = 0
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def reader() -> None:
+        nonlocal reads
+        buf = mmap.mmap(-1, 256 << 10)
+        while not stop.is_set():
+            with lock:
+                name, data = next(iter(files.items()))
+            fd = os.open(m.path(name), os.O_RDONLY | os.O_DIRECT)
+            try:
+                for off in range(0, len(data), len(buf)):
+                    n = os.preadv(fd, [buf], off)
+                    if buf[:n] != data[off : off + n]:
+                        errors.append(f"{name} at {off}: wrong bytes")
+                    reads += 1
+            except OSError as e:
+                errors.append(f"{name}: {e}")
+            finally:
+                os.close(fd)
+        buf.close()
+
+    try:
+        for r in range(4):
+            keep, drop = rand_bytes(6 * MiB, 100 + r), rand_bytes(6 * MiB, 200 + r)
+            write_in_pieces(m.path(f"keep{r}"), keep, MiB)
+            write_in_pieces(m.path(f"drop{r}"), drop, MiB)  # same packs as keep{r}
+            with lock:
+                files[f"keep{r}"] = keep
+                files.pop(f"keep{r - 2}", None)
+            if r == 0:
+                t = threading.Thread(target=reader)
+                t.start()
+            m.path(f"drop{r}").unlink()
+            if r >= 2:
+                m.path(f"keep{r - 2}").unlink()
+            gc_now(m)
+        stop.set()
+        t.join()
+    finally:
+        stop.set()
+        m.stop()
+    lines = [line for line in m.log().splitlines() if "gc finished" in line]
+    compacted = sum(int(line.split("compacted ")[1].split()[0]) for line in lines)
+    assert compacted >= 3, m.log()
+    assert not errors, errors[:5]
+    assert reads > 100
+
+
+# -- the mark phase against renames, without FUSE -------------------------------------------------
+
+
+def make_repo(root: Path) -> tuple[Repository, bytes]:
+    """A store with one snapshot ``a.tmp`` of one chunk."""
+    repo = Repository(root)
+    data = os.urandom(100_000)
+    cid = bytes.fromhex(sha(data))
+    owner = object()
+    repo.store.add_chunks([(cid, data)], owner)
+    repo.store.unpin(owner)
+    index = Index(repo.chunker.min, repo.chunker.avg, repo.chunker.max)
+    index.append(cid, len(data))
+    repo.install_stub(repo.prepare_stub(index, None), "a.tmp")
+    return repo, cid
+
+
+def test_a_rename_during_the_walk_makes_gc_walk_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, cid = make_repo(tmp_path)
+    real = gc.named_ids
+    calls = 0
+
+    def racing_walk(repo: Repository, report: gc.GCReport) -> set[bytes]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the listing missed the stub while it was renamed
+            with repo.ns_lock:
+                os.rename(repo.path("a.tmp"), repo.path("a"))
+                repo.ns_gen += 1
+            return set()
+        return real(repo, report)
+
+    monkeypatch.setattr(gc, "named_ids", racing_walk)
+    report = gc.run_gc(repo, 0.5)
+    assert report.walks == 2 and report.chunks_freed == 0
+    assert repo.store.locate(cid)
+    repo.close()
+
+
+def test_endless_renames_fall_back_to_a_walk_under_the_namespace_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, cid = make_repo(tmp_path)
+    real = gc.named_ids
+
+    def always_racing(repo: Repository, report: gc.GCReport) -> set[bytes]:
+        if repo.ns_lock.acquire(blocking=False):  # not the final walk: a rename happens meanwhile
+            repo.ns_gen += 1
+            repo.ns_lock.release()
+            return set()
+        return real(repo, report)
+
+    monkeypatch.setattr(gc, "named_ids", always_racing)
+    report = gc.run_gc(repo, 0.5)
+    assert report.walks == gc.MAX_WALKS + 1 and report.chunks_freed == 0
+    assert repo.store.locate(cid)
+    repo.close()
+
+
+def test_periodic_gc(tmp_path: Path) -> None:
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--gc-interval", "1"])
+    m.start()
+    try:
+        wait_for_log(m, "gc finished", 3, timeout=10)
+    finally:
+        m.stop()

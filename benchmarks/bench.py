@@ -29,6 +29,7 @@ from kvchunkfs.chunker import Chunker, chunk_id  # noqa: E402
 from kvchunkfs.config import parse_size  # noqa: E402
 
 MiB = 1 << 20
+TURN_NEW = 8 * MiB  # new bytes in a "next turn" save (a few hundred tokens of a mid-size model)
 PIECE = MiB  # llama-server writes tensors through stdio with a 1 MiB buffer (st_blksize)
 
 
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> dict:
     plain, store, mnt = work / "plain", work / "store", work / "mnt"
     plain.mkdir()
     daemon = Daemon(store, mnt, work / "daemon.log", args.mount_args.split())
-    results: dict[str, dict[str, list[float]]] = {k: {"fs": [], "plain": []} for k in ("save", "cold", "warm")}
+    kinds = ("save", "save_turn", "cold", "warm")
+    results: dict[str, dict[str, list[float]]] = {k: {"fs": [], "plain": []} for k in kinds}
     throughput = []
     try:
         daemon.start()
@@ -119,9 +121,13 @@ def run(args: argparse.Namespace) -> dict:
             throughput.append(chunk_hash_throughput(bytes(data)))
             order = [("fs", mnt), ("plain", plain)] if run_no % 2 == 0 else [("plain", plain), ("fs", mnt)]
             name = f"snap{run_no}"
+            # The next turn: the same state plus new tokens' worth of bytes, saved as a new file.
+            turn = memoryview(bytes(data) + os.urandom(TURN_NEW))
             for kind, d in order:
                 drop_caches()
                 results["save"][kind].append(timed(lambda p=d / name, b=data: save(p, b)))
+                drop_caches()
+                results["save_turn"][kind].append(timed(lambda p=d / f"{name}.turn", b=turn: save(p, b)))
             daemon.stop()  # empties the daemon's chunk cache for the cold restore
             daemon.start()
             for kind, d in order:
@@ -148,12 +154,14 @@ def report(s: dict) -> str:
     mib = s["size_bytes"] / MiB
     lines = [f"{mib:.0f} MiB snapshot, {s['runs']} interleaved runs, medians", "",
              f"{'':14}{'kv-chunk-fs':>14}{'plain':>10}{'ratio':>8}{'fs MiB/s':>10}"]
-    names = {"save": "save", "cold": "restore cold", "warm": "restore warm"}
+    names = {"save": "save (new)", "save_turn": "save (turn)", "cold": "restore cold", "warm": "restore warm"}
     for k, label in names.items():
         r = s[k]
         lines.append(f"{label:14}{r['fs_median_s']:>13.3f}s{r['plain_median_s']:>9.3f}s{r['ratio']:>7.2f}x"
                      f"{mib / r['fs_median_s']:>10.0f}")
     lines.append(f"chunk+hash (1 thread): {s['chunk_hash_MBps_median']:.0f} MB/s")
+    lines.append("save (new): every byte new to the store; save (turn): the same state plus "
+                 f"{TURN_NEW // MiB} MiB of new bytes, written as a new file (the next turn)")
     return "\n".join(lines)
 
 

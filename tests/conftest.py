@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
+MOUNTED = "kvchunkfs.daemon: mounted "  # the daemon's log line once it serves
 
 
 def is_mounted(path: Path) -> bool:
@@ -34,12 +35,14 @@ class Mount:
     def start(self, extra: list[str] | None = None) -> None:
         if extra is not None:
             self.extra = extra
+        mounts_before = self.log().count(MOUNTED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
-        while not is_mounted(self.mnt):
+        # After a kill -9 the dead mount is still listed, so wait for this daemon's own "mounted".
+        while not (is_mounted(self.mnt) and self.log().count(MOUNTED) > mounts_before):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log()}")
             if time.monotonic() > deadline:

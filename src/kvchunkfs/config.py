@@ -232,7 +232,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
-        Setting("gc_compact_threshold", "float", 0.5, "rewrite packs with more dead bytes than this", lo=0, hi=1),
+        Setting("gc_compact_threshold", "float", 0.5, "compact packs whose live share falls below this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
         Setting("api_address", "address", "", "host:port of the HTTP API; a bare port means 127.0.0.1 (empty = off)"),
         Setting("api_token", "str", "", "bearer token required by the API"),

@@ -51,8 +51,18 @@ def start_and_settle(m: Mount, extra: list[str] | None = None) -> None:
     assert is_mounted(m.mnt)
 
 
+def wait_closed(m: Mount, timeout: float = 30) -> None:
+    """Until the daemon has released every file: close() returns before FUSE's RELEASE arrives,
+    and a file still open keeps its chunks pinned (so a GC right after close may keep them)."""
+    deadline = time.monotonic() + timeout
+    while m.stats()["open_files"]:
+        assert time.monotonic() < deadline, f"files still open: {m.stats()}"
+        time.sleep(0.02)
+
+
 def gc_now(m: Mount) -> None:
     """Ask the daemon for a GC (SIGUSR1) and wait until it finished."""
+    wait_closed(m)
     n = m.log().count("gc finished")
     assert m.proc is not None
     m.proc.send_signal(signal.SIGUSR1)

@@ -26,7 +26,6 @@ import socket
 import stat
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,24 +112,16 @@ class Service:
         return _report_dict(self.collector.run())
 
     def observe_gc(self) -> None:
-        """Make every run of the collector count in the metrics, periodic and SIGUSR1 ones too.
-
-        The collector calls its own ``run`` for those, so the instance's ``run`` is wrapped once here.
-        """
+        """Count every run of the collector in the metrics, periodic and SIGUSR1 ones too."""
         collector, metrics = self.collector, self.metrics
         if collector is None or metrics is None:
             return
-        run = collector.run
 
-        def observed_run() -> Any:
-            start = time.monotonic()
-            report = run()
+        def observe(report: Any) -> None:
             result = _report_dict(report)
-            # The report's own duration leaves out waiting for a run already in progress.
-            metrics.on_gc(float(result.get("duration_s", time.monotonic() - start)), result)
-            return report
+            metrics.on_gc(float(result.get("duration_s", 0.0)), result)
 
-        collector.run = observed_run  # type: ignore[method-assign]
+        collector.observers.append(observe)
 
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
         return catalog.token_tree(self.repo.snapshots, self.repo.fetcher.read, prefix)

@@ -517,7 +517,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
             content.committed(gen)
             self.saves += 1
-            self._observe("on_save", time.monotonic() - start, index.size, _new_since_last_save(content))
+            self._observe("on_save", time.monotonic() - start, index.size, content.take_new_bytes())
             log.debug("saved %s: %d bytes, %d chunks in %.3fs", node.path, index.size, len(index),
                       time.monotonic() - start)
 
@@ -637,13 +637,6 @@ class Operations(pyfuse3.Operations):
             "write_request_bytes": self.write_bytes,
             "open_files": sum(1 for n in self.nodes.values() if n.content is not None),
         }
-
-
-def _new_since_last_save(content: FileContent) -> int:
-    """Bytes ``content`` added to the store since its previous save (``bytes_new`` is cumulative)."""
-    before = getattr(content, "_bytes_new_saved", 0)
-    content._bytes_new_saved = content.bytes_new  # type: ignore[attr-defined]
-    return content.bytes_new - before
 
 
 def _invalidate_entry(parent_ino: int, name: bytes) -> None:

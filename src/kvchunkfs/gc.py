@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,6 +352,8 @@ class GarbageCollector:
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set at unmount: a long compaction stops between batches
         self._wake: trio.Event | None = None
+        # Called after every run, periodic or on demand (the metrics count GC runs and bytes freed).
+        self.observers: list[Callable[[GCReport], None]] = []
 
     def run(self) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one)."""
@@ -360,6 +362,8 @@ class GarbageCollector:
             self.last = report
             self.runs += 1
         log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
+        for observe in self.observers:
+            observe(report)
         return report
 
     def _run_logged(self) -> None:

@@ -101,6 +101,7 @@ class FileContent:
         self.dirty = False
         self.error: OSError | None = None
         self.bytes_new = 0  # bytes this file added to the store
+        self._reported_new = 0
         self.epoch = 0  # worker results from an older epoch are dropped
         self._reset_stream(index, b"")
         self.staging_fd = -1
@@ -412,6 +413,11 @@ class FileContent:
             if not data:
                 return index
             pos += len(data)
+
+    def take_new_bytes(self) -> int:
+        """Bytes this file added to the store since the last call (one save's new bytes)."""
+        new, self._reported_new = self.bytes_new - self._reported_new, self.bytes_new
+        return new
 
     def committed(self, gen: int) -> None:
         with self.cond:

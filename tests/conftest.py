@@ -49,6 +49,15 @@ class Mount:
                 raise RuntimeError(f"mount did not appear: {self.log()}")
             time.sleep(0.05)
 
+    def start_settled(self, extra: list[str] | None = None) -> None:
+        """Start (after a kill too) and wait for recovery and the GC every mount begins with."""
+        gcs = self.log().count("gc finished")
+        self.start(extra)
+        deadline = time.monotonic() + 30
+        while self.log().count("gc finished") <= gcs:
+            assert time.monotonic() < deadline, f"no GC after mount: {self.log()[-3000:]}"
+            time.sleep(0.02)
+
     def stop(self) -> None:
         if self.proc is None:
             return

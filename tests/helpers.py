@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import random
+import time
 from pathlib import Path
+from typing import Protocol
 
 from kvchunkfs import stubs
 
@@ -30,3 +34,32 @@ def unique_chunk_bytes(stub: Path) -> tuple[int, int]:
     for i, cid in enumerate(index.ids):
         seen[cid] = index.length(i)
     return len(seen), sum(seen.values())
+
+
+def read_direct(path: Path) -> bytes:
+    """Read around the kernel page cache (O_DIRECT), so the daemon's read path answers."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4 << 20)
+    out = bytearray()
+    try:
+        while True:
+            n = os.preadv(fd, [buf], len(out))
+            out += buf[:n]
+            if n < len(buf):
+                return bytes(out)
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+class HasLog(Protocol):
+    def log(self) -> str: ...
+
+
+def wait_for_log(m: HasLog, text: str, count: int, timeout: float = 30) -> None:
+    """Until the daemon log holds ``count`` lines containing ``text``."""
+    deadline = time.monotonic() + timeout
+    while m.log().count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}")
+        time.sleep(0.02)

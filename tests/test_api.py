@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import socket
 import stat
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SRC, Mount
-from helpers import rand_bytes, write_in_pieces
+from helpers import rand_bytes, read_direct, write_in_pieces
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvchunkfs import index as idx
@@ -82,20 +81,6 @@ def api(tmp_path: Path) -> Iterator[Api]:
     assert "Traceback" not in mount.log(), mount.log()
 
 
-def read_direct(path: Path) -> bytes:
-    """Read around the kernel page cache so the daemon's read path (and its cache) answers."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    buf = mmap.mmap(-1, 4 * MiB)
-    out = bytearray()
-    try:
-        while True:
-            n = os.preadv(fd, [buf], len(out))
-            out += buf[:n]
-            if n < len(buf):
-                return bytes(out)
-    finally:
-        os.close(fd)
-        buf.close()
 
 
 def independent_share(snapshots_dir: Path) -> dict[str, tuple[int, int, int, int]]:

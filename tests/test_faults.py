@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount, is_mounted
-from helpers import rand_bytes, sha, write_in_pieces
+from helpers import rand_bytes, sha, wait_for_log, write_in_pieces
 
 from kvchunkfs import fsck, stubs
 
@@ -33,22 +33,8 @@ THRESHOLD = 0.6
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def wait_for_log(m: Mount, text: str, count: int, timeout: float = 30) -> None:
-    """Until the daemon log holds ``count`` lines containing ``text``."""
-    deadline = time.monotonic() + timeout
-    while m.log().count(text) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}")
-        time.sleep(0.02)
 
 
-def start_and_settle(m: Mount, extra: list[str] | None = None) -> None:
-    """Start the daemon (it may find a dead mount to clear) and wait for recovery and its first GC."""
-    mounted, gcs = m.log().count("kvchunkfs.daemon: mounted"), m.log().count("gc finished")
-    m.start(extra)
-    wait_for_log(m, "kvchunkfs.daemon: mounted", mounted + 1)
-    wait_for_log(m, "gc finished", gcs + 1)
-    assert is_mounted(m.mnt)
 
 
 def wait_closed(m: Mount, timeout: float = 30) -> None:
@@ -193,7 +179,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
         for i in range(iterations):
             context = f"seed {seed}, iteration {i}"
             durability = "fsync" if i % 4 == 3 else "close"
-            start_and_settle(m, [*base, "--durability", durability])
+            m.start_settled([*base, "--durability", durability])
             verified += work.verify(context)
             if work.discarded:
                 gc_now(m)  # the discarded .tmp files' chunks are garbage only now
@@ -213,7 +199,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             work.run_until_killed()
             killer.join()
             m.kill()
-        start_and_settle(m)
+        m.start_settled()
         verified += work.verify(f"seed {seed}, final")
         check_store_clean(m.store, f"seed {seed}, final")
     finally:
@@ -252,7 +238,7 @@ def save_expecting_enospc(path: Path, data: bytes) -> OSError:
 
 def test_enospc_mid_save_keeps_previous_version(small_fs: Path, tmp_path: Path) -> None:
     m = Mount(small_fs / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--pack-size", "1MiB"])
-    start_and_settle(m)
+    m.start_settled()
     try:
         v1, other = rand_bytes(4 * MiB, 1), rand_bytes(2 * MiB, 2)
         write_in_pieces(m.path("snap"), v1, MiB)

@@ -8,10 +8,9 @@ import mmap
 import os
 import stat
 import time
-from pathlib import Path
 
 import pytest
-from helpers import rand_bytes, unique_chunk_bytes, write_in_pieces
+from helpers import rand_bytes, read_direct, unique_chunk_bytes, write_in_pieces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,20 +20,6 @@ MiB = 1 << 20
 _counter = itertools.count()
 
 
-def read_direct(path: Path) -> bytes:
-    """Read around the kernel page cache (O_DIRECT), so the daemon's read path answers."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    buf = mmap.mmap(-1, 4 * MiB)
-    out = bytearray()
-    try:
-        while True:
-            n = os.preadv(fd, [buf], len(out))
-            out += buf[:n]
-            if n < len(buf):
-                return bytes(out)
-    finally:
-        os.close(fd)
-        buf.close()
 
 
 def test_streaming_save_read_during_after_and_remount(kvfs):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SRC, Mount
-from helpers import rand_bytes, sha, write_in_pieces
+from helpers import rand_bytes, sha, wait_for_log, write_in_pieces
 
 from kvchunkfs import fsck, gc, stubs
 from kvchunkfs.index import Index
@@ -23,11 +23,6 @@ from kvchunkfs.repo import Repository
 MiB = 1 << 20
 
 
-def wait_for_log(m: Mount, text: str, count: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while m.log().count(text) < count:
-        assert time.monotonic() < deadline, f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}"
-        time.sleep(0.02)
 
 
 def gc_now(m: Mount) -> None:

@@ -11,26 +11,15 @@ import time
 from pathlib import Path
 
 from conftest import SRC, Mount
-from helpers import rand_bytes, write_in_pieces
+from helpers import rand_bytes, wait_for_log, write_in_pieces
 
 from kvchunkfs import fsck
 
 MiB = 1 << 20
 
 
-def wait_for_log(m: Mount, text: str, count: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while m.log().count(text) < count:
-        assert time.monotonic() < deadline, f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}"
-        time.sleep(0.02)
 
 
-def restart(m: Mount, extra: list[str] | None = None) -> None:
-    """Start after a kill (the dead mount is still listed) and wait for recovery and the first GC."""
-    mounted, gcs = m.log().count("kvchunkfs.daemon: mounted"), m.log().count("gc finished")
-    m.start(extra)
-    wait_for_log(m, "kvchunkfs.daemon: mounted", mounted + 1)
-    wait_for_log(m, "gc finished", gcs + 1)
 
 
 def packs(store: Path) -> list[Path]:
@@ -50,7 +39,7 @@ def test_recovery_cuts_tails_and_removes_leftovers(kvfs) -> None:
     (kvfs.store / "tmp" / "stub-deadbeef").write_bytes(b"half a stub")
     (kvfs.store / "staging" / "x.staging").write_bytes(b"a staged copy")
 
-    restart(kvfs)
+    kvfs.start_settled()
     log = kvfs.log()
     assert f"pack {int(last.stem)}: cut 12345 bytes" in log
     assert f"removed pack {int(stray.stem)}" in log
@@ -87,7 +76,7 @@ def test_reader_close_does_not_publish_a_half_written_save(kvfs) -> None:
         writer.close()
     except OSError:
         pass  # the daemon is gone
-    restart(kvfs)
+    kvfs.start_settled()
     assert kvfs.path("s").read_bytes() == old
 
 
@@ -95,7 +84,7 @@ def test_kill_during_gc_keeps_every_snapshot(tmp_path: Path) -> None:
     """kill -9 while GC deletes and compacts packs: nothing live is lost, the next mount cleans up."""
     extra = ["--pack-size", "16MiB", "--gc-compact-threshold", "0.9"]  # every pack of a round is compacted
     m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", extra)
-    restart(m)
+    m.start_settled()
     rng = random.Random(7)
     kept: dict[str, bytes] = {}
     hits = 0
@@ -115,7 +104,7 @@ def test_kill_during_gc_keeps_every_snapshot(tmp_path: Path) -> None:
             time.sleep(rng.uniform(0.0, 0.05))
             m.kill()
             hits += m.log().count("gc finished") == finished  # the GC did not get to its end
-            restart(m)
+            m.start_settled()
             for name, data in kept.items():
                 assert m.path(name).read_bytes() == data, f"round {round_}: {name}"
             report, _ = fsck.check(m.store)

@@ -29,7 +29,7 @@ from .index import IndexFormatError
 from .packstore import ChunkCorrupt, ChunkMissing
 from .reader import Cursor
 from .repo import Repository
-from .writer import Action, FileContent
+from .writer import Action, FileContent, Mode
 
 log = logging.getLogger(__name__)
 
@@ -542,6 +542,10 @@ class Operations(pyfuse3.Operations):
             return fetch(index, o, n, cursor)
 
         try:
+            if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
+                data = self.repo.fetcher.read_cached(content.index, off, size, cursor)
+                if data is not None:
+                    return data
             return await self._thread(content.read, off, size, read_chunks)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("read of %s at %d failed: %s", handle.node.path, off, e)

@@ -156,6 +156,15 @@ class Workload:
         return verified
 
 
+def verify_and_check(m: Mount, work: Workload, context: str) -> int:
+    """After a restart: every snapshot in an allowed state, then the store clean and collected."""
+    verified = work.verify(context)
+    if work.discarded:
+        gc_now(m)  # the discarded .tmp files' chunks are garbage only now
+    check_store_clean(m.store, context)
+    return verified
+
+
 def check_store_clean(store: Path, context: str) -> fsck.FsckReport:
     """fsck on the idle store: no damage, no leftovers, no garbage; compacted packs are dense enough."""
     report, _ = fsck.check(store, live=False)
@@ -180,10 +189,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             context = f"seed {seed}, iteration {i}"
             durability = "fsync" if i % 4 == 3 else "close"
             m.start_settled([*base, "--durability", durability])
-            verified += work.verify(context)
-            if work.discarded:
-                gc_now(m)  # the discarded .tmp files' chunks are garbage only now
-            check_store_clean(m.store, context)
+            verified += verify_and_check(m, work, context)
             work.killed.clear()
             delay = rng.uniform(0.0, 1.5)
             proc = m.proc
@@ -200,8 +206,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             killer.join()
             m.kill()
         m.start_settled()
-        verified += work.verify(f"seed {seed}, final")
-        check_store_clean(m.store, f"seed {seed}, final")
+        verified += verify_and_check(m, work, f"seed {seed}, final")
     finally:
         if m.proc is not None:
             m.stop()

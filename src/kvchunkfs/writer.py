@@ -60,12 +60,17 @@ class ByteQueue:
         flat[offset : offset + len(data)] = data
         self.pieces, self.size = [flat], len(flat)
 
-    def take(self, keep: int = 0) -> memoryview:
-        """Everything but the last ``keep`` bytes, as one buffer (one copy, the join)."""
-        data = memoryview(b"".join(self.pieces))
-        rest = bytes(data[len(data) - keep :]) if keep else b""
+    def take(self, keep: int = 0) -> list[bytes | bytearray | memoryview]:
+        """Remove and return all pieces but the last ``keep`` bytes; cheap, so callers may hold a lock."""
+        taken: list[bytes | bytearray | memoryview] = self.pieces
+        rest = b""
+        if keep:
+            last = memoryview(taken.pop())
+            rest = bytes(last[len(last) - keep :])  # keep <= one page: a small copy
+            if len(last) > keep:
+                taken.append(last[: len(last) - keep])
         self.pieces, self.size = ([rest] if rest else []), len(rest)
-        return data[: len(data) - keep]
+        return taken
 
     def join(self) -> bytes:
         return b"".join(self.pieces)
@@ -116,7 +121,7 @@ class FileContent:
     def _reset_stream(self, index: Index, tail: bytes) -> None:
         self.index = index
         self.tail = tail
-        self.inflight: memoryview | None = None
+        self.inflight: list[bytes | bytearray | memoryview] | None = None
         self.buf = ByteQueue()
         self.ahead: dict[int, bytes] = {}
         self.end = index.size + len(tail)  # end of the contiguous content
@@ -282,7 +287,7 @@ class FileContent:
             self.staging_path = None
 
     def _pending(self) -> bytes:
-        return b"".join((self.inflight or b"", self.tail, self.buf.join()))
+        return b"".join((*(self.inflight or ()), self.tail, self.buf.join()))
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -334,8 +339,10 @@ class FileContent:
                 # Keep the last partial page queued: with the writeback cache the kernel writes it
                 # again, whole, once the client has filled it.
                 self.buf.prepend(self.tail)
-                data = self.buf.take(keep=0 if self._drain else min(self.end % PAGE, len(self.buf)))
-                self.inflight, self.tail = data, b""
+                taken = self.buf.take(keep=0 if self._drain else min(self.end % PAGE, len(self.buf)))
+                self.inflight, self.tail = taken, b""
+            # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
+            data = memoryview(b"".join(taken))
             try:
                 pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
                 last = bytes(pieces.pop()) if pieces else b""

@@ -8,7 +8,6 @@ the result equals chunking the whole stream at once. That is what makes streamin
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 
 from pyfastcdc.cy import FastCDC
 
@@ -31,17 +30,13 @@ class Chunker:
         view = memoryview(data)  # slices of a memoryview are views, not copies
         return [c.data for c in self._cdc.cut_buf(view)]
 
-    def chunks(self, data: bytes | memoryview) -> Iterator[tuple[bytes, memoryview]]:
-        """All chunks of a complete buffer with their ids."""
-        for piece in self.cut(data):
-            yield chunk_id(piece), piece
-
 
 class StreamChunker:
-    """Feeds bytes in order; returns chunks as soon as their boundary is final.
+    """Feeds bytes in order; returns chunks as soon as their boundary is final (used for the
+    one-pass chunking of staged copies; the streaming writer applies the same rule to its batches).
 
-    ``tail`` holds the bytes of the last, tentative chunk. ``feed`` returns the finished chunks;
-    ``finish`` returns the tail as a final chunk without forgetting it, so more bytes may follow.
+    ``tail`` holds the bytes of the last, tentative chunk; ``feed`` returns the finished chunks, and
+    at the end of the data the caller takes ``tail`` as the last chunk.
     """
 
     def __init__(self, chunker: Chunker, tail: bytes = b"") -> None:

@@ -175,3 +175,16 @@ def test_packstore_batch_larger_than_iov_max(tmp_path: Path):
         loc = repo.store.locate(cid)
         assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data
     repo.close()
+
+
+def test_one_large_batch_is_split_across_packs(tmp_path: Path):
+    """A backlog arrives as one batch; packs still stay within pack_size (GC deletes whole packs)."""
+    repo = Repository(tmp_path, StoreSettings(pack_size=1 * MiB))
+    chunks = [(chunk_id(d), d) for d in (rand_bytes(200_000, 100 + i) for i in range(16))]
+    repo.store.add_chunks(chunks, object())
+    sizes = [repo.store.pack_path(p).stat().st_size for p in repo.store.pack_ids()]
+    assert len(sizes) >= 3 and max(sizes) <= 1 * MiB and sum(sizes) == 16 * 200_000
+    for cid, data in chunks:
+        loc = repo.store.locate(cid)
+        assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data
+    repo.close()

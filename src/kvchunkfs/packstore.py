@@ -247,8 +247,28 @@ class PackStore:
                 else:
                     new[cid] = data
             if new:
-                self._append(new)
+                self._append_packed(new)
             return sum(len(d) for d in new.values())
+
+    def _append_packed(self, new: dict[bytes, bytes | memoryview]) -> None:
+        """Append a batch, starting a new pack whenever the next chunk would overflow ``pack_size``.
+
+        A backlog can make one batch many MiB; packs stay near their size, so GC can delete or
+        compact them piece by piece.
+        """
+        items = list(new.items())
+        i = 0
+        while i < len(items):
+            if self._pack_id is not None and self._pack_end + len(items[i][1]) > self.pack_size:
+                self._close_pack()
+            room = self.pack_size - (self._pack_end if self._pack_id is not None else 0)
+            group: dict[bytes, bytes | memoryview] = {}
+            size = 0
+            while i < len(items) and (not group or size + len(items[i][1]) <= room):
+                group[items[i][0]] = items[i][1]
+                size += len(items[i][1])
+                i += 1
+            self._append(group)
 
     def _append(self, new: dict[bytes, bytes | memoryview]) -> None:
         fd, pack, start = self._open_pack()

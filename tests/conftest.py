@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
+TESTS = Path(__file__).resolve().parent
+# KVCFS_TEST_BUSY=1: every daemon runs with its chunker workers slowed and sped at random
+# (tests/jitter_daemon.py) and a process keeps one core busy for the whole session.
+BUSY = os.environ.get("KVCFS_TEST_BUSY") == "1"
 MOUNTED = "kvchunkfs.daemon: mounted "  # the daemon's log line once it serves
 
 
@@ -26,9 +30,10 @@ def is_mounted(path: Path) -> bool:
 class Mount:
     """A kv-chunk-fs daemon serving ``store`` on ``mnt``; restartable."""
 
-    def __init__(self, store: Path, mnt: Path, log: Path, extra: list[str] | None = None) -> None:
+    def __init__(self, store: Path, mnt: Path, log: Path, extra: list[str] | None = None, jitter: bool = BUSY) -> None:
         self.store, self.mnt, self.log_path = store, mnt, log
         self.extra = extra or []
+        self.jitter = jitter
         self.proc: subprocess.Popen[bytes] | None = None
         mnt.mkdir(parents=True, exist_ok=True)
 
@@ -37,7 +42,8 @@ class Mount:
             self.extra = extra
         mounts_before = self.log().count(MOUNTED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
-        cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
+        launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
+        cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
@@ -92,6 +98,20 @@ class Mount:
 
     def path(self, name: str) -> Path:
         return self.mnt / name
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_hog() -> Iterator[None]:
+    """In busy mode, one core stays busy for the whole session (issue 14: bugs that hide on an idle machine)."""
+    if not BUSY:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ def store_settings(cfg: cfgmod.Config) -> StoreSettings:
         prefetch_workers=cfg.prefetch_workers,
         cache_size=cfg.cache_size,
         verify_reads=cfg.verify_reads,
+        writeback_cache=cfg.writeback_cache,
         durability=cfg.durability,
     )
 

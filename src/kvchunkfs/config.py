@@ -231,6 +231,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("cache_size", "size", 256 * MiB, "chunk cache size", lo=0),
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
+        Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
         Setting("gc_compact_threshold", "float", 0.5, "compact packs whose live share falls below this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
@@ -256,6 +257,7 @@ class Config:
     cache_size: int = 256 * MiB
     kernel_readahead_kb: int = 4096
     verify_reads: bool = True
+    writeback_cache: bool = False
     gc_interval: int = 3600
     gc_compact_threshold: float = 0.5
     durability: str = "close"

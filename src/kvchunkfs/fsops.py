@@ -74,11 +74,10 @@ def _errno_of(e: BaseException) -> int:
 
 
 class Operations(pyfuse3.Operations):
-    enable_writeback_cache = os.environ.get("KVCFS_WRITEBACK", "0") == "1"
-
     def __init__(self, repo: Repository) -> None:
         super().__init__()
         self.repo = repo
+        self.enable_writeback_cache = repo.settings.writeback_cache
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}

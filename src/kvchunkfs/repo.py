@@ -33,6 +33,7 @@ class StoreSettings:
     prefetch_workers: int = 8
     cache_size: int = 256 << 20
     verify_reads: bool = True
+    writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
     durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
 
 
@@ -80,7 +81,14 @@ class Repository:
         return self.fetcher.read(index, offset, size)
 
     def content(self, index: Index) -> FileContent:
-        return FileContent(self.store, self.chunker, index, self.staging, self.read_chunks)
+        return FileContent(
+            self.store,
+            self.chunker,
+            index,
+            self.staging,
+            self.read_chunks,
+            keep_partial_page=self.settings.writeback_cache,
+        )
 
     def load(self, rel: str) -> FileContent:
         """Content of an existing snapshot; raises StubError for a stub that is not an index."""

@@ -17,6 +17,7 @@ Content in STREAM mode is ``index`` chunks, then ``inflight`` (bytes the worker 
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import os
 import threading
@@ -31,8 +32,8 @@ from .packstore import PackStore
 log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
-AHEAD_WINDOW = 16 << 20
-PAGE = 4096  # how far past the end an early write may land and still stream
+AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
+PAGE = 4096
 
 
 class ByteQueue:
@@ -61,15 +62,27 @@ class ByteQueue:
         self.pieces, self.size = [flat], len(flat)
 
     def take(self, keep: int = 0) -> list[bytes | bytearray | memoryview]:
-        """Remove and return all pieces but the last ``keep`` bytes; cheap, so callers may hold a lock."""
+        """Remove and return all but the last ``keep`` bytes; cheap, so callers may hold a lock.
+
+        The kept bytes may span several pieces (a short write after an unaligned one): pieces are
+        split from the end until exactly ``keep`` bytes remain queued.
+        """
+        keep = max(0, min(keep, self.size))
         taken: list[bytes | bytearray | memoryview] = self.pieces
-        rest = b""
-        if keep:
-            last = memoryview(taken.pop())
-            rest = bytes(last[len(last) - keep :])  # keep <= one page: a small copy
-            if len(last) > keep:
-                taken.append(last[: len(last) - keep])
-        self.pieces, self.size = ([rest] if rest else []), len(rest)
+        kept: list[bytes | bytearray] = []
+        need = keep
+        while need:
+            last = taken.pop()
+            if len(last) <= need:
+                kept.append(last)
+                need -= len(last)
+            else:
+                view = memoryview(last)
+                kept.append(bytes(view[len(last) - need :]))  # at most one page: a small copy
+                taken.append(view[: len(last) - need])
+                need = 0
+        kept.reverse()
+        self.pieces, self.size = kept, keep
         return taken
 
     def join(self) -> bytes:
@@ -93,18 +106,29 @@ ReadChunks = Callable[[Index, int, int], bytes]
 
 class FileContent:
     def __init__(
-        self, store: PackStore, chunker: Chunker, index: Index, staging_dir: Path, read_chunks: ReadChunks
+        self,
+        store: PackStore,
+        chunker: Chunker,
+        index: Index,
+        staging_dir: Path,
+        read_chunks: ReadChunks,
+        keep_partial_page: bool = False,
     ) -> None:
         self.store = store
         self.chunker = chunker
         self.index = index
         self.staging_dir = staging_dir
         self.read_chunks = read_chunks
+        # With the kernel's writeback cache a file's last partial page is written again, whole,
+        # once the client fills it; keeping it queued avoids a staging copy. Without it, nothing
+        # rewrites bytes already sent, so the worker takes everything.
+        self.keep_partial_page = keep_partial_page
+        self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
         self.gen = 0  # bumped by every change; a commit clears ``dirty`` only if unchanged
         self.dirty = False
-        self.error: OSError | None = None
+        self.error: OSError | None = None  # the worker's failure, raised by the next call
         self.bytes_new = 0  # bytes this file added to the store
         self._reported_new = 0
         self.epoch = 0  # worker results from an older epoch are dropped
@@ -324,45 +348,80 @@ class FileContent:
     # -- the chunking worker ----------------------------------------------------------------
 
     def _start_worker(self) -> None:
+        """Call under ``cond``. A worker that has not yet seen ``_stop`` simply carries on; one that
+        has clears ``_worker`` under the same lock, so exactly one worker runs."""
         self._stop = False
-        if self._worker is None or not self._worker.is_alive():
+        if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="chunker", daemon=True)
             self._worker.start()
 
+    def _step(self, point: str) -> None:
+        """Test hook: ``idle`` (about to wait for bytes), ``ready``, ``taken``, ``stored``."""
+        if self.hook is not None:
+            self.hook(point)
+
     def _run(self) -> None:
-        while True:
+        try:
+            while self._run_once():
+                pass
+        except BaseException as e:  # never die silently: a commit waiting on us must see the error
+            log.exception("chunker worker failed")
             with self.cond:
-                self.cond.wait_for(lambda: self._stop or len(self.buf) >= BATCH or (self._drain and self.buf))
-                if self._stop:
-                    return
-                epoch = self.epoch
-                # Keep the last partial page queued: with the writeback cache the kernel writes it
-                # again, whole, once the client has filled it.
-                self.buf.prepend(self.tail)
-                taken = self.buf.take(keep=0 if self._drain else min(self.end % PAGE, len(self.buf)))
-                self.inflight, self.tail = taken, b""
-            # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
-            data = memoryview(b"".join(taken))
-            try:
-                pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
-                last = bytes(pieces.pop()) if pieces else b""
-                chunks = [(chunk_id(p), p) for p in pieces]
-                new = self.store.add_chunks(chunks, self) if chunks else 0
-            except OSError as e:
-                log.error("saving chunks failed: %s", e)
-                with self.cond:
-                    self.error = e
-                    self.inflight = None
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                if epoch == self.epoch:
-                    for cid, p in chunks:
-                        self.index.append(cid, len(p))
-                    self.tail = last
-                    self.inflight = None
-                    self.bytes_new += new
+                self.error = e if isinstance(e, OSError) else OSError(errno.EIO, f"chunker failed: {e!r}")
+                self.inflight = None
+                self._worker = None
                 self.cond.notify_all()
+
+    def _work_ready(self) -> bool:
+        return self._stop or len(self.buf) >= BATCH or (self._drain and bool(self.buf))
+
+    def _run_once(self) -> bool:
+        """One batch: take queued bytes, cut and store them; False when the worker should stop."""
+        with self.cond:
+            idle = not self._work_ready()
+        if idle:
+            self._step("idle")
+        with self.cond:
+            self.cond.wait_for(self._work_ready)
+            if self._stop:
+                self._worker = None
+                return False
+        self._step("ready")
+        with self.cond:
+            if self._stop:
+                self._worker = None
+                return False
+            epoch = self.epoch
+            self.buf.prepend(self.tail)
+            keep = self.end % PAGE if self.keep_partial_page and not self._drain else 0
+            taken = self.buf.take(keep=keep)
+            self.inflight, self.tail = taken, b""
+        self._step("taken")
+        # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
+        data = memoryview(b"".join(taken))
+        pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
+        last = bytes(pieces.pop()) if pieces else b""
+        chunks = [(chunk_id(p), p) for p in pieces]
+        try:
+            new = self.store.add_chunks(chunks, self) if chunks else 0
+        except OSError as e:
+            log.error("saving chunks failed: %s", e)
+            with self.cond:
+                self.error = e
+                self.inflight = None
+                self._worker = None
+                self.cond.notify_all()
+            return False
+        self._step("stored")
+        with self.cond:
+            if epoch == self.epoch:
+                for cid, p in chunks:
+                    self.index.append(cid, len(p))
+                self.tail = last
+                self.inflight = None
+                self.bytes_new += new
+            self.cond.notify_all()
+        return True
 
     # -- commit -----------------------------------------------------------------------------
 

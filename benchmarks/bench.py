@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvchunkfs.chunker import Chunker, chunk_id  # noqa: E402
-from kvchunkfs.config import parse_size  # noqa: E402
+from kvchunkfs.units import parse_size  # noqa: E402
+from kvchunkfs.format.chunker import Chunker, chunk_id  # noqa: E402
 
 MiB = 1 << 20
 TURN_NEW = 8 * MiB  # new bytes in a "next turn" save (a few hundred tokens of a mid-size model)

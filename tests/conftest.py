@@ -18,7 +18,7 @@ TESTS = Path(__file__).resolve().parent
 # KVCFS_TEST_BUSY=1: every daemon runs with its chunker workers slowed and sped at random
 # (tests/jitter_daemon.py) and a process keeps one core busy for the whole session.
 BUSY = os.environ.get("KVCFS_TEST_BUSY") == "1"
-MOUNTED = "kvchunkfs.daemon: mounted "  # the daemon's log line once it serves
+MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it serves
 
 
 def is_mounted(path: Path) -> bool:

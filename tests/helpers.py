@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from kvchunkfs import stubs
+from kvchunkfs.store import stubs
 
 
 def rand_bytes(n: int, seed: int) -> bytes:
@@ -62,4 +62,17 @@ def wait_for_log(m: HasLog, text: str, count: int, timeout: float = 30) -> None:
     while m.log().count(text) < count:
         if time.monotonic() > deadline:
             raise AssertionError(f"no {count}x {text!r} in the log:\n{m.log()[-3000:]}")
+        time.sleep(0.02)
+
+
+class HasStats(Protocol):
+    def stats(self) -> dict[str, int]: ...
+
+
+def wait_closed(m: HasStats, timeout: float = 30) -> None:
+    """Until the daemon has released every file: close() returns before FUSE's RELEASE arrives,
+    and a file still open keeps its chunks pinned (so a GC right after close may keep them)."""
+    deadline = time.monotonic() + timeout
+    while m.stats()["open_files"]:
+        assert time.monotonic() < deadline, f"files still open: {m.stats()}"
         time.sleep(0.02)

@@ -12,8 +12,8 @@ import random
 import sys
 import time
 
-from kvchunkfs import cli
-from kvchunkfs.writer import FileContent
+from kvchunkfs.cli import main as cli
+from kvchunkfs.file.content import FileContent
 
 _rng = random.Random(int(os.environ.get("KVCFS_TEST_JITTER_SEED", "0")))
 _DELAYS = (0.0, 0.0, 0.0, 0.0001, 0.001, 0.005, 0.02, 0.05)

@@ -21,12 +21,13 @@ from conftest import SRC, Mount
 from helpers import rand_bytes, read_direct, write_in_pieces
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchunkfs import index as idx
-from kvchunkfs import stubs
-from kvchunkfs.api import Service, create_app
 from kvchunkfs.config import Config
-from kvchunkfs.prefixtree import build_tree, to_json
-from kvchunkfs.repo import Repository
+from kvchunkfs.file.files import Files
+from kvchunkfs.format import index as idx
+from kvchunkfs.service.api import Service, create_app
+from kvchunkfs.service.prefixtree import build_tree, to_json
+from kvchunkfs.store import stubs
+from kvchunkfs.store.repository import Repository
 
 MiB = 1 << 20
 TOKEN = "t0ken-for-tests"
@@ -529,9 +530,11 @@ def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None
     described = {(path, method) for path, ops in served["paths"].items() for method in ops if method != "parameters"}
     # Exactly the app's routes are described.
     repo = Repository(tmp_path / "spare-store")
+    files = Files(repo)
     try:
-        app = create_app(Service(repo, tmp_path / "spare-mnt", Config()))
+        app = create_app(Service(files, tmp_path / "spare-mnt", Config()))
     finally:
+        files.close()
         repo.close()
     routes = {
         (route.path.replace(":path}", "}"), method.lower())

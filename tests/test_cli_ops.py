@@ -15,8 +15,8 @@ import pytest
 from conftest import SRC
 from helpers import rand_bytes, write_in_pieces
 
-from kvchunkfs import cli
-from kvchunkfs import index as idx
+from kvchunkfs.cli import main as cli
+from kvchunkfs.format import index as idx
 
 MiB = 1 << 20
 

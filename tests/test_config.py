@@ -343,3 +343,14 @@ def test_describe(env: dict[str, str]) -> None:
     assert rows["api_address"].split() == ["api_address", '""', "default"]
     assert "s3cret" not in text
     assert "hidden" in rows["api_token"]
+
+
+def test_store_settings_defaults_are_the_tables():
+    """The store layer cannot import config (a higher layer); its defaults must still agree."""
+    import dataclasses
+
+    from kvchunkfs.store.repository import StoreSettings
+
+    for f in dataclasses.fields(StoreSettings):
+        assert f.default == config.SETTINGS[f.name].default, f.name
+    assert StoreSettings.from_config(config.Config()) == StoreSettings()

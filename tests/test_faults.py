@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount, is_mounted
-from helpers import rand_bytes, sha, wait_for_log, write_in_pieces
+from helpers import rand_bytes, sha, wait_closed, wait_for_log, write_in_pieces
 
-from kvchunkfs import fsck, stubs
+from kvchunkfs.maint import fsck
+from kvchunkfs.store import stubs
 
 MiB = 1 << 20
 ABSENT = "absent"
@@ -35,15 +36,6 @@ THRESHOLD = 0.6
 
 
 
-
-
-def wait_closed(m: Mount, timeout: float = 30) -> None:
-    """Until the daemon has released every file: close() returns before FUSE's RELEASE arrives,
-    and a file still open keeps its chunks pinned (so a GC right after close may keep them)."""
-    deadline = time.monotonic() + timeout
-    while m.stats()["open_files"]:
-        assert time.monotonic() < deadline, f"files still open: {m.stats()}"
-        time.sleep(0.02)
 
 
 def gc_now(m: Mount) -> None:

@@ -14,7 +14,7 @@ from helpers import rand_bytes, read_direct, unique_chunk_bytes, write_in_pieces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs import stubs
+from kvchunkfs.store import stubs
 
 MiB = 1 << 20
 _counter = itertools.count()

@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import SRC
 from helpers import rand_bytes, write_in_pieces
 
-from kvchunkfs import stubs
+from kvchunkfs.store import stubs
 
 MiB = 1 << 20
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 from conftest import SRC, Mount
-from helpers import rand_bytes, sha, wait_for_log, write_in_pieces
+from helpers import rand_bytes, sha, wait_closed, wait_for_log, write_in_pieces
 
-from kvchunkfs import fsck, gc, stubs
-from kvchunkfs.index import Index
-from kvchunkfs.repo import Repository
+from kvchunkfs.format.index import Index
+from kvchunkfs.maint import fsck, gc
+from kvchunkfs.store import stubs
+from kvchunkfs.store.repository import Repository
 
 MiB = 1 << 20
 
@@ -129,6 +130,7 @@ def test_gc_keeps_the_chunks_of_a_file_unlinked_while_open(tmp_path: Path) -> No
         finally:
             os.close(fd)
         assert head + rest == data
+        wait_closed(m)  # close() returns before FUSE's RELEASE (which unpins) arrives
         gc_now(m)  # closed now: its chunks go
         last_gc = [line for line in m.log().splitlines() if "gc finished" in line][-1]
         assert "freed 0 chunks" not in last_gc
@@ -239,48 +241,70 @@ def make_repo(root: Path) -> tuple[Repository, bytes]:
     repo.store.unpin(owner)
     index = Index(repo.chunker.min, repo.chunker.avg, repo.chunker.max)
     index.append(cid, len(data))
-    repo.install_stub(repo.prepare_stub(index, None), "a.tmp")
+    repo.install(repo.prepare_stub(index, None, durable=False), "a.tmp")
     return repo, cid
 
 
-def test_a_rename_during_the_walk_makes_gc_walk_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rename_during_the_walk_is_caught_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listing misses a stub renamed meanwhile; GC reads the renamed path before it sweeps."""
     repo, cid = make_repo(tmp_path)
-    real = gc.named_ids
-    calls = 0
 
     def racing_walk(repo: Repository, report: gc.GCReport) -> set[bytes]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # the listing missed the stub while it was renamed
-            with repo.ns_lock:
-                os.rename(repo.path("a.tmp"), repo.path("a"))
-                repo.ns_gen += 1
-            return set()
-        return real(repo, report)
+        repo.rename("a.tmp", "a")  # the walk listed the directory before, so it saw nothing
+        return set()
 
     monkeypatch.setattr(gc, "named_ids", racing_walk)
     report = gc.run_gc(repo, 0.5)
-    assert report.walks == 2 and report.chunks_freed == 0
+    assert report.walks == 1 and report.catch_ups == 0 and report.chunks_freed == 0
     assert repo.store.locate(cid)
     repo.close()
 
 
-def test_endless_renames_fall_back_to_a_walk_under_the_namespace_lock(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_renames_during_the_catch_up_are_caught_up_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round of reading renamed paths may race with more renames; the sweep waits for a quiet round."""
     repo, cid = make_repo(tmp_path)
-    real = gc.named_ids
+    real_add = gc._add_created
+    renames = iter(["b", "c", "d"])
+    current = "a.tmp"
 
-    def always_racing(repo: Repository, report: gc.GCReport) -> set[bytes]:
-        if repo.ns_lock.acquire(blocking=False):  # not the final walk: a rename happens meanwhile
-            repo.ns_gen += 1
-            repo.ns_lock.release()
-            return set()
-        return real(repo, report)
+    def racing_walk(repo: Repository, report: gc.GCReport) -> set[bytes]:
+        nonlocal current
+        repo.rename(current, "a")
+        current = "a"
+        return set()
 
-    monkeypatch.setattr(gc, "named_ids", always_racing)
+    def racing_add(repo: Repository, paths: list[str], named: set[bytes], report: gc.GCReport) -> None:
+        nonlocal current
+        nxt = next(renames, None)
+        if nxt is not None:  # the stub moves again right before we read the paths we were given
+            repo.rename(current, nxt)
+            current = nxt
+        real_add(repo, paths, named, report)
+
+    monkeypatch.setattr(gc, "named_ids", racing_walk)
+    monkeypatch.setattr(gc, "_add_created", racing_add)
     report = gc.run_gc(repo, 0.5)
-    assert report.walks == gc.MAX_WALKS + 1 and report.chunks_freed == 0
+    assert report.catch_ups == 3 and report.chunks_freed == 0 and not report.errors
+    assert repo.store.locate(cid)
+    repo.close()
+
+
+def test_endless_renames_skip_the_sweep_instead_of_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, cid = make_repo(tmp_path)
+    names = iter(f"n{i}" for i in range(1000))
+    current = "a.tmp"
+
+    def always_racing(repo: Repository, paths: list[str], named: set[bytes], report: gc.GCReport) -> None:
+        nonlocal current
+        nxt = next(names)
+        repo.rename(current, nxt)
+        current = nxt
+
+    monkeypatch.setattr(gc, "named_ids", lambda repo, report: set())
+    monkeypatch.setattr(gc, "_add_created", always_racing)
+    report = gc.run_gc(repo, 0.5)
+    assert report.catch_ups == gc.MAX_CATCH_UPS and report.chunks_freed == 0
+    assert report.errors and "sweep skipped" in report.errors[0]
     assert repo.store.locate(cid)
     repo.close()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import rand_bytes, write_in_pieces
 
-from kvchunkfs import stubs
+from kvchunkfs.store import stubs
 
 MiB = 1 << 20
 LABEL = stubs.LABEL_PREFIX + "model"

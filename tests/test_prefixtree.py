@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs.prefixtree import Node, NotASnapshot, build_tree, read_tokens, render_text, to_json
+from kvchunkfs.service.prefixtree import Node, NotASnapshot, build_tree, read_tokens, render_text, to_json
 
 KV_STATE = b"\x07" * 4096  # stands in for the KV state that follows the tokens
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import SRC, Mount
 from helpers import rand_bytes, wait_for_log, write_in_pieces
 
-from kvchunkfs import fsck
+from kvchunkfs.maint import fsck
 
 MiB = 1 << 20
 

@@ -16,9 +16,10 @@ from helpers import rand_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs.chunker import BATCH
-from kvchunkfs.repo import Repository, StoreSettings
-from kvchunkfs.writer import Action, ByteQueue, FileContent
+from kvchunkfs.file.content import Action, ByteQueue, FileContent
+from kvchunkfs.file.files import Files
+from kvchunkfs.format.chunker import BATCH
+from kvchunkfs.store.repository import Repository, StoreSettings
 
 MiB = 1 << 20
 PARKING = ("ready", "taken", "stored")  # steps the worker waits at until the test lets it go
@@ -66,8 +67,8 @@ class Scheduler:
         with self.cv:
             self.point = point
             self.cv.notify_all()
-            if point == "idle":
-                return  # it now waits on the content's condition for bytes
+            if point in ("idle", "exit"):
+                return  # it now waits on the content's condition for bytes, or ends
             self.cv.wait_for(lambda: self.free or self.tokens > 0)
             if not self.free:
                 self.tokens -= 1
@@ -105,12 +106,13 @@ class Scheduler:
             self.free = False
 
 
-def new_content(tmp: Path, keep_partial_page: bool) -> tuple[Repository, FileContent, Scheduler]:
+def new_content(tmp: Path, keep_partial_page: bool) -> tuple[Files, FileContent, Scheduler]:
     repo = Repository(tmp, StoreSettings(writeback_cache=keep_partial_page))
-    content = repo.content(repo.empty_index())
+    files = Files(repo)
+    content = files.content(repo.empty_index())
     sched = Scheduler()
     content.hook = sched
-    return repo, content, sched
+    return files, content, sched
 
 
 def client_write(content: FileContent, off: int, data: bytes, sched: Scheduler) -> None:
@@ -120,8 +122,11 @@ def client_write(content: FileContent, off: int, data: bytes, sched: Scheduler) 
         if action is Action.START_STREAM:
             content.start_stream()
         elif action is Action.TO_STAGING:
-            sched.run_free()  # a staging copy stops the worker; let it reach the stop
+            worker = content._worker
+            sched.run_free()  # a staging copy stops the worker; let it run to its end
             content.to_staging()
+            if worker is not None:
+                worker.join()
             sched.hold()
         elif content.write(off, data):
             break
@@ -129,21 +134,21 @@ def client_write(content: FileContent, off: int, data: bytes, sched: Scheduler) 
     sched.settle(content)
 
 
-def commit(repo: Repository, content: FileContent, sched: Scheduler) -> bytes:
+def commit(files: Files, content: FileContent, sched: Scheduler) -> bytes:
     sched.run_free()
     try:
         index, gen = content.prepare_commit()
     finally:
         sched.hold()
     content.committed(gen)
-    return repo.read_chunks(index, 0, index.size)
+    return files.read_chunks(index, 0, index.size)
 
 
 @pytest.mark.parametrize("keep_partial_page", [True, False])
 def test_lagging_worker_after_short_unaligned_writes(tmp_path, keep_partial_page):
     """Issue 14, deterministically: the worker wakes only after a short write that followed an
     unaligned one, with a full batch queued (before the fix, 3 bytes were lost here)."""
-    repo, content, sched = new_content(tmp_path / "s", keep_partial_page)
+    files, content, sched = new_content(tmp_path / "s", keep_partial_page)
     want = bytearray()
     try:
         for piece in (rand_bytes(BATCH, 1), b"abc", b"0123456789a"):  # end % 4096: 0, then 3, then 14
@@ -153,11 +158,12 @@ def test_lagging_worker_after_short_unaligned_writes(tmp_path, keep_partial_page
         sched.step()  # take (keeping the partial page in writeback mode)
         sched.step()  # cut and store
         sched.step()  # apply
-        assert content.read(0, len(want) + 5, repo.read_chunks) == want
-        assert commit(repo, content, sched) == want
+        assert content.read(0, len(want) + 5, files.read_chunks) == want
+        assert commit(files, content, sched) == want
     finally:
         content.close()
-        repo.close()
+        files.close()
+        files.repo.close()
 
 
 # -- every interleaving: a model test ----------------------------------------------------------
@@ -181,7 +187,7 @@ def test_any_interleaving_matches_a_plain_buffer(tmp_path_factory, script, keep_
 
 def run_script(store: Path, script: list[tuple], keep_partial_page: bool, seed: int) -> None:
     """Run client calls and worker steps in the given order; the content must equal a bytearray."""
-    repo, content, sched = new_content(store, keep_partial_page)
+    files, content, sched = new_content(store, keep_partial_page)
     model = bytearray()
     try:
         for n, op in enumerate(script):
@@ -205,16 +211,17 @@ def run_script(store: Path, script: list[tuple], keep_partial_page: bool, seed: 
                 sched.settle(content)
                 del model[:]
             elif op[0] == "read":
-                assert content.read(0, len(model) + 10, repo.read_chunks) == model
+                assert content.read(0, len(model) + 10, files.read_chunks) == model
             else:
-                assert commit(repo, content, sched) == model, f"step {n} of {script}"
+                assert commit(files, content, sched) == model, f"step {n} of {script}"
             assert content.size == len(model)
-        assert content.read(0, len(model) + 10, repo.read_chunks) == model, script
-        assert commit(repo, content, sched) == model, script
+        assert content.read(0, len(model) + 10, files.read_chunks) == model, script
+        assert commit(files, content, sched) == model, script
     finally:
         sched.run_free()
         content.close()
-        repo.close()
+        files.close()
+        files.repo.close()
 
 
 # -- exhaustive: every placement of worker steps around a fixed client sequence -----------------

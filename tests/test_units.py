@@ -11,9 +11,10 @@ from helpers import rand_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs import index as idx
-from kvchunkfs.chunker import Chunker, StreamChunker, chunk_id
-from kvchunkfs.repo import Repository, StoreSettings
+from kvchunkfs.file.files import Files
+from kvchunkfs.format import index as idx
+from kvchunkfs.format.chunker import Chunker, StreamChunker, chunk_id
+from kvchunkfs.store.repository import Repository, StoreSettings
 
 MiB = 1 << 20
 
@@ -124,10 +125,11 @@ ops = st.one_of(
 @settings(max_examples=40, deadline=None)
 @given(st.lists(ops, min_size=1, max_size=12), st.integers(0, 1000))
 def test_file_content_matches_model(tmp_path_factory, script, seed):
-    from kvchunkfs.writer import Action
+    from kvchunkfs.file.content import Action
 
     repo = Repository(tmp_path_factory.mktemp("store"))
-    content = repo.content(repo.empty_index())
+    files = Files(repo)
+    content = files.content(repo.empty_index())
     model = bytearray()
     rnd = 0
     try:
@@ -156,11 +158,12 @@ def test_file_content_matches_model(tmp_path_factory, script, seed):
             else:
                 index, gen = content.prepare_commit()
                 content.committed(gen)
-                assert repo.read_chunks(index, 0, index.size + 1) == model
+                assert files.read_chunks(index, 0, index.size + 1) == model
             assert content.size == len(model)
-            assert content.read(0, len(model) + 10, repo.read_chunks) == model
+            assert content.read(0, len(model) + 10, files.read_chunks) == model
     finally:
         content.close()
+        files.close()
         repo.close()
     for leftover in os.listdir(repo.staging):
         raise AssertionError(f"staging file left behind: {leftover}")
@@ -187,4 +190,45 @@ def test_one_large_batch_is_split_across_packs(tmp_path: Path):
     for cid, data in chunks:
         loc = repo.store.locate(cid)
         assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data
+    repo.close()
+
+
+def test_chunk_cache_counts_whole_run_buffers():
+    """A cached chunk is a view that keeps its whole pread buffer alive: the cache charges the buffer,
+    so its capacity bounds the memory it really holds (issue 8, bug 6)."""
+    from kvchunkfs.file.fetcher import ChunkCache, Run
+
+    cache = ChunkCache(capacity=10 * MiB)
+    buf = memoryview(bytes(4 * MiB))
+    run = Run(len(buf))
+    for i in range(4):  # four 64 KiB chunks of one 4 MiB read
+        cache.put(bytes([i]), buf[i * 65536 : (i + 1) * 65536], run)
+    assert cache.size == 4 * MiB
+    other = Run(4 * MiB)
+    cache.put(b"x", memoryview(bytes(4 * MiB))[:65536], other)
+    assert cache.size == 8 * MiB
+    third = Run(4 * MiB)
+    cache.put(b"y", memoryview(bytes(4 * MiB))[:65536], third)  # over capacity: the oldest buffer goes whole
+    assert cache.size == 8 * MiB
+    assert all(cache.get(bytes([i])) is None for i in range(4))
+    assert cache.get(b"x") is not None and cache.get(b"y") is not None
+
+
+def test_packstore_is_a_chunk_store(tmp_path: Path):
+    """The interface the file layer depends on, exercised on the pack store."""
+    from kvchunkfs.store.chunkstore import ChunkStore
+    from kvchunkfs.store.packs import ChunkMissing
+
+    repo = Repository(tmp_path)
+    store: ChunkStore = repo.store
+    chunks = [(chunk_id(d), d) for d in (rand_bytes(70_000, i) for i in range(3))]
+    owner = object()
+    assert store.put_many(chunks, owner) == 3 * 70_000
+    assert store.put_many(chunks, owner) == 0
+    assert store.has([cid for cid, _ in chunks] + [b"\0" * 32]) == {cid for cid, _ in chunks}
+    assert store.get_many([chunks[2][0], chunks[0][0]]) == [chunks[2][1], chunks[0][1]]
+    with pytest.raises(ChunkMissing):
+        store.get_many([b"\1" * 32])
+    store.unpin(owner)
+    store.sync()
     repo.close()

@@ -32,16 +32,15 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from kvchunkfs.formula import FormulaError, compile_formula
+from kvchunkfs.units import KiB, MiB, format_duration, format_size, is_int, parse_duration, parse_size
 
 ENV_PREFIX = "KV_CHUNK_FS_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_SCORE = "(1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)"
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 
 class ConfigError(ValueError):
@@ -76,52 +75,12 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> Path:
 
 # --- value parsers: raw value -> typed value, ValueError("reason") on failure -------------------
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": KiB, "kib": KiB, "kb": 1000,
-    "m": MiB, "mib": MiB, "mb": 1000**2,
-    "g": GiB, "gib": GiB, "gb": 1000**3,
-    "t": TiB, "tib": TiB, "tb": 1000**4,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION_RE = re.compile(r"(?:\d+[smhdw])+")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string such as ``64KiB``, ``1.5GiB`` or ``500MB``."""
-    if _is_int(value):
-        return value  # type: ignore[return-value]
-    if not isinstance(value, str):
-        raise ValueError("not a size")
-    m = _SIZE_RE.fullmatch(value.strip())
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError("not a size")
-    return int(Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
-
-def parse_duration(value: object) -> int:
-    """Seconds from an int or a string such as ``3600``, ``1h``, ``30m``, ``1h30m``."""
-    if _is_int(value):
-        return value  # type: ignore[return-value]
-    if not isinstance(value, str):
-        raise ValueError("not a duration")
-    text = value.strip().lower()
-    if text.isdigit():
-        return int(text)
-    if not _DURATION_RE.fullmatch(text):
-        raise ValueError("not a duration (use seconds or e.g. 1h, 30m, 10s)")
-    return sum(int(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+)([smhdw])", text))
-
-
 def _parse_int(value: object) -> int:
-    if _is_int(value):
+    if is_int(value):
         return value  # type: ignore[return-value]
     if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
         return int(value)
@@ -129,7 +88,7 @@ def _parse_int(value: object) -> int:
 
 
 def _parse_float(value: object) -> float:
-    if _is_int(value) or isinstance(value, float):
+    if is_int(value) or isinstance(value, float):
         result = float(value)  # type: ignore[arg-type]
     elif isinstance(value, str):
         try:
@@ -245,27 +204,36 @@ SETTINGS: dict[str, Setting] = {
 
 @dataclass(frozen=True)
 class Config:
-    """Effective settings; ``sources[name]`` says where each value came from."""
+    """Effective settings; ``sources[name]`` says where each value came from.
+
+    One field per row of ``SETTINGS``, with the row's default (checked below at import), so a new
+    setting is one row plus one field here; flags, env names and help come from the row.
+    """
 
     store: Path = field(default_factory=_default_store)
-    chunk_min: int = 16 * KiB
-    chunk_avg: int = 64 * KiB
-    chunk_max: int = 256 * KiB
-    pack_size: int = 64 * MiB
-    readahead: int = 32 * MiB
-    prefetch_workers: int = 8
-    cache_size: int = 256 * MiB
-    kernel_readahead_kb: int = 4096
-    verify_reads: bool = True
-    writeback_cache: bool = False
-    gc_interval: int = 3600
-    gc_compact_threshold: float = 0.5
-    durability: str = "close"
-    api_address: str = ""
-    api_token: str = ""
-    score: str = DEFAULT_SCORE
-    log_level: str = "info"
+    chunk_min: int = SETTINGS["chunk_min"].default
+    chunk_avg: int = SETTINGS["chunk_avg"].default
+    chunk_max: int = SETTINGS["chunk_max"].default
+    pack_size: int = SETTINGS["pack_size"].default
+    readahead: int = SETTINGS["readahead"].default
+    prefetch_workers: int = SETTINGS["prefetch_workers"].default
+    cache_size: int = SETTINGS["cache_size"].default
+    kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
+    verify_reads: bool = SETTINGS["verify_reads"].default
+    writeback_cache: bool = SETTINGS["writeback_cache"].default
+    gc_interval: int = SETTINGS["gc_interval"].default
+    gc_compact_threshold: float = SETTINGS["gc_compact_threshold"].default
+    durability: str = SETTINGS["durability"].default
+    api_address: str = SETTINGS["api_address"].default
+    api_token: str = SETTINGS["api_token"].default
+    score: str = SETTINGS["score"].default
+    log_level: str = SETTINGS["log_level"].default
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)
+
+
+_FIELDS = {f.name for f in fields(Config)} - {"sources"}
+if _FIELDS != set(SETTINGS):  # a programming error: fail at import, in every test
+    raise RuntimeError(f"Config and SETTINGS disagree: {sorted(_FIELDS ^ set(SETTINGS))}")
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -442,26 +410,6 @@ def _default_text(setting: Setting) -> str:
 
 
 # --- rendering ------------------------------------------------------------------------------------
-
-
-def format_size(n: int) -> str:
-    """``65536`` -> ``64 KiB``; inexact values get one decimal, e.g. ``476.8 MiB``."""
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def format_duration(seconds: int) -> str:
-    """``5400`` -> ``1h30m``; ``0`` -> ``0s``."""
-    if seconds == 0:
-        return "0s"
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size:
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    return "".join(parts)
 
 
 def _format_value(setting: Setting, value: Any) -> str:

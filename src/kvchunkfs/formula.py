@@ -15,7 +15,7 @@ One arithmetic expression, evaluated in floating point:
 * functions: ``min(a, b, ...)``, ``max(a, b, ...)``, ``log(x)`` (natural) or ``log(x, base)``, ``log2(x)``,
   ``sqrt(x)``, ``abs(x)``.
 
-Evaluation never raises on numeric input, so one odd snapshot cannot stop garbage collection:
+Evaluation never raises on numeric input, so one odd snapshot cannot fail a whole listing:
 
 * ``x / 0``, ``x // 0`` and ``x % 0`` yield ``0.0``;
 * outside a function's domain (``log`` or ``log2`` of ``x <= 0``, a bad ``log`` base, ``sqrt`` of

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvchunkfs.store.layout import Layout, fsync_dir
 
 log = logging.getLogger(__name__)
 
-PACK_SUFFIX = ".pack"
 _SQL_BATCH = 500
 _IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
 
@@ -46,7 +48,11 @@ class Location:
 
 @dataclass
 class StoreCounters:
-    """Monotonic counters for metrics and tests (bytes and reads that reached disk)."""
+    """Monotonic counters for metrics and tests (bytes and reads that reached disk).
+
+    Worker threads update them concurrently: always through ``add`` (``x += n`` is a read and a
+    write, and two threads can lose one of the updates). Readers may read fields without the lock.
+    """
 
     chunks_written: int = 0
     bytes_written: int = 0
@@ -54,6 +60,12 @@ class StoreCounters:
     bytes_deduped: int = 0
     pack_reads: int = 0
     pack_bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for name, n in amounts.items():
+                setattr(self, name, getattr(self, name) + n)
 
 
 class _PackFd:
@@ -66,14 +78,15 @@ class _PackFd:
 class PackStore:
     def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False) -> None:
         self.root = root
-        self.packs_dir = root / "packs"
+        self.layout = Layout(root)
+        self.packs_dir = self.layout.packs
         self.packs_dir.mkdir(parents=True, exist_ok=True)
         self.pack_size = pack_size
         self.durable = durable
         self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
         self._fd_lock = threading.Lock()
         self._fds: dict[int, _PackFd] = {}
-        self.db = sqlite3.connect(root / "chunks.db", check_same_thread=False, isolation_level=None)
+        self.db = sqlite3.connect(self.layout.db, check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         self.db.executescript(
@@ -124,7 +137,7 @@ class PackStore:
         return loc
 
     def pack_ids(self) -> list[int]:
-        return sorted(int(p.name[: -len(PACK_SUFFIX)]) for p in self.packs_dir.glob("*" + PACK_SUFFIX))
+        return self.layout.pack_ids()
 
     def chunks_in_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
         """(id, offset, length) of the mapped chunks of one pack, in pack order."""
@@ -133,7 +146,7 @@ class PackStore:
             return self.db.execute(q, (pack,)).fetchall()
 
     def pack_path(self, pack: int) -> Path:
-        return self.packs_dir / f"{pack:08d}{PACK_SUFFIX}"
+        return self.layout.pack_path(pack)
 
     def stats(self) -> tuple[int, int]:
         """(chunk count, stored chunk bytes) according to the map."""
@@ -224,6 +237,28 @@ class PackStore:
         self.retire_pack(pack)
         return True
 
+    # -- the ChunkStore interface (store/chunkstore.py) ----------------------------------------
+
+    def has(self, ids: Iterable[bytes]) -> set[bytes]:
+        return set(self.locate_many(ids))
+
+    def put_many(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
+        return self.add_chunks(chunks, owner)
+
+    def get_many(self, ids: Sequence[bytes]) -> list[bytes]:
+        """Each chunk read and checked on its own (the read-ahead reads runs instead: file/fetcher.py)."""
+        found = self.locate_many(ids)
+        out = []
+        for cid in ids:
+            loc = found.get(cid)
+            if loc is None:
+                raise ChunkMissing(cid.hex())
+            data = self.read_run(loc.pack, loc.offset, loc.length)
+            if hashlib.sha256(data).digest() != cid:
+                raise ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
+            out.append(data)
+        return out
+
     # -- writing ----------------------------------------------------------------------------
 
     def add_chunks(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
@@ -242,8 +277,7 @@ class PackStore:
             new: dict[bytes, bytes | memoryview] = {}
             for cid, data in chunks:
                 if cid in present or cid in new:
-                    self.counters.chunks_deduped += 1
-                    self.counters.bytes_deduped += len(data)
+                    self.counters.add(chunks_deduped=1, bytes_deduped=len(data))
                 else:
                     new[cid] = data
             if new:
@@ -296,8 +330,7 @@ class PackStore:
             raise
         self._pack_end = off
         self._unsynced.add(pack)
-        self.counters.chunks_written += len(rows)
-        self.counters.bytes_written += total
+        self.counters.add(chunks_written=len(rows), bytes_written=total)
         if self._pack_end >= self.pack_size:
             self._close_pack()
 
@@ -353,7 +386,7 @@ class PackStore:
             self._unsynced.clear()
             with self._db_lock:
                 self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            _fsync_dir(self.packs_dir)
+            fsync_dir(self.packs_dir)
 
     # -- pins -------------------------------------------------------------------------------
 
@@ -405,8 +438,7 @@ class PackStore:
             data = os.pread(fd, length, offset)
         if len(data) != length:
             raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {len(data)}")
-        self.counters.pack_reads += 1
-        self.counters.pack_bytes_read += length
+        self.counters.add(pack_reads=1, pack_bytes_read=length)
         return data
 
     def close(self) -> None:
@@ -435,9 +467,34 @@ def _os_error(e: sqlite3.Error) -> OSError:
     return OSError(errno.ENOSPC if full else errno.EIO, f"chunk map: {e}")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class MapReader:
+    """A read-only view of a store's chunk map, safe beside a running daemon (fsck, offline listings)."""
+
+    def __init__(self, layout: Layout) -> None:
+        if not layout.exists():
+            raise FileNotFoundError(errno.ENOENT, "no store here (no chunk map)", str(layout.db))
+        try:
+            self.db = sqlite3.connect(f"{layout.db.as_uri()}?mode=ro", uri=True)
+            self.db.execute("SELECT 1 FROM chunks LIMIT 1")
+        except sqlite3.Error as e:  # e.g. no permission for the WAL index of a root-owned store
+            raise OSError(errno.EIO, f"cannot read the chunk map {layout.db}: {e}") from None
+
+    def rows(self) -> Iterator[tuple[bytes, int, int, int]]:
+        """(id, pack, offset, length) of every row, in pack order."""
+        yield from self.db.execute("SELECT id, pack, offset, length FROM chunks ORDER BY pack, offset")
+
+    def rows_of_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
+        q = "SELECT id, offset, length FROM chunks WHERE pack = ? ORDER BY offset"
+        return self.db.execute(q, (pack,)).fetchall()
+
+    def locate(self, cid: bytes) -> Location | None:
+        row = self.db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (cid,)).fetchone()
+        return Location(*row) if row else None
+
+    def stats(self) -> tuple[int, int]:
+        """(chunk count, stored chunk bytes)."""
+        n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
+        return n, total
+
+    def close(self) -> None:
+        self.db.close()

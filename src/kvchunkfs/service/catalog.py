@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sqlite3
-import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,11 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import prefixtree, stubs
-from .config import parse_size
-from .formula import Formula
-from .index import Index
-from .packstore import PACK_SUFFIX
+from kvchunkfs.format.index import Index
+from kvchunkfs.formula import Formula
+from kvchunkfs.service import prefixtree
+from kvchunkfs.store import stubs
+from kvchunkfs.store.layout import Layout, walk_stubs
+from kvchunkfs.store.packs import MapReader
+from kvchunkfs.units import parse_size
 
 HOUR = 3600.0
 # Sortable and filterable numeric fields (min_<field>, max_<field>); the formula's fields plus a few.
@@ -113,14 +113,9 @@ def json_float(x: float) -> float:
 
 
 def stub_paths(snapshots_dir: Path) -> Iterator[str]:
-    """Relative paths of the regular files under ``snapshots_dir``, sorted; symlinks are skipped."""
-    for dirpath, dirnames, filenames in os.walk(snapshots_dir):
-        dirnames.sort()
-        base = Path(dirpath).relative_to(snapshots_dir)
-        for name in sorted(filenames):
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                if stat.S_ISREG(os.lstat(Path(dirpath) / name).st_mode):
-                    yield (base / name).as_posix()
+    """Relative paths of the stubs under ``snapshots_dir``, sorted."""
+    for path in walk_stubs(snapshots_dir):
+        yield path.relative_to(snapshots_dir).as_posix()
 
 
 def _float_attr(attrs: Mapping[str, bytes], name: str) -> float | None:
@@ -339,23 +334,19 @@ class StoreTotals:
 
 def chunk_map_stats(root: Path) -> tuple[int, int]:
     """(chunks, bytes) in the chunk map, read-only so it is safe beside a running daemon."""
-    db_path = root / "chunks.db"
-    if not db_path.exists():
+    layout = Layout(root)
+    if not layout.exists():
         return 0, 0
+    chunk_map = MapReader(layout)
     try:
-        db = sqlite3.connect(f"{db_path.as_uri()}?mode=ro", uri=True)
-        try:
-            n, total = db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error as e:  # e.g. no permission for the WAL index of a root-owned store
-        raise OSError(f"cannot read the chunk map {db_path}: {e}") from None
-    return n, total
+        return chunk_map.stats()
+    finally:
+        chunk_map.close()
 
 
 def pack_files(root: Path) -> list[Path]:
-    packs = root / "packs"
-    return sorted(packs.glob("*" + PACK_SUFFIX)) if packs.is_dir() else []
+    layout = Layout(root)
+    return [layout.pack_path(p) for p in layout.pack_ids()]
 
 
 def totals(infos: list[StubInfo], chunk_stats: tuple[int, int], packs: list[Path]) -> StoreTotals:

@@ -3,36 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from . import cliops
-from . import config as cfgmod
-from .repo import Repository, StoreSettings
-
-if TYPE_CHECKING:
-    from .gc import GarbageCollector
+from kvchunkfs import config as cfgmod
+from kvchunkfs.cli import ops as cliops
+from kvchunkfs.cli.common import open_repo
+from kvchunkfs.file.files import Files
+from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
 
 log = logging.getLogger("kvchunkfs")
-
-
-def store_settings(cfg: cfgmod.Config) -> StoreSettings:
-    return StoreSettings(
-        chunk_min=cfg.chunk_min,
-        chunk_avg=cfg.chunk_avg,
-        chunk_max=cfg.chunk_max,
-        pack_size=cfg.pack_size,
-        readahead=cfg.readahead,
-        prefetch_workers=cfg.prefetch_workers,
-        cache_size=cfg.cache_size,
-        verify_reads=cfg.verify_reads,
-        writeback_cache=cfg.writeback_cache,
-        durability=cfg.durability,
-    )
 
 
 def setup_logging(level: str) -> None:
@@ -43,18 +29,14 @@ def setup_logging(level: str) -> None:
     )
 
 
-def open_repo(cfg: cfgmod.Config) -> Repository:
-    return Repository(Path(cfg.store), store_settings(cfg))
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
 def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from . import daemon
-    from .api import MountApi
-    from .gc import GarbageCollector
-    from .recovery import StoreLocked, lock_store, recover
+    from kvchunkfs.fuse import daemon
+    from kvchunkfs.maint.gc import GarbageCollector
+    from kvchunkfs.maint.recovery import recover
+    from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
@@ -64,40 +46,113 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
         return 1
     repo = open_repo(cfg)
+    files = Files(repo)
     try:
         recover(repo)  # before serving: cut uncommitted pack tails, drop temp files, report damage
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
-            api = MountApi(cfg, repo, mountpoint, collector)
+            api = MountApi(cfg, files, mountpoint, collector)
         except (OSError, RuntimeError) as e:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
         try:
-            daemon.serve(repo, mountpoint, cfg.kernel_readahead_kb, [*daemon_tasks(cfg, repo, collector), api.task])
+            daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task])
         finally:
             api.close()
     finally:
+        files.close()
         repo.close()
         os.close(lock_fd)
     return 0
 
 
-def daemon_tasks(cfg: cfgmod.Config, repo: Repository, collector: GarbageCollector | None = None) -> list:
-    """Background tasks that run beside the FUSE loop (GC timer, HTTP API)."""
-    return [collector.periodic] if collector is not None else []
-
-
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from .gc import main_gc
+    """Through the daemon's API if it holds the store, else right here."""
+    from kvchunkfs.maint.gc import format_summary, run_gc
+    from kvchunkfs.maint.recovery import recover
 
-    return main_gc(cfg, args)
+    root = Path(cfg.store)
+    if not Layout(root).exists():
+        print(f"kv-chunk-fs: no store at {root}", file=sys.stderr)
+        return 2
+    lock_fd = try_lock_store(root)
+    try:
+        if lock_fd is None:
+            result = _through_daemon(root, "POST", "/gc")
+        else:
+            repo = open_repo(cfg)
+            try:
+                recover(repo)  # a crashed daemon's leftovers first: GC must not copy an uncommitted tail
+                result = run_gc(repo, cfg.gc_compact_threshold).to_dict()
+            finally:
+                repo.close()
+    except (OSError, RuntimeError) as e:
+        print(f"kv-chunk-fs: gc failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    print(json.dumps(result, indent=2) if args.json else format_summary(result))
+    return 1 if result.get("errors") else 0
+
+
+def _through_daemon(root: Path, method: str, path: str) -> dict[str, Any]:
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    try:
+        return DaemonClient(root).json(method, path)
+    except OSError as e:
+        sock = Layout(root).socket
+        raise OSError(e.errno, f"the store is mounted but its daemon does not answer on {sock}: {e}") from e
 
 
 def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from .fsck import main_fsck
+    """Exit 0 if the store is clean, 1 if problems were found, 2 if it could not run."""
+    from kvchunkfs.maint.fsck import run_fsck
 
-    return main_fsck(cfg, args)
+    bar = ProgressBar()
+    try:
+        report = run_fsck(Path(cfg.store), args.verify_data, args.repair, bar.show, lambda: open_repo(cfg))
+    except (OSError, RuntimeError) as e:
+        print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.done()
+    for line in report.problems:
+        print(f"problem: {line}")
+    for line in report.repaired:
+        print(f"repaired: {line}")
+    print(report.summary())
+    return 1 if report.problems else 0
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+        self._last = 0.0
+
+    def show(self, label: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if not label:  # a phase ended
+            self.done()
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{label:<8} [{bar:<30}] {100 * frac:5.1f}%")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 50 + "\r")
+            sys.stderr.flush()
 
 
 def cmd_config(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
@@ -106,7 +161,7 @@ def cmd_config(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def cmd_export_store(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from .export import export_store
+    from kvchunkfs.maint.export import export_store
 
     repo = open_repo(cfg)
     try:

@@ -25,9 +25,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .chunker import BATCH, Chunker, StreamChunker, chunk_id
-from .index import Index
-from .packstore import PackStore
+from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
+from kvchunkfs.format.index import Index
+from kvchunkfs.store.chunkstore import ChunkStore
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ ReadChunks = Callable[[Index, int, int], bytes]
 class FileContent:
     def __init__(
         self,
-        store: PackStore,
+        store: ChunkStore,
         chunker: Chunker,
         index: Index,
         staging_dir: Path,
@@ -135,6 +135,7 @@ class FileContent:
         self._reset_stream(index, b"")
         self.staging_fd = -1
         self.staging_path: Path | None = None
+        self._retired_fds: list[int] = []
         self._worker: threading.Thread | None = None
         self._stop = False
         self._drain = False
@@ -214,32 +215,40 @@ class FileContent:
         with self.cond:
             if self.error:
                 raise self.error
-            if self.mode is Mode.STAGING:
-                self._changed()
-                os.pwrite(self.staging_fd, data, offset)
-                return True
-            if self.mode is not Mode.STREAM or offset < self._patchable_from():
-                return False
-            if offset < self.end - len(self.buf):  # rewriting the tentative tail: requeue it
-                self.buf.prepend(self.tail)
-                self.tail = b""
-            start = self.end - len(self.buf)
+            if self.mode is not Mode.STAGING:
+                return self._queue(offset, data)
             self._changed()
-            if offset > self.end:
-                self.ahead[offset] = bytes(data)
-                return True
-            if offset == self.end:
-                self.buf.append(data)
-            else:
-                self.buf.patch(offset - start, data)
-            self.end = start + len(self.buf)
-            while self.end in self.ahead:
-                piece = self.ahead.pop(self.end)
-                self.buf.append(piece)
-                self.end += len(piece)
-            if len(self.buf) >= BATCH:
-                self.cond.notify_all()
+            fd = self.staging_fd
+        # Outside the lock, so a reader's pread on a worker thread never holds up the FUSE thread.
+        # The fd stays open until close() (see _close_staging), and writes of one file are ordered
+        # by the FUSE layer.
+        os.pwrite(fd, data, offset)
+        return True
+
+    def _queue(self, offset: int, data: bytes) -> bool:
+        """STREAM or CLEAN mode, under ``cond``: queue bytes for the chunker."""
+        if self.mode is not Mode.STREAM or offset < self._patchable_from():
+            return False
+        if offset < self.end - len(self.buf):  # rewriting the tentative tail: requeue it
+            self.buf.prepend(self.tail)
+            self.tail = b""
+        start = self.end - len(self.buf)
+        self._changed()
+        if offset > self.end:
+            self.ahead[offset] = bytes(data)
             return True
+        if offset == self.end:
+            self.buf.append(data)
+        else:
+            self.buf.patch(offset - start, data)
+        self.end = start + len(self.buf)
+        while self.end in self.ahead:
+            piece = self.ahead.pop(self.end)
+            self.buf.append(piece)
+            self.end += len(piece)
+        if len(self.buf) >= BATCH:
+            self.cond.notify_all()
+        return True
 
     def backlogged(self) -> bool:
         return self.mode is Mode.STREAM and len(self.buf) > MAX_BACKLOG
@@ -299,10 +308,16 @@ class FileContent:
             self._stop = True
             self.cond.notify_all()
 
-    def _close_staging(self) -> None:
+    def _close_staging(self, final: bool = False) -> None:
+        """Drop the staged copy. Its fd is closed only at ``close()`` (``final``): a read on a worker
+        thread may still be using it, and a closed fd number can be reused by any other open."""
         if self.staging_fd >= 0:
-            os.close(self.staging_fd)
+            self._retired_fds.append(self.staging_fd)
             self.staging_fd = -1
+        if final:
+            for fd in self._retired_fds:
+                os.close(fd)
+            self._retired_fds.clear()
         if self.staging_path is not None:
             try:
                 os.unlink(self.staging_path)
@@ -317,14 +332,15 @@ class FileContent:
 
     def read(self, offset: int, size: int, read_chunks: ReadChunks) -> bytes:
         with self.cond:
-            if self.mode is Mode.STAGING:
-                return os.pread(self.staging_fd, size, offset)
+            staging_fd = self.staging_fd if self.mode is Mode.STAGING else -1
             # The worker appends to ``index`` concurrently; its first ``isize`` bytes never change.
             index, isize = self.index, self.index.size
-            if self.mode is Mode.CLEAN:
-                pending, ahead, total = b"", {}, isize
-            else:
+            if self.mode is Mode.STREAM:
                 pending, ahead, total = self._pending(), dict(self.ahead), self.size
+            else:
+                pending, ahead, total = b"", {}, isize
+        if staging_fd >= 0:  # outside the lock, as in write()
+            return os.pread(staging_fd, size, offset)
         end = min(offset + size, total)
         if offset >= end:
             return b""
@@ -356,7 +372,7 @@ class FileContent:
             self._worker.start()
 
     def _step(self, point: str) -> None:
-        """Test hook: ``idle`` (about to wait for bytes), ``ready``, ``taken``, ``stored``."""
+        """Test hook: ``idle`` (about to wait for bytes), ``ready``, ``taken``, ``stored``, ``exit``."""
         if self.hook is not None:
             self.hook(point)
 
@@ -383,19 +399,26 @@ class FileContent:
             self._step("idle")
         with self.cond:
             self.cond.wait_for(self._work_ready)
-            if self._stop:
+            stop = self._stop
+            if stop:
                 self._worker = None
-                return False
+        if stop:
+            self._step("exit")
+            return False
         self._step("ready")
         with self.cond:
-            if self._stop:
+            stop = self._stop
+            if stop:
                 self._worker = None
-                return False
-            epoch = self.epoch
-            self.buf.prepend(self.tail)
-            keep = self.end % PAGE if self.keep_partial_page and not self._drain else 0
-            taken = self.buf.take(keep=keep)
-            self.inflight, self.tail = taken, b""
+            else:
+                epoch = self.epoch
+                self.buf.prepend(self.tail)
+                keep = self.end % PAGE if self.keep_partial_page and not self._drain else 0
+                taken = self.buf.take(keep=keep)
+                self.inflight, self.tail = taken, b""
+        if stop:
+            self._step("exit")
+            return False
         self._step("taken")
         # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
         data = memoryview(b"".join(taken))
@@ -403,7 +426,7 @@ class FileContent:
         last = bytes(pieces.pop()) if pieces else b""
         chunks = [(chunk_id(p), p) for p in pieces]
         try:
-            new = self.store.add_chunks(chunks, self) if chunks else 0
+            new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:
             log.error("saving chunks failed: %s", e)
             with self.cond:
@@ -458,7 +481,7 @@ class FileContent:
             index, tail = self.index.copy(), self.tail
         if tail:
             cid = chunk_id(tail)
-            self.bytes_new += self.store.add_chunks([(cid, tail)], self)
+            self.bytes_new += self.store.put_many([(cid, tail)], self)
             index.append(cid, len(tail))
         return index, gen
 
@@ -473,7 +496,7 @@ class FileContent:
                 pieces, stream.tail = [memoryview(stream.tail)], b""
             if pieces:
                 chunks = [(chunk_id(p), p) for p in pieces]
-                self.bytes_new += self.store.add_chunks(chunks, self)
+                self.bytes_new += self.store.put_many(chunks, self)
                 for cid, p in chunks:
                     index.append(cid, len(p))
             if not data:
@@ -496,5 +519,5 @@ class FileContent:
             self._stop = True
             self.epoch += 1
             self.cond.notify_all()
-            self._close_staging()
+            self._close_staging(final=True)
         self.store.unpin(self)

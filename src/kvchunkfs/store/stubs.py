@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from . import index as idx
+from kvchunkfs.format import index as idx
 
 XATTR_PREFIX = "user.kvcfs."
 SIZE = "user.kvcfs.size"  # internal: never visible or writable through the mount
@@ -110,14 +110,6 @@ def create_empty(tmp_dir: Path, path: Path, index: idx.Index, mode: int, uid: in
         os.link(tmp, path)  # atomic create-if-absent, unlike rename
     finally:
         os.unlink(tmp)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_user_settable(name: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import __version__
+from kvchunkfs import __version__
 
 _ERROR = {"$ref": "#/components/responses/Error"}
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from .fsops import Operations
-from .repo import Repository
+from kvchunkfs.file.files import Files
+from kvchunkfs.fuse.operations import Operations
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def mount_options(allow_other: bool) -> set[str]:
 
 
 def serve(
-    repo: Repository,
+    files: Files,
     mountpoint: Path,
     kernel_readahead_kb: int = 4096,
     background: list[BackgroundTask] | None = None,
@@ -66,9 +66,9 @@ def serve(
     """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts."""
     clear_stale_mount(mountpoint)
     tune_process()
-    ops = Operations(repo)
+    ops = Operations(files)
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
-    log.info("mounted %s on %s", repo.root, mountpoint)
+    log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, background or [])
     finally:

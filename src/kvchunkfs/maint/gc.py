@@ -1,12 +1,12 @@
 """Garbage collection: drop chunks no snapshot and no open file needs, and give their space back.
 
-1. Mark (no lock): walk ``snapshots/`` and collect every chunk id a stub names.
-2. Sweep (under ``repo.ns_lock`` and ``store.lock``): live = named ids | ``store.pinned()``; delete
-   the map rows of every other chunk. A save checks "store has it" and pins the chunk under the
-   same ``store.lock``, so a chunk it is about to reuse cannot vanish before its stub is renamed.
-   A stub renamed during the walk may be missed by the directory listing, so renames and unlinks
-   bump ``repo.ns_gen`` under ``ns_lock``; if it moved, the walk is redone (at most MAX_WALKS
-   times, then once more while holding ``ns_lock``, which makes renames wait for that walk).
+1. Mark (no lock): walk ``snapshots/`` and collect every chunk id a stub names. A stub renamed
+   during the walk may be missed by the directory listing, so the repository logs the path every
+   rename and save creates; after the walk GC reads those paths (and again, for changes made
+   meanwhile) until a round finds none (see ``mark_and_sweep``).
+2. Sweep (under ``store.lock``): live = named ids | ``store.pinned()``; delete the map rows of
+   every other chunk. A save checks "store has it" and pins the chunk under the same
+   ``store.lock``, so a chunk it is about to reuse cannot vanish before its stub is renamed.
 3. Packs (outside the long lock): a pack no row points into is deleted; dead bytes after the last
    live chunk of a closed pack are cut off; a pack whose live share is below the threshold is
    compacted: live chunks are copied (and re-hashed) to a new pack in batches, each batch's rows
@@ -16,20 +16,19 @@
    and locates the chunks again.
 
 A save waits for GC only while the sweep deletes rows (one SQL transaction) and while one batch
-of moved rows is committed; a rename or unlink waits only for the sweep (or, rarely, for the
-fallback walk). Copying and deleting packs never blocks them.
+of moved rows is committed; renames and unlinks never wait for GC. Copying and deleting packs
+never blocks either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
-import json
 import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,13 +38,14 @@ from typing import Any
 
 import trio
 
-from . import index as idx
-from .packstore import ChunkCorrupt, PackStore
-from .repo import Repository
+from kvchunkfs.format import index as idx
+from kvchunkfs.store.layout import file_size, walk_stubs
+from kvchunkfs.store.packs import ChunkCorrupt, PackStore
+from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
 
-MAX_WALKS = 3
+MAX_CATCH_UPS = 20  # rounds of reading what renames created during the walk before giving up
 COPY_BATCH = 4 << 20  # bytes copied (and rows moved) per step of a compaction
 _ITEMS_AT = 64  # where a caibx item table starts: 48-byte header + 16-byte table header
 _ITEM = 40
@@ -65,6 +65,7 @@ class GCReport:
     unreadable_snapshots: int = 0
     missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
     walks: int = 0
+    catch_ups: int = 0  # rounds of reading stubs created by renames and saves during the walk
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
     duration_s: float = 0.0
@@ -105,22 +106,6 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
 # -- mark -----------------------------------------------------------------------------------------
 
 
-def walk_stubs(snapshots: Path) -> Iterator[Path]:
-    """Every regular file under ``snapshots``; a directory that cannot be listed raises."""
-    if not snapshots.is_dir():  # an empty walk would make every chunk garbage
-        raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
-
-    def fail(e: OSError) -> None:
-        if not isinstance(e, FileNotFoundError):  # a directory removed during the walk
-            raise e
-
-    for dirpath, _dirs, files in os.walk(snapshots, onerror=fail):
-        for name in files:
-            path = Path(dirpath, name)
-            if not path.is_symlink():
-                yield path
-
-
 def stub_ids(data: bytes) -> list[bytes] | None:
     """Chunk ids of a stub's index, or None if it is not a valid index."""
     try:
@@ -135,44 +120,67 @@ def salvage_ids(data: bytes) -> list[bytes]:
 
 
 def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
+    """Every chunk id the stubs under ``snapshots/`` name (one full walk)."""
     named: set[bytes] = set()
     report.snapshots = report.unreadable_snapshots = 0
     for path in walk_stubs(repo.snapshots):
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:  # renamed or unlinked meanwhile: ns_gen tells
-            continue
-        report.snapshots += 1
-        ids = stub_ids(data)
-        if ids is None:
-            report.unreadable_snapshots += 1
-            log.warning("gc: %s is not a valid index; keeping every chunk it may name", path)
-            ids = salvage_ids(data)
-        named.update(ids)
+        _add_stub(path, named, report)
     return named
+
+
+def _add_stub(path: Path, named: set[bytes], report: GCReport) -> None:
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):  # renamed or unlinked meanwhile: the log tells
+        return
+    report.snapshots += 1
+    ids = stub_ids(data)
+    if ids is None:
+        report.unreadable_snapshots += 1
+        log.warning("gc: %s is not a valid index; keeping every chunk it may name", path)
+        ids = salvage_ids(data)
+    named.update(ids)
+
+
+def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: GCReport) -> None:
+    """Read what namespace changes created during the walk (a renamed directory: its whole subtree)."""
+    for rel in dict.fromkeys(paths):
+        path = repo.path(rel)
+        if path.is_dir() and not path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                for stub in walk_stubs(path):
+                    _add_stub(stub, named, report)
+        elif path.is_file() and not path.is_symlink():
+            _add_stub(path, named, report)
 
 
 # -- sweep ----------------------------------------------------------------------------------------
 
 
 def mark_and_sweep(repo: Repository, report: GCReport) -> None:
+    """Walk once, then catch up with the namespace changes made meanwhile until none is left.
+
+    The check that nothing changed since the last catch-up is made under ``store.lock``, and the
+    sweep follows under it. A save installs its stub (a logged change) before it unpins its chunks,
+    and unpinning needs ``store.lock``: so a stub installed after the check still has its chunks
+    pinned during the sweep.
+    """
     store = repo.store
-    for _ in range(MAX_WALKS):
-        gen = repo.ns_gen
-        report.walks += 1
-        named = named_ids(repo, report)
+    gen = repo.ns_mark()
+    report.walks = 1
+    named = named_ids(repo, report)
+    for _ in range(MAX_CATCH_UPS):
+        now, created = repo.created_since(gen)
+        _add_created(repo, created, named, report)
+        gen = now
         candidates = _candidates(store, named, report)
-        with repo.ns_lock, store.lock:
+        with store.lock:
             if repo.ns_gen == gen:
                 _sweep(store, candidates, report)
                 return
-        log.info("gc: snapshots were renamed during the walk; walking again")
-    with repo.ns_lock:  # renames and unlinks wait for this walk
-        report.walks += 1
-        named = named_ids(repo, report)
-        candidates = _candidates(store, named, report)
-        with store.lock:
-            _sweep(store, candidates, report)
+        report.catch_ups += 1
+    report.errors.append(f"snapshots kept changing during {MAX_CATCH_UPS} catch-ups; sweep skipped this run")
+    log.warning("gc: %s", report.errors[-1])
 
 
 def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[bytes, int]:
@@ -205,7 +213,7 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
                 return
             if pack == store.open_pack or pack in out.packs:
                 continue
-            size = _size(store.pack_path(pack))
+            size = file_size(store.pack_path(pack))
             live = usage[pack][1] if pack in usage else 0
             if live == 0:
                 if store.remove_pack(pack):  # re-checks under the lock: rows may have come since
@@ -219,13 +227,6 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
                 _compact_logged(store, pack, size, out, report, stop)
     finally:
         out.close()
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _compact_logged(
@@ -372,7 +373,7 @@ class GarbageCollector:
         except Exception:
             log.exception("gc failed; nothing was deleted in the failing phase")
 
-    async def periodic(self, ops: object) -> None:
+    async def periodic(self) -> None:
         """Background task for ``daemon.serve``: GC at mount, then every ``interval`` (0 = never again)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._loop)
@@ -395,49 +396,3 @@ class GarbageCollector:
                 log.info("gc requested by SIGUSR1")
                 if self._wake is not None:
                     self._wake.set()
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-
-def main_gc(cfg: Any, args: Any) -> int:
-    """``kv-chunk-fs gc``: through the daemon's API if it holds the store, else right here."""
-    from .recovery import try_lock_store
-
-    root = Path(cfg.store)
-    if not (root / "chunks.db").exists():
-        print(f"kv-chunk-fs: no store at {root}", file=sys.stderr)
-        return 2
-    lock_fd = try_lock_store(root)
-    try:
-        result = _gc_offline(cfg) if lock_fd is not None else _gc_through_daemon(root)
-    except (OSError, RuntimeError) as e:
-        print(f"kv-chunk-fs: gc failed: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
-    print(json.dumps(result, indent=2) if args.json else format_summary(result))
-    return 1 if result.get("errors") else 0
-
-
-def _gc_offline(cfg: Any) -> dict[str, Any]:
-    from .cli import open_repo
-    from .recovery import recover
-
-    repo = open_repo(cfg)
-    try:
-        recover(repo)  # a crashed daemon's leftovers first: GC must not copy an uncommitted tail
-        return run_gc(repo, cfg.gc_compact_threshold).to_dict()
-    finally:
-        repo.close()
-
-
-def _gc_through_daemon(root: Path) -> dict[str, Any]:
-    from .apiclient import DaemonClient
-
-    try:
-        return DaemonClient(root).json("POST", "/gc")
-    except OSError as e:
-        sock = root / "api.sock"
-        raise OSError(e.errno, f"the store is mounted but its daemon does not answer on {sock}: {e}") from e

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .repo import Repository
+from kvchunkfs.store.repository import Repository
 
 
 def export_store(repo: Repository, dest: Path) -> tuple[int, int]:

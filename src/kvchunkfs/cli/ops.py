@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import catalog
-from . import config as cfgmod
-from .apiclient import DaemonClient, DaemonError, running_daemon
-from .formula import compile_formula
+from kvchunkfs import config as cfgmod
+from kvchunkfs.cli.common import open_repo
+from kvchunkfs.file.files import Files
+from kvchunkfs.formula import compile_formula
+from kvchunkfs.service import catalog, prefixtree
+from kvchunkfs.service.apiclient import DaemonClient, DaemonError, running_daemon
+from kvchunkfs.units import format_duration, format_size
 
 
 class CliError(RuntimeError):
@@ -68,13 +71,13 @@ def snapshot_rows(cfg: cfgmod.Config, params: dict[str, str]) -> list[dict[str, 
 
 
 def _size(n: int) -> str:
-    return cfgmod.format_size(n).replace(" ", "")
+    return format_size(n).replace(" ", "")
 
 
 def _ago(epoch: float | None, now: float) -> str:
     if not epoch:
         return "never"
-    return cfgmod.format_duration(max(0, int(now - epoch))) + " ago"
+    return format_duration(max(0, int(now - epoch))) + " ago"
 
 
 def render_table(rows: list[dict[str, Any]], now: float | None = None) -> str:
@@ -139,7 +142,7 @@ def render_stats(stats: dict[str, Any]) -> str:
 
 
 def _with_size(n: int) -> str:
-    return f"{n} ({cfgmod.format_size(n)})" if n >= 1024 else str(n)
+    return f"{n} ({format_size(n)})" if n >= 1024 else str(n)
 
 
 def cmd_stats(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
@@ -155,19 +158,18 @@ def cmd_stats(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def tree_text(cfg: cfgmod.Config, prefix: str) -> str:
-    from .api import render_tree_text
-    from .cli import open_repo
-
     store = _store(cfg)
     client: DaemonClient | None = running_daemon(store)
     if client is not None:
         return client.text("GET", "/prefix-tree", {"prefix": prefix, "format": "text"})
     repo = open_repo(cfg)  # no daemon: read the chunks ourselves
+    files = Files(repo)
     try:
-        root, skipped = catalog.token_tree(repo.snapshots, repo.fetcher.read, prefix)
+        root, skipped = catalog.token_tree(repo.snapshots, files.fetcher.read, prefix)
     finally:
+        files.close()
         repo.close()
-    return render_tree_text(root, skipped)
+    return prefixtree.render_text(root, skipped)
 
 
 def cmd_tree(cfg: cfgmod.Config, args: argparse.Namespace) -> int:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .index import Index
-from .packstore import ChunkCorrupt, ChunkMissing, Location, PackStore
+from kvchunkfs.format.index import Index
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore
 
 log = logging.getLogger(__name__)
 
@@ -27,39 +27,65 @@ RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
+class Run:
+    """One pread's buffer. Cached chunks are views into it, so it lives while any of them is cached."""
+
+    __slots__ = ("size", "refs")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.refs = 0  # chunks of it in the cache
+
+
 class ChunkCache:
-    """LRU of chunk bytes bounded by total size."""
+    """LRU of chunk bytes. ``size`` counts whole run buffers (a buffer is freed only when its last
+    chunk is evicted), so ``capacity`` bounds the memory the cache really keeps alive."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0
-        self._data: OrderedDict[bytes, Buffer] = OrderedDict()
+        self._data: OrderedDict[bytes, tuple[Buffer, Run]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get(self, cid: bytes) -> Buffer | None:
         with self._lock:
-            data = self._data.get(cid)
-            if data is not None:
-                self._data.move_to_end(cid)
-            return data
+            entry = self._data.get(cid)
+            if entry is None:
+                return None
+            self._data.move_to_end(cid)
+            return entry[0]
+
+    def count(self, hits: int = 0, misses: int = 0) -> None:
+        """Counted under the lock: the FUSE thread and the workers count at the same time."""
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
 
     def __contains__(self, cid: bytes) -> bool:
         return cid in self._data
 
-    def put(self, cid: bytes, data: Buffer) -> None:
-        if len(data) > self.capacity:
+    def put(self, cid: bytes, data: Buffer, run: Run | None = None) -> None:
+        run = run or Run(len(data))
+        if run.size > self.capacity:
             return
         with self._lock:
             old = self._data.pop(cid, None)
             if old is not None:
-                self.size -= len(old)
-            self._data[cid] = data
-            self.size += len(data)
-            while self.size > self.capacity:
-                _, evicted = self._data.popitem(last=False)
-                self.size -= len(evicted)
+                self._unref(old[1])
+            self._data[cid] = (data, run)
+            run.refs += 1
+            if run.refs == 1:
+                self.size += run.size
+            while self.size > self.capacity and self._data:
+                _, (_, evicted) = self._data.popitem(last=False)
+                self._unref(evicted)
+
+    def _unref(self, run: Run) -> None:
+        run.refs -= 1
+        if run.refs == 0:
+            self.size -= run.size
 
 
 @dataclass
@@ -115,7 +141,7 @@ class Fetcher:
             if data is None:
                 return None
             datas.append(data)
-        self.cache.hits += len(datas)
+        self.cache.count(hits=len(datas))
         self._advance(index, end, last, offset, cursor)
         return _assemble(index, offset, end, first, last, datas)
 
@@ -137,18 +163,20 @@ class Fetcher:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
         waits: list[Future[Buffer] | Buffer] = []
         mine: dict[bytes, Future[Buffer]] = {}
+        hits = misses = 0
         with self._lock:
             for cid in ids:
                 data = self.cache.get(cid)
                 if data is not None:
-                    self.cache.hits += 1
+                    hits += 1
                     waits.append(data)
                     continue
                 fut = self._inflight.get(cid) or mine.get(cid)
                 if fut is None:
-                    self.cache.misses += 1
+                    misses += 1
                     fut = mine[cid] = self._inflight[cid] = Future()
                 waits.append(fut)
+        self.cache.count(hits, misses)
         if mine:
             self._fetch(mine)
         return [w.result() if isinstance(w, Future) else w for w in waits]
@@ -231,6 +259,7 @@ class Fetcher:
                 self._fail(cid, futures[cid], e)
             return
         view = memoryview(data)
+        buffer = Run(len(data))
         for cid, loc in run:
             # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
             piece = view[loc.offset - start.offset : loc.offset - start.offset + loc.length]
@@ -239,7 +268,7 @@ class Fetcher:
                 log.error("%s", err)
                 self._fail(cid, futures[cid], err)
                 continue
-            self.cache.put(cid, piece)
+            self.cache.put(cid, piece, buffer)
             with self._lock:
                 self.chunks_read += 1
                 self._inflight.pop(cid, None)

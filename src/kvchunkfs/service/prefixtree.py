@@ -193,8 +193,9 @@ def _node_json(node: Node) -> dict:
     }
 
 
-def render_text(node: Node, max_names: int = 8) -> str:
-    """An indented tree, e.g. ``├─ 1200 tokens shared by a, b, c`` / ``│  └─ +340 tokens: a``."""
+def render_text(node: Node, skipped: Mapping[str, str] | None = None, max_names: int = 8) -> str:
+    """An indented tree, e.g. ``├─ 1200 tokens shared by a, b, c`` / ``│  └─ +340 tokens: a``, then
+    one line per snapshot ``skipped`` (path -> why it is not in the tree)."""
     count = len(node.snapshots)
     after = f" after {node.depth} tokens" if node.depth else ""
     lines = [f"{count} snapshot{'s' if count != 1 else ''}{after}{_ends_note(node, max_names)}"]
@@ -206,6 +207,7 @@ def render_text(node: Node, max_names: int = 8) -> str:
         child_indent = indent + ("   " if last else "│  ")
         n = len(current.children)
         stack.extend((c, child_indent, i == n - 1, False) for i, c in reversed(list(enumerate(current.children))))
+    lines += [f"skipped {path}: {reason}" for path, reason in sorted((skipped or {}).items())]
     return "\n".join(lines) + "\n"
 
 

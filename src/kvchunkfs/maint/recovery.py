@@ -1,6 +1,6 @@
 """Crash recovery: bring a store back to its last committed state before it is served.
 
-A save writes in this order (docs/design.md, "Crash safety"): pack data, map commit, stub temp
+A save writes in this order (docs/design.md, "Saving: the order of writes"): pack data, map commit, stub temp
 file, rename. A crash therefore leaves at most
 
 * pack bytes after the last committed chunk (a batch written but not committed) -> truncated;
@@ -22,53 +22,19 @@ its lifetime, and offline tools (gc, fsck --repair) take the same lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from . import stubs
-from .gc import walk_stubs
-from .packstore import PackStore
-from .repo import Repository
+from kvchunkfs.store import stubs
+from kvchunkfs.store.layout import file_size, walk_stubs
+from kvchunkfs.store.packs import PackStore
+from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
-
-LOCK_NAME = "lock"
-
-
-class StoreLocked(RuntimeError):
-    """Another process (a mounted daemon or an offline tool) holds the store."""
-
-
-def lock_store(root: Path) -> int:
-    """Take the store's lock for this process; returns the fd to keep open (closing it unlocks)."""
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StoreLocked(f"store {root} is in use by another kv-chunk-fs process (pid {holder})") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def try_lock_store(root: Path) -> int | None:
-    """The lock fd, or None if a daemon (or another tool) holds the store."""
-    try:
-        return lock_store(root)
-    except StoreLocked:
-        return None
-
 
 @dataclass
 class RecoveryReport:
@@ -127,7 +93,7 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
         ids = store.rows_outside(pack, -1)
         log.error("pack %d is missing: dropping its %d chunks from the map", pack, len(ids))
         report.rows_dropped += store.delete_chunks(ids)
-    sizes = {pack: _size(store.pack_path(pack)) for pack in on_disk}
+    sizes = {pack: file_size(store.pack_path(pack)) for pack in on_disk}
     for pack, size in sorted(sizes.items()):
         past = store.rows_outside(pack, size)
         if past:
@@ -145,13 +111,6 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
             report.packs_truncated += 1
             report.tail_bytes_cut += size - end
             log.info("pack %d: cut %d bytes written after its last committed chunk", pack, size - end)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def check_snapshots(repo: Repository, report: RecoveryReport) -> None:

@@ -41,13 +41,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import catalog, logbuffer, prefixtree
-from .apiclient import daemon_listening, short_path, socket_path
-from .config import Config
-from .formula import compile_formula
-from .metrics import CONTENT_TYPE, Metrics
-from .openapi import spec
-from .repo import Repository
+from kvchunkfs.config import Config
+from kvchunkfs.file.files import Files
+from kvchunkfs.formula import compile_formula
+from kvchunkfs.service import catalog, logbuffer, prefixtree
+from kvchunkfs.service.apiclient import daemon_listening, short_path, socket_path
+from kvchunkfs.service.metrics import CONTENT_TYPE, Metrics
+from kvchunkfs.service.openapi import spec
+from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Collector(Protocol):
 class Service:
     """The daemon's state the API reads; ``stats_source`` is set once the filesystem is up."""
 
-    repo: Repository
+    files: Files
     mountpoint: Path
     config: Config
     collector: Collector | None = None
@@ -79,19 +80,16 @@ class Service:
     def __post_init__(self) -> None:
         self.formula = compile_formula(self.config.score)  # already validated by config.load
         if self.metrics is None:
-            self.metrics = Metrics(self.repo, self.stats)
+            self.metrics = Metrics(self.files, self.stats)
+
+    @property
+    def repo(self) -> Repository:
+        return self.files.repo
 
     def stats(self) -> dict[str, int]:
-        """The filesystem's counters; {} before it is up."""
+        """The filesystem's counters; {} before it is up. Plain numbers only: safe from any thread."""
         source = self.stats_source
-        if source is None:
-            return {}
-        for _ in range(5):
-            try:
-                return dict(source())
-            except RuntimeError:  # a dict the FUSE thread changed while we iterated: try again
-                continue
-        return {}
+        return dict(source()) if source is not None else {}
 
     def snapshots(self) -> list[catalog.Snapshot]:
         return catalog.snapshots(self.repo.snapshots, self.formula)
@@ -124,7 +122,7 @@ class Service:
         collector.observers.append(observe)
 
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
-        return catalog.token_tree(self.repo.snapshots, self.repo.fetcher.read, prefix)
+        return catalog.token_tree(self.repo.snapshots, self.files.fetcher.read, prefix)
 
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
@@ -264,7 +262,7 @@ def create_app(service: Service) -> Starlette:
             raise HTTPException(400, f"format={fmt!r}: use json or text")
         root, skipped = await run_in_threadpool(service.prefix_tree, params.get("prefix", ""))
         if fmt == "text":
-            return PlainTextResponse(render_tree_text(root, skipped))
+            return PlainTextResponse(prefixtree.render_text(root, skipped))
         return JSONResponse(
             {
                 "snapshots": len(root.snapshots),
@@ -293,13 +291,6 @@ def create_app(service: Service) -> Starlette:
     ]
     handlers = {HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
-
-
-def render_tree_text(root: prefixtree.Node, skipped: Mapping[str, str]) -> str:
-    text = prefixtree.render_text(root)
-    for path, reason in sorted(skipped.items()):
-        text += f"skipped {path}: {reason}\n"
-    return text
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -460,11 +451,12 @@ class MountApi:
     """The API of one mount: create before mounting (binds now), pass ``task`` to daemon.serve."""
 
     def __init__(
-        self, cfg: Config, repo: Repository, mountpoint: Path, collector: Collector | None = None
+        self, cfg: Config, files: Files, mountpoint: Path, collector: Collector | None = None
     ) -> None:
+        repo = files.repo
         self.logs = logbuffer.install()
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not "Started server process" per listener
-        self.service = Service(repo, mountpoint, cfg, collector=collector, logs=self.logs)
+        self.service = Service(files, mountpoint, cfg, collector=collector, logs=self.logs)
         self.service.observe_gc()
         app = create_app(self.service)
         try:

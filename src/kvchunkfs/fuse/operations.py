@@ -5,8 +5,11 @@ host inode, while the file the kernel knows must keep its identity. ``Node`` map
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
-copies) goes to worker threads. A per-node trio lock keeps writes, truncates and commits of one
-file in arrival order.
+copies, pinning, writing stubs) goes to worker threads, and the trio thread never waits on a lock
+that another thread holds across I/O (docs/design.md, "Concurrency"). A per-node trio lock keeps
+writes, truncates and commits of one file in arrival order. The save protocol itself is
+``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the rename, here, so that it is
+ordered with the renames and unlinks of the same files).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from typing import Any, Protocol, TypeVar
 import pyfuse3
 import trio
 
-from . import stubs
-from .index import IndexFormatError
-from .packstore import ChunkCorrupt, ChunkMissing
-from .reader import Cursor
-from .repo import Repository
-from .writer import Action, FileContent, Mode
+from kvchunkfs.file.content import Action, FileContent, Mode
+from kvchunkfs.file.fetcher import Cursor
+from kvchunkfs.file.files import Files
+from kvchunkfs.format.index import IndexFormatError
+from kvchunkfs.store import stubs
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class Node:
     opens: int = 0
     content: FileContent | None = None
     lock: trio.Lock = field(default_factory=trio.Lock)
+    loading: trio.Event | None = None  # set while an open loads the content: later opens wait for it
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
 
@@ -74,9 +78,10 @@ def _errno_of(e: BaseException) -> int:
 
 
 class Operations(pyfuse3.Operations):
-    def __init__(self, repo: Repository) -> None:
+    def __init__(self, files: Files) -> None:
         super().__init__()
-        self.repo = repo
+        self.files = files
+        self.repo = repo = files.repo
         self.enable_writeback_cache = repo.settings.writeback_cache
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}
@@ -91,6 +96,7 @@ class Operations(pyfuse3.Operations):
         self.observer: Observer | None = None
         self.write_requests = 0
         self.write_bytes = 0
+        self.open_files = 0  # nodes with a content; kept as a number so other threads can read it
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -238,27 +244,24 @@ class Operations(pyfuse3.Operations):
     async def _truncate(self, node: Node, size: int) -> None:
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if node.content is not None:
+        if node.content is not None and node.opens:
             async with node.lock:
                 await self._apply_truncate(node.content, size)
             return
-        # No handle open: load, truncate and save right away.
-        content = await self._load(node, allow_broken=size == 0)
+        # No handle open: as an open, truncate, close (it shares the content with an open meanwhile).
+        content = await self._acquire(node, allow_broken=size == 0)
         try:
             async with node.lock:
                 await self._apply_truncate(content, size)
-            node.content = content
-            await self._commit(node)
         finally:
-            node.content = None
-            content.close()
+            await self._drop_open(node)
 
     async def _apply_truncate(self, content: FileContent, size: int) -> None:
         try:
             if content.truncate(size) is Action.TO_STAGING:
                 await self._thread(content.to_staging)
                 content.truncate(size)
-        except OSError as e:
+        except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
@@ -313,9 +316,7 @@ class Operations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent_inode, name)
         try:
-            with self.repo.ns_lock:  # see Repository.ns_gen: GC redoes a walk that raced with this
-                os.rmdir(self.repo.path(rel))
-                self.repo.ns_gen += 1
+            self.repo.rmdir(rel)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self.by_path.get(rel)
@@ -328,9 +329,7 @@ class Operations(pyfuse3.Operations):
         if node is not None and node.content is not None:
             node.last_stat = self._stat_node(node)
         try:
-            with self.repo.ns_lock:
-                os.unlink(self.repo.path(rel))
-                self.repo.ns_gen += 1
+            self.repo.unlink(rel)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if node is not None:
@@ -346,20 +345,15 @@ class Operations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
-        src, dst = self.repo.path(old), self.repo.path(new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
         target = self.by_path.get(new)
         try:
-            if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(dst):
+            if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(self.repo.path(new)):
                 raise pyfuse3.FUSEError(errno.EEXIST)
-            if os.path.isfile(dst) and os.path.isfile(src):
-                stubs.carry_metadata(dst, src)
             if target is not None and target.content is not None:
                 target.last_stat = self._stat_node(target)
-            with self.repo.ns_lock:
-                os.rename(src, dst)
-                self.repo.ns_gen += 1
+            self.repo.rename(old, new)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if target is not None:
@@ -389,20 +383,62 @@ class Operations(pyfuse3.Operations):
     async def _load(self, node: Node, allow_broken: bool = False) -> FileContent:
         assert node.path is not None
         try:
-            return await self._thread(self.repo.load, node.path)
+            return await self._thread(self.files.load, node.path)
         except (stubs.StubError, IndexFormatError, OSError) as e:
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
-                return self.repo.content(self.repo.empty_index())
+                return await self._thread(self.files.content, self.repo.empty_index())
             log.error("cannot open snapshot %s: %s", node.path, e)
             raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
+    async def _acquire(self, node: Node, allow_broken: bool = False) -> FileContent:
+        """The node's shared content, loaded by the first of concurrent opens; counts one open.
+
+        The open is counted before any await, so a release meanwhile does not close the content,
+        and a second open waits for the first one's load instead of loading (and pinning) again.
+        """
+        node.opens += 1
+        try:
+            while node.content is None:
+                if node.loading is not None:
+                    await node.loading.wait()
+                    continue
+                node.loading = loaded = trio.Event()
+                try:
+                    content = await self._load(node, allow_broken)
+                    node.content = content
+                    self.open_files += 1
+                finally:
+                    node.loading = None
+                    loaded.set()
+            return node.content
+        except BaseException:
+            await self._drop_open(node, commit=False)
+            raise
+
+    async def _drop_open(self, node: Node, commit: bool = True) -> None:
+        """One open fewer; the last one saves the content if it changed, then closes it."""
+        node.opens -= 1
+        content = node.content
+        if node.opens == 0 and content is not None:
+            try:
+                if commit:
+                    await self._commit(node)
+            except pyfuse3.FUSEError:
+                pass  # already logged; the previous version of the snapshot stays
+            finally:
+                if node.opens == 0 and node.content is content:
+                    node.content = None
+                    await self._thread(content.close)  # unpins: takes store.lock
+                    self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
+        self._maybe_drop(node)
+
     def _new_handle(self, node: Node, flags: int) -> int:
+        """A handle for an open already counted by ``_acquire``."""
         fh = self._next_fh
         self._next_fh += 1
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         self.handles[fh] = Handle(node, writer=writer)
-        node.opens += 1
         node.writers += writer
         return fh
 
@@ -411,17 +447,20 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         truncating = bool(flags & os.O_TRUNC)
-        if node.content is None:
-            node.content = await self._load(node, allow_broken=truncating)
+        content = await self._acquire(node, allow_broken=truncating)
+        if truncating:  # before the handle exists: if it fails, the kernel never sends a release
+            try:
+                async with node.lock:
+                    await self._apply_truncate(content, 0)
+            except BaseException:
+                await self._drop_open(node, commit=False)
+                raise
         fh = self._new_handle(node, flags)
-        if truncating:
-            async with node.lock:
-                await self._apply_truncate(node.content, 0)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
-            stubs.note_use(self.repo.path(node.path))
+            await self._thread(stubs.note_use, self.repo.path(node.path))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
@@ -434,8 +473,7 @@ class Operations(pyfuse3.Operations):
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, False)
-        if node.content is None:
-            node.content = self.repo.content(index)
+        await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = self._new_handle(node, flags)
         attrs = self._attrs(node)
         node.nlookup += 1
@@ -453,21 +491,10 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)
         node = handle.node
-        node.opens -= 1
         node.writers -= handle.writer
         if handle.restore_start is not None and node.content is not None:
             self._observe("on_restore", time.monotonic() - handle.restore_start, node.content.size)
-        if node.opens == 0 and node.content is not None:
-            content = node.content
-            try:
-                await self._commit(node)
-            except pyfuse3.FUSEError:
-                pass  # already logged; the previous version of the snapshot stays
-            finally:
-                if node.opens == 0 and node.content is content:
-                    node.content = None
-                    content.close()
-        self._maybe_drop(node)
+        await self._drop_open(node)
 
     async def _forget_unsaved(self, node: Node) -> None:
         """A save failed: the kernel still caches the unsaved pages and, with the writeback cache, owns
@@ -488,36 +515,25 @@ class Operations(pyfuse3.Operations):
         content = node.content
         if content is None or not (content.dirty or durable):
             return
-        durable = durable or self.repo.durable
         async with node.lock:
             if not content.dirty and not durable:
                 return
             start = time.monotonic()
             try:
-                index, gen = await self._thread(content.prepare_commit)
-                if durable:
-                    await self._thread(self.repo.store.sync)
-                if node.path is None:  # unlinked while open: nothing to save
-                    content.committed(gen)
-                    return
-                tmp = self.repo.prepare_stub(index, node.path)
-                if durable:
-                    await self._thread(_fsync_path, tmp)
-                if node.path is None:
-                    os.unlink(tmp)
-                    content.committed(gen)
-                    return
-                self.repo.install_stub(tmp, node.path)
-                if durable:
-                    await self._thread(stubs.fsync_dir, self.repo.path(node.path).parent)
-            except OSError as e:
+                pending = await self._thread(self.files.prepare_save, content, node.path, durable)
+                rel = node.path  # read at rename time: a rename of the open file meanwhile is honoured
+                if not self.files.finish_save(pending, rel):
+                    return  # unlinked while open: nothing to save
+                assert rel is not None
+                if pending.durable:
+                    await self._thread(self.files.sync_dir, rel)
+            except (ChunkMissing, ChunkCorrupt, OSError) as e:
                 log.error("saving %s failed, previous version kept: %s", node.path, e)
                 await self._forget_unsaved(node)
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
-            content.committed(gen)
             self.saves += 1
-            self._observe("on_save", time.monotonic() - start, index.size, content.take_new_bytes())
-            log.debug("saved %s: %d bytes, %d chunks in %.3fs", node.path, index.size, len(index),
+            self._observe("on_save", time.monotonic() - start, pending.index.size, pending.new_bytes)
+            log.debug("saved %s: %d bytes, %d chunks in %.3fs", rel, pending.index.size, len(pending.index),
                       time.monotonic() - start)
 
     def _observe(self, event: str, *args: float) -> None:
@@ -534,15 +550,11 @@ class Operations(pyfuse3.Operations):
         handle = self.handles[fh]
         content = handle.node.content
         assert content is not None
-        fetch = self.repo.fetcher.read
         cursor = handle.cursor
-
-        def read_chunks(index, o, n):  # noqa: ANN001, ANN202
-            return fetch(index, o, n, cursor)
-
+        read_chunks = self.files.read_with(cursor)
         try:
             if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
-                data = self.repo.fetcher.read_cached(content.index, off, size, cursor)
+                data = self.files.fetcher.read_cached(content.index, off, size, cursor)
                 if data is not None:
                     return data
             return await self._thread(content.read, off, size, read_chunks)
@@ -631,14 +643,14 @@ class Operations(pyfuse3.Operations):
             "bytes_deduped": c.bytes_deduped,
             "pack_reads": c.pack_reads,
             "pack_bytes_read": c.pack_bytes_read,
-            "chunks_read": self.repo.fetcher.chunks_read,
-            "cache_hits": self.repo.cache.hits,
-            "cache_misses": self.repo.cache.misses,
+            "chunks_read": self.files.fetcher.chunks_read,
+            "cache_hits": self.files.cache.hits,
+            "cache_misses": self.files.cache.misses,
             "saves": self.saves,
             "restores": self.restores,
             "write_requests": self.write_requests,
             "write_request_bytes": self.write_bytes,
-            "open_files": sum(1 for n in self.nodes.values() if n.content is not None),
+            "open_files": self.open_files,
         }
 
 
@@ -647,11 +659,3 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent_ino, name)
     except OSError as e:  # the kernel does not know the name: nothing to drop
         log.debug("invalidating %r: %s", name, e)
-
-
-def _fsync_path(path: os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,21 +22,23 @@ was replaced meanwhile.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import os
-import sqlite3
-import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import index as idx
-from . import stubs
-from .gc import run_gc, salvage_ids, walk_stubs
-from .recovery import RecoveryReport, clean_temp_dirs, repair_packs, try_lock_store
-from .repo import Repository
+from kvchunkfs.format import index as idx
+from kvchunkfs.maint.gc import run_gc, salvage_ids
+from kvchunkfs.maint.recovery import RecoveryReport, clean_temp_dirs, repair_packs
+from kvchunkfs.store import stubs
+from kvchunkfs.store.layout import Layout, try_lock_store, walk_stubs
+from kvchunkfs.store.packs import MapReader
+from kvchunkfs.store.repository import Repository
 
 READ_SPAN = 4 << 20
 LIVE_RETRIES = 3
@@ -84,27 +86,19 @@ class FsckReport:
         return text + f"; {self.duration_s:.2f}s"
 
 
-class Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal."""
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total); the CLI draws it
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self._last = 0.0
 
-    def show(self, label: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and done < total):
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\r{label:<8} [{bar:<30}] {100 * frac:5.1f}%")
-        sys.stderr.flush()
+def _no_progress(label: str, done: int, total: int) -> None:
+    pass
 
-    def done(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 50 + "\r")
-            sys.stderr.flush()
+
+class Damage(enum.Enum):
+    """Why a mapped chunk cannot be read back."""
+
+    PACK_MISSING = "pack missing"
+    PAST_END = "past the end of its pack"
+    CORRUPT = "fails its checksum"
 
 
 @dataclass
@@ -115,29 +109,30 @@ class _Row:
 
 
 class _Checker:
-    def __init__(self, root: Path, db: sqlite3.Connection, live: bool, progress: Progress) -> None:
-        self.root = root
-        self.db = db
+    def __init__(self, layout: Layout, chunk_map: MapReader, live: bool, progress: ProgressFn) -> None:
+        self.layout = layout
+        self.root = layout.root
+        self.map = chunk_map
         self.live = live
         self.progress = progress
         self.report = FsckReport(live=live)
         self.rows: dict[bytes, _Row] = {}
-        self.bad: dict[bytes, str] = {}  # chunk id -> why it cannot be read
+        self.bad: dict[bytes, tuple[Damage, str]] = {}  # chunk id -> why it cannot be read
         self.referenced: set[bytes] = set()
 
     def pack_path(self, pack: int) -> Path:
-        return self.root / "packs" / f"{pack:08d}.pack"
+        return self.layout.pack_path(pack)
 
     # -- map and packs ------------------------------------------------------------------------
 
     def check_map(self) -> None:
         by_pack: dict[int, list[tuple[bytes, int, int]]] = defaultdict(list)
-        for cid, pack, off, n in self.db.execute("SELECT id, pack, offset, length FROM chunks ORDER BY pack, offset"):
+        for cid, pack, off, n in self.map.rows():
             by_pack[pack].append((cid, off, n))
             self.rows[cid] = _Row(pack, off, n)
         self.report.chunks = len(self.rows)
         self.report.chunk_bytes = sum(r.length for r in self.rows.values())
-        sizes = {int(p.name[:-5]): _size(p) for p in (self.root / "packs").glob("*.pack")}
+        sizes = {pack: _size(self.pack_path(pack)) for pack in self.layout.pack_ids()}
         on_disk = {pack: size for pack, size in sizes.items() if size is not None}  # GC may delete meanwhile
         self.report.packs = len(on_disk)
         self.report.pack_bytes = sum(on_disk.values())
@@ -148,8 +143,7 @@ class _Checker:
             self.report.problems += problems
 
     def _pack_rows(self, pack: int) -> list[tuple[bytes, int, int]]:
-        q = "SELECT id, offset, length FROM chunks WHERE pack = ? ORDER BY offset"
-        return self.db.execute(q, (pack,)).fetchall()
+        return self.map.rows_of_pack(pack)
 
     def _check_pack(self, pack: int, rows: list[tuple[bytes, int, int]], size: int | None) -> list[str]:
         if not rows:  # e.g. the open pack of a daemon that stopped after GC emptied it
@@ -159,12 +153,12 @@ class _Checker:
             return []
         if size is None:
             for cid, _, _ in rows:
-                self.bad[cid] = f"pack {pack} is missing"
+                self.bad[cid] = (Damage.PACK_MISSING, f"pack {pack} is missing")
             return [f"pack {pack} is missing: {len(rows)} mapped chunks lost"]
         problems = []
         past = [cid for cid, off, n in rows if off + n > size]
         for cid in past:
-            self.bad[cid] = f"lies past the end of pack {pack} ({size} bytes)"
+            self.bad[cid] = (Damage.PAST_END, f"lies past the end of pack {pack} ({size} bytes)")
         if past:
             problems.append(f"pack {pack}: {len(past)} chunks lie past its end ({size} bytes)")
         overlaps = sum(1 for (_, a, n), (_, b, _) in zip(rows, rows[1:], strict=False) if b < a + n)
@@ -192,7 +186,7 @@ class _Checker:
                 self._verify_pack(fd, pack, items, total)
             finally:
                 os.close(fd)
-        self.progress.done()
+        self.progress("", 1, 1)
 
     def _verify_pack(self, fd: int, pack: int, items: list[tuple[bytes, _Row]], total: int) -> None:
         i = 0
@@ -207,10 +201,10 @@ class _Checker:
             for cid, row in items[i:j]:
                 piece = data[row.offset - first : row.offset - first + row.length]
                 if hashlib.sha256(piece).digest() != cid:
-                    self.bad[cid] = f"fails its checksum (pack {pack} at {row.offset})"
+                    self.bad[cid] = (Damage.CORRUPT, f"fails its checksum (pack {pack} at {row.offset})")
                     self.report.problems.append(f"pack {pack}: chunk {cid.hex()} at {row.offset} fails its checksum")
                 self.report.bytes_verified += row.length
-            self.progress.show("verify", self.report.bytes_verified, total)
+            self.progress("verify", self.report.bytes_verified, total)
             i = j
 
     # -- snapshots ----------------------------------------------------------------------------
@@ -230,8 +224,8 @@ class _Checker:
             if reason:
                 self.report.broken[rel] = reason
                 self.report.problems.append(f"snapshot {rel}: {reason}")
-            self.progress.show("stubs", n, len(paths))
-        self.progress.done()
+            self.progress("stubs", n, len(paths))
+        self.progress("", 1, 1)
 
     def _check_stub(self, path: Path) -> str | None:
         try:
@@ -267,17 +261,17 @@ class _Checker:
         if damaged:
             i = damaged[0]
             cid = index.ids[i]
-            parts.append(f"{len(damaged)} chunks damaged (first at {index.start(i)}: {cid.hex()} {self.bad[cid]})")
+            parts.append(f"{len(damaged)} chunks damaged (first at {index.start(i)}: {cid.hex()} {self.bad[cid][1]})")
         return f"{len(index)} chunks, " + ", ".join(parts)
 
     def _mapped_now(self, cid: bytes) -> bool:
         """On a mounted store a save may have added the chunk after the map was read."""
         if not self.live:
             return False
-        row = self.db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (cid,)).fetchone()
-        if row is not None:
-            self.rows[cid] = _Row(*row)
-        return row is not None
+        loc = self.map.locate(cid)
+        if loc is not None:
+            self.rows[cid] = _Row(loc.pack, loc.offset, loc.length)
+        return loc is not None
 
     # -- what is left over --------------------------------------------------------------------
 
@@ -300,24 +294,22 @@ def _size(path: Path) -> int | None:
 
 
 def check(
-    root: Path, verify_data: bool = False, live: bool = False, progress: bool = False
+    root: Path, verify_data: bool = False, live: bool = False, progress: ProgressFn = _no_progress
 ) -> tuple[FsckReport, _Checker]:
     """Read-only check of the store at ``root``; ``live``: a daemon serves it."""
     start = time.monotonic()
-    db_path = root / "chunks.db"
-    if not db_path.exists():
-        raise FileNotFoundError(f"no store at {root} (no chunks.db)")
-    db = sqlite3.connect(db_path)
+    layout = Layout(root)
+    chunk_map = MapReader(layout)
     try:
-        checker = _Checker(root, db, live, Progress(progress))
+        checker = _Checker(layout, chunk_map, live, progress)
         checker.check_map()
         if verify_data:
             checker.verify_data()
-        checker.check_snapshots(root / "snapshots")
+        checker.check_snapshots(layout.snapshots)
         if not live:
             checker.check_leftovers()
     finally:
-        db.close()
+        chunk_map.close()
     checker.report.duration_s = time.monotonic() - start
     return checker.report, checker
 
@@ -335,7 +327,7 @@ def repair(repo: Repository, checker: _Checker) -> None:
             f"dropped {rec.rows_dropped} map rows outside their pack, cut {rec.packs_truncated} pack tails "
             f"({rec.tail_bytes_cut} bytes), removed {rec.packs_removed} unused packs"
         )
-    corrupt = [cid for cid, why in checker.bad.items() if "checksum" in why]
+    corrupt = [cid for cid, (damage, _) in checker.bad.items() if damage is Damage.CORRUPT]
     if corrupt:
         repo.store.delete_chunks(corrupt)
         report.repaired.append(
@@ -370,17 +362,21 @@ def _is_marked(path: Path) -> bool:
 
 
 def run_fsck(
-    root: Path, verify_data: bool = False, do_repair: bool = False, progress: bool = False, cfg: Any = None
+    root: Path,
+    verify_data: bool = False,
+    do_repair: bool = False,
+    progress: ProgressFn = _no_progress,
+    open_repo: Callable[[], Repository] | None = None,
 ) -> FsckReport:
     """Check (and with ``do_repair`` fix) the store; a mounted store is only checked."""
-    lock_fd = try_lock_store(root) if (root / "chunks.db").exists() else None
+    lock_fd = try_lock_store(root) if Layout(root).exists() else None
     live = lock_fd is None
     try:
         if do_repair and live:
             raise RuntimeError(f"store {root} is mounted (or locked by another tool); unmount it to repair")
         report, checker = check(root, verify_data, live, progress)
         if do_repair:
-            repo = _open_repo(root, cfg)
+            repo = open_repo() if open_repo is not None else Repository(root)
             try:
                 repair(repo, checker)
             finally:
@@ -389,27 +385,3 @@ def run_fsck(
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
-
-
-def _open_repo(root: Path, cfg: Any) -> Repository:
-    if cfg is None:
-        return Repository(root)
-    from .cli import open_repo
-
-    return open_repo(cfg)
-
-
-def main_fsck(cfg: Any, args: Any) -> int:
-    """``kv-chunk-fs fsck``: exit 0 if the store is clean, 1 if problems were found, 2 if it could not run."""
-    root = Path(cfg.store)
-    try:
-        report = run_fsck(root, args.verify_data, args.repair, progress=True, cfg=cfg)
-    except (OSError, RuntimeError) as e:
-        print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
-        return 2
-    for line in report.problems:
-        print(f"problem: {line}")
-    for line in report.repaired:
-        print(f"repaired: {line}")
-    print(report.summary())
-    return 1 if report.problems else 0

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .repo import Repository
+from kvchunkfs.file.files import Files
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ StatsFn = Callable[[], Mapping[str, int]]
 class Metrics:
     """The registry plus the observer interface ``fsops.Operations.observer`` calls."""
 
-    def __init__(self, repo: Repository, stats: StatsFn | None = None) -> None:
+    def __init__(self, files: Files, stats: StatsFn | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.save_seconds = Histogram(
@@ -57,7 +57,7 @@ class Metrics:
         self.gc_seconds = Histogram(
             "kvcfs_gc_duration_seconds", "Time of a garbage collection run", buckets=DURATION_BUCKETS, registry=r
         )
-        r.register(StoreCollector(repo, stats or dict))
+        r.register(StoreCollector(files, stats or dict))
 
     # -- observer hooks (called from the FUSE thread: keep them cheap) ------------------------
 
@@ -92,8 +92,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 class StoreCollector(Collector):
     """Reads the store's and the filesystem's own counters at scrape time."""
 
-    def __init__(self, repo: Repository, stats: StatsFn) -> None:
-        self.repo = repo
+    def __init__(self, files: Files, stats: StatsFn) -> None:
+        self.files = files
+        self.repo = files.repo
         self.stats = stats
 
     def describe(self) -> list[Metric]:
@@ -111,8 +112,8 @@ class StoreCollector(Collector):
         yield _gauge("kvcfs_dedup_ratio", "Chunk bytes written per new byte stored since start", ratio)
         yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)
         yield _counter("kvcfs_pack_read_bytes", "Bytes read from packs", c.pack_bytes_read)
-        yield _counter("kvcfs_chunks_read", "Chunks read from disk", self.repo.fetcher.chunks_read)
-        cache = self.repo.cache
+        yield _counter("kvcfs_chunks_read", "Chunks read from disk", self.files.fetcher.chunks_read)
+        cache = self.files.cache
         yield _counter("kvcfs_readahead_cache_hits", "Chunk reads served by the read-ahead cache", cache.hits)
         yield _counter("kvcfs_readahead_cache_misses", "Chunk reads that had to wait for disk", cache.misses)
         yield _gauge("kvcfs_readahead_cache_bytes", "Bytes held by the read-ahead cache", cache.size)

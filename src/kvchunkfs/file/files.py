@@ -1,0 +1,119 @@
+"""Open-file services over a ``Repository``: file contents, reads, and the save protocol.
+
+``Files.save`` is the whole save of one file, in the order docs/design.md requires: chunk what is
+still queued (pack bytes, then map rows), sync packs and map if durable, write the complete new
+stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchunkfs.file.content import FileContent
+from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.format.index import Index
+from kvchunkfs.store.layout import fsync_dir
+from kvchunkfs.store.repository import Repository
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingSave:
+    """A save whose chunks are stored and whose new stub waits under ``tmp/`` for its rename."""
+
+    content: FileContent
+    index: Index
+    gen: int
+    tmp: Path | None  # None: the file was unlinked, nothing to install
+    durable: bool
+
+    @property
+    def new_bytes(self) -> int:
+        return self.content.take_new_bytes()
+
+
+class Files:
+    def __init__(self, repo: Repository) -> None:
+        s = repo.settings
+        self.repo = repo
+        self.cache = ChunkCache(s.cache_size)
+        self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
+
+    def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
+        return self.fetcher.read(index, offset, size)
+
+    def read_with(self, cursor: Cursor) -> Callable[[Index, int, int], bytes]:
+        """A chunk reader that keeps ``cursor``'s read-ahead going."""
+        fetch = self.fetcher.read
+
+        def read_chunks(index: Index, offset: int, size: int) -> bytes:
+            return fetch(index, offset, size, cursor)
+
+        return read_chunks
+
+    def content(self, index: Index) -> FileContent:
+        """A new open-file content (pins the index's chunks: blocking, call in a thread)."""
+        repo = self.repo
+        return FileContent(
+            repo.store,
+            repo.chunker,
+            index,
+            repo.staging,
+            self.read_chunks,
+            keep_partial_page=repo.settings.writeback_cache,
+        )
+
+    def load(self, rel: str) -> FileContent:
+        """Content of an existing snapshot; StubError for a stub that is not an index.
+
+        Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them.
+        """
+        with self.repo.store.lock:
+            return self.content(self.repo.read_index(rel))
+
+    def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
+        """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).
+
+        ``rel`` is the file's path now, for the metadata the new stub carries over; None if unlinked.
+        """
+        durable = durable or self.repo.durable
+        index, gen = content.prepare_commit()
+        if durable:
+            self.repo.sync()
+        tmp = self.repo.prepare_stub(index, rel, durable) if rel is not None else None
+        return PendingSave(content, index, gen, tmp, durable)
+
+    def finish_save(self, pending: PendingSave, rel: str | None) -> bool:
+        """The commit point: rename the new stub over ``rel``, the file's path at this moment.
+
+        One rename, no lock: call it where namespace changes are serialized (the FUSE thread), so a
+        rename of the open file cannot fall between reading ``rel`` and this rename. False if the
+        file was unlinked meanwhile (nothing is saved).
+        """
+        if pending.tmp is None or rel is None:
+            if pending.tmp is not None:
+                pending.tmp.unlink()
+            pending.content.committed(pending.gen)
+            return False
+        self.repo.install(pending.tmp, rel)
+        pending.content.committed(pending.gen)
+        return True
+
+    def sync_dir(self, rel: str) -> None:
+        """After a durable save: the rename itself survives power loss (blocking)."""
+        fsync_dir(self.repo.path(rel).parent)
+
+    def save(self, content: FileContent, rel: str, durable: bool = False) -> bool:
+        """All of a save in one call, for callers that own the namespace (tests, offline tools)."""
+        pending = self.prepare_save(content, rel, durable)
+        saved = self.finish_save(pending, rel)
+        if saved and pending.durable:
+            self.sync_dir(rel)
+        return saved
+
+    def close(self) -> None:
+        self.fetcher.close()

@@ -1,0 +1,148 @@
+"""A store directory: stubs, packs and the chunk map, and the one place a save becomes durable.
+
+``Repository`` knows paths relative to ``snapshots/`` and nothing about open files, inodes or
+requests. Namespace changes (``install``, ``rename``, ``unlink``, ``rmdir``) are logged with the path they
+created, so GC can read again what its walk of ``snapshots/`` may have missed (a directory listing
+can miss a stub renamed meanwhile); see docs/design.md, "Garbage collection" and "Concurrency".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvchunkfs.format.chunker import Chunker
+from kvchunkfs.format.index import Index
+from kvchunkfs.store import stubs
+from kvchunkfs.store.layout import Layout, fsync_path
+from kvchunkfs.store.packs import PackStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The settings the store and file layers use (the rest belong to the daemon and the CLI)."""
+
+    chunk_min: int = 16 << 10
+    chunk_avg: int = 64 << 10
+    chunk_max: int = 256 << 10
+    pack_size: int = 64 << 20
+    readahead: int = 32 << 20
+    prefetch_workers: int = 8
+    cache_size: int = 256 << 20
+    verify_reads: bool = True
+    durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
+    writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> StoreSettings:
+        """The fields of this class taken by name from a ``config.Config``."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+class Repository:
+    def __init__(self, root: Path, settings: StoreSettings | None = None) -> None:
+        self.settings = settings = settings or StoreSettings()
+        self.root = root
+        self.layout = Layout(root)
+        self.layout.create_dirs()
+        self.snapshots = self.layout.snapshots
+        self.tmp = self.layout.tmp
+        self.staging = self.layout.staging
+        self.durable = settings.durability == "fsync"
+        # Paths created by namespace changes since GC's last mark; _ns_lock guards only list
+        # operations (never I/O), so the FUSE thread may take it.
+        self._ns_lock = threading.Lock()
+        self._ns_log: list[str | None] = []
+        self._ns_base = 0
+        self.ns_gen = 0
+        self.store = PackStore(root, settings.pack_size, durable=self.durable)
+        self.chunker = self._chunker()
+
+    def _chunker(self) -> Chunker:
+        """Chunk sizes are fixed per store at creation, so later saves keep deduplicating."""
+        s = self.settings
+        wanted = f"{s.chunk_min},{s.chunk_avg},{s.chunk_max}"
+        stored = self.store.get_meta("chunk_params")
+        if stored is None:
+            self.store.set_meta("chunk_params", wanted)
+            stored = wanted
+        elif stored != wanted:
+            log.warning("store %s was created with chunk sizes %s; ignoring configured %s", self.root, stored, wanted)
+        cmin, cavg, cmax = (int(x) for x in stored.split(","))
+        return Chunker(cmin, cavg, cmax)
+
+    def empty_index(self) -> Index:
+        return Index(self.chunker.min, self.chunker.avg, self.chunker.max)
+
+    def path(self, rel: str) -> Path:
+        return self.layout.snapshot(rel)
+
+    def read_index(self, rel: str) -> Index:
+        """The index of an existing snapshot; StubError for a stub that is not one."""
+        return stubs.read_index(self.path(rel))
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def prepare_stub(self, index: Index, like: str | None, durable: bool) -> Path:
+        """A complete new stub under ``tmp/`` (metadata carried from ``like``), fsynced if ``durable``."""
+        like_path = self.path(like) if like is not None else None
+        tmp = stubs.prepare(self.tmp, index, like_path, fsync=False)
+        with contextlib.suppress(OSError):  # fsck's mark is about the old content, not this one
+            os.removexattr(tmp, stubs.BROKEN)
+        if durable:
+            fsync_path(tmp)
+        return tmp
+
+    def install(self, tmp: Path, rel: str) -> None:
+        """The commit point of a save: the complete new stub replaces the old one."""
+        os.rename(tmp, self.path(rel))
+        self._bump(rel)
+
+    def sync(self) -> None:
+        """Make every chunk written so far durable (before a stub that names them is renamed)."""
+        self.store.sync()
+
+    # -- namespace --------------------------------------------------------------------------
+
+    def rename(self, old: str, new: str) -> None:
+        src, dst = self.path(old), self.path(new)
+        if os.path.isfile(dst) and os.path.isfile(src):
+            stubs.carry_metadata(dst, src)
+        os.rename(src, dst)
+        self._bump(new)
+
+    def unlink(self, rel: str) -> None:
+        os.unlink(self.path(rel))
+        self._bump(None)
+
+    def rmdir(self, rel: str) -> None:
+        os.rmdir(self.path(rel))
+        self._bump(None)
+
+    def _bump(self, created: str | None) -> None:
+        with self._ns_lock:
+            self._ns_log.append(created)  # one entry per generation; None: nothing new to read
+            self.ns_gen += 1
+
+    def ns_mark(self) -> int:
+        """GC, before its walk: forget older changes and return the current generation."""
+        with self._ns_lock:
+            self._ns_log.clear()
+            self._ns_base = self.ns_gen
+            return self.ns_gen
+
+    def created_since(self, gen: int) -> tuple[int, list[str]]:
+        """(current generation, paths created by namespace changes since ``gen``, a mark or later)."""
+        with self._ns_lock:
+            new = self._ns_log[max(0, gen - self._ns_base) :]
+            return self.ns_gen, [p for p in new if p is not None]
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,154 @@
+"""The architecture, enforced: each package imports only the layers below it, and no module
+imports another in a cycle (function-local imports included)."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "src" / "kvchunkfs"
+
+# Rank of each layer: a module may import its own layer and any of lower rank. ``fuse`` and
+# ``service`` are siblings (rank 5) that must not import each other.
+LAYERS = {
+    "units": 0, "formula": 0,
+    "format": 1,
+    "store": 2,
+    "file": 3,
+    "maint": 4,
+    "config": 4,
+    "fuse": 5, "service": 5,
+    "cli": 6,
+}  # fmt: skip
+SIBLINGS_APART = {("fuse", "service"), ("service", "fuse")}
+ROOT_ONLY = {"__init__"}  # kvchunkfs/__init__.py: the version, importable by anyone
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "kvchunkfs" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every kvchunkfs module ``path`` imports, at any depth (top-level or inside functions)."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kvchunkfs")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not base.startswith("kvchunkfs"):
+                continue
+            for alias in node.names:  # "from kvchunkfs.store import stubs" imports a module
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else base)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    path = PKG.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def test_every_module_belongs_to_a_layer():
+    for name in all_modules():
+        layer = layer_of(name)
+        assert layer is None or layer in LAYERS or layer in ROOT_ONLY, f"{name}: add its package to LAYERS"
+
+
+@pytest.mark.parametrize("name", sorted(all_modules()))
+def test_imports_follow_the_layers(name: str):
+    mine = layer_of(name)
+    if mine is None or mine in ROOT_ONLY:
+        return
+    for target in imports_of(all_modules()[name]):
+        theirs = layer_of(target)
+        if theirs is None or theirs in ROOT_ONLY:
+            continue
+        assert LAYERS[theirs] <= LAYERS[mine], f"{name} ({mine}) imports {target} ({theirs}), a higher layer"
+        assert (mine, theirs) not in SIBLINGS_APART, f"{name} imports {target}: {mine} and {theirs} stay apart"
+
+
+def test_no_import_cycles():
+    modules = all_modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target in imports_of(path):
+            if target in modules and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cli_tree_command_does_not_load_the_http_stack():
+    """``kv-chunk-fs tree`` and ``ls`` talk to a daemon with http.client; Starlette/uvicorn are the
+    daemon's, not the CLI's (the import used to come in through ``cliops -> api``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvchunkfs.cli.ops, kvchunkfs.cli.main;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'pyfuse3')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONPATH": str(PKG.parent)}
+    ).stdout.strip()
+    assert out == "[]", out

@@ -1,8 +1,16 @@
-"""Save and restore a snapshot-sized file through kv-chunk-fs and to a plain directory.
+"""Save and restore a snapshot-sized file: plain directory, nullfs (the FUSE floor) and kv-chunk-fs.
 
-Both targets live on the same disk and are measured in the same run, interleaved A/B, several
-runs; medians and fs/plain ratios are printed. "cold" drops the page cache (and remounts, which
-empties the daemon's chunk cache); "warm" reads again right away.
+The three targets are measured in the same run, interleaved (the order rotates every run), several
+runs; medians and ratios are printed. nullfs (benchmarks/nullfs.py) is a pyfuse3 filesystem with
+kv-chunk-fs's mount options and loop whose handlers do nothing: what is left between it and plain
+is the binding's cost, between kv-chunk-fs and it the store's. The plain directory and the store
+live on the same disk.
+
+Operations: save of all-new bytes; the same bytes saved again under a new name (every chunk already
+stored); a "next turn" (the same state plus 8 MiB new, as a new file); cold restore (page cache
+dropped, kv-chunk-fs remounted so its chunk cache is empty); warm restore (read again right away).
+The page cache is dropped before every save too. Also measured: kv-chunk-fs's (and nullfs's) daemon
+CPU time per GB moved, and their peak RSS during the cold restore.
 
     python3 benchmarks/bench.py                    # 415 MiB, 5 runs
     python3 benchmarks/bench.py --size 100MiB --runs 3 --json out.json
@@ -14,23 +22,37 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvchunkfs.units import parse_size  # noqa: E402
+from kvchunkfs import config as cfgmod  # noqa: E402
+from kvchunkfs.cli.main import build_parser  # noqa: E402
 from kvchunkfs.format.chunker import Chunker, chunk_id  # noqa: E402
 
 MiB = 1 << 20
+GB = 1e9
 TURN_NEW = 8 * MiB  # new bytes in a "next turn" save (a few hundred tokens of a mid-size model)
 PIECE = MiB  # llama-server writes tensors through stdio with a 1 MiB buffer (st_blksize)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+RSS_INTERVAL = 0.02
+READY_TIMEOUT = 60.0
+
+PLAIN, NULL, FS = "plain", "nullfs", "kv-chunk-fs"
+SAVES = {"save": "save (new)", "save_dup": "save (stored)", "save_turn": "save (turn)"}
+RESTORES = {"cold": "restore cold", "warm": "restore warm"}
+OPS = {**SAVES, **RESTORES}
 
 
 def drop_caches() -> None:
@@ -43,31 +65,136 @@ def is_mounted(path: Path) -> bool:
         return any(line.split()[1] == str(path) for line in f)
 
 
-class Daemon:
-    def __init__(self, store: Path, mnt: Path, log: Path, extra: list[str]) -> None:
-        self.store, self.mnt, self.log, self.extra = store, mnt, log, extra
+def bdi_read_ahead_kb(path: Path) -> int:
+    st = os.stat(path)
+    return int(Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb").read_text())
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of all the process's threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15, counted from after "(comm)"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for(what: str, ready: Callable[[], bool], alive: Callable[[], bool], log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not ready():
+        if not alive() or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace").splitlines()[-10:] if log.exists() else []
+            raise RuntimeError("\n".join([f"{what}: not ready; end of {log}:", *tail]))
+        time.sleep(0.02)
+
+
+class Mount:
+    """A FUSE daemon run as a subprocess; stop() always leaves the mountpoint unmounted."""
+
+    def __init__(self, argv: list[str], mnt: Path, log: Path, readahead_kb: int, ready_line: str | None) -> None:
+        self.argv, self.mnt, self.log = argv, mnt, log
+        self.readahead_kb, self.ready_line = readahead_kb, ready_line
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _log_count(self) -> int:
+        if self.ready_line is None or not self.log.exists():
+            return 0
+        return self.log.read_text(errors="replace").count(self.ready_line)
 
     def start(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
+        seen = self._log_count()
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), *self.extra,
-                 str(self.mnt)],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )
-        deadline = time.monotonic() + 30
-        while not is_mounted(self.mnt):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mount failed, see {self.log}")
-            time.sleep(0.05)
-        time.sleep(0.3)  # let the daemon tune the bdi (read-ahead) before timing
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        alive = self._alive
+        wait_for(f"mount {self.mnt}", lambda: is_mounted(self.mnt), alive, self.log)
+        if self.readahead_kb > 0:  # timing starts once the daemon has tuned the bdi
+            wait_for("read_ahead_kb", lambda: bdi_read_ahead_kb(self.mnt) == self.readahead_kb, alive, self.log)
+        if self.ready_line is not None:  # e.g. kv-chunk-fs's GC at mount, which would overlap the restore
+            wait_for(self.ready_line, lambda: self._log_count() > seen, alive, self.log)
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        subprocess.run(["fusermount3", "-u", str(self.mnt)], check=False)
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], check=False)
+        elif self._alive():  # not mounted (yet): its SIGTERM handler unmounts if the mount comes up
+            self.proc.terminate()
         if self.proc is not None:
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if is_mounted(self.mnt):  # a killed or stuck daemon: detach whatever is left
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class Target:
+    name: str
+    dir: Path
+    mount: Mount | None = None
+
+
+@dataclass
+class Sample:
+    seconds: float
+    cpu: float | None = None  # daemon CPU seconds during the operation
+    rss_start: int | None = None
+    rss_peak: int | None = None
+
+
+class RssSampler:
+    """Peak VmRSS of a process, sampled from a thread while the operation runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self.peak = rss_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(RSS_INTERVAL):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes(self.pid))
+
+
+def measure(target: Target, fn: Callable[[], object], rss: bool = False) -> Sample:
+    if target.mount is None:
+        return Sample(timed(fn))
+    pid = target.mount.pid
+    cpu = cpu_seconds(pid)
+    if rss:
+        with RssSampler(pid) as sampler:
+            seconds = timed(fn)
+        return Sample(seconds, cpu_seconds(pid) - cpu, sampler.start, sampler.peak)
+    seconds = timed(fn)
+    return Sample(seconds, cpu_seconds(pid) - cpu)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -82,12 +209,13 @@ def save(path: Path, data: memoryview) -> None:
             f.write(data[i : i + PIECE])
 
 
-def restore(path: Path) -> int:
+def restore(path: Path, size: int) -> None:
     n = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(PIECE):
             n += len(chunk)
-    return n
+    if n != size:
+        raise RuntimeError(f"{path}: read {n} bytes, expected {size}")
 
 
 def make_snapshot(size: int) -> bytes:
@@ -104,65 +232,173 @@ def chunk_hash_throughput(data: bytes) -> float:
     return len(data) / (time.perf_counter() - t) / 1e6
 
 
+def mount_config(extra: list[str]) -> cfgmod.Config:
+    """kv-chunk-fs's effective settings with these flags: nullfs copies the ones the kernel sees."""
+    return cfgmod.load(build_parser().parse_args(["mount", *extra, "MOUNTPOINT"]))
+
+
+def make_targets(work: Path, extra: list[str]) -> list[Target]:
+    cfg = mount_config(extra)
+    py = sys.executable
+    fs_argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", str(work / "store"), *extra, str(work / "mnt")]
+    null_argv = [
+        py,
+        str(ROOT / "benchmarks" / "nullfs.py"),
+        "--kernel-readahead-kb",
+        str(cfg.kernel_readahead_kb),
+        "--writeback-cache" if cfg.writeback_cache else "--no-writeback-cache",
+        str(work / "null"),
+    ]
+    (work / PLAIN).mkdir()
+    return [
+        Target(PLAIN, work / PLAIN),
+        Target(
+            NULL, work / "null", Mount(null_argv, work / "null", work / "nullfs.log", cfg.kernel_readahead_kb, None)
+        ),
+        Target(
+            FS, work / "mnt", Mount(fs_argv, work / "mnt", work / "daemon.log", cfg.kernel_readahead_kb, "gc finished")
+        ),
+    ]
+
+
+@dataclass
+class Results:
+    size: int
+    samples: dict[str, dict[str, list[Sample]]] = field(default_factory=dict)
+    orders: list[list[str]] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)
+
+    def add(self, op: str, target: str, s: Sample) -> None:
+        self.samples.setdefault(op, {}).setdefault(target, []).append(s)
+
+    def last(self, op: str, target: str) -> float:
+        return self.samples[op][target][-1].seconds
+
+
+def one_run(run_no: int, targets: list[Target], fs: Mount, res: Results) -> None:
+    size = res.size
+    data = memoryview(make_snapshot(size))
+    res.throughput.append(chunk_hash_throughput(bytes(data)))
+    turn = memoryview(bytes(data) + os.urandom(TURN_NEW))
+    k = run_no % len(targets)
+    order = targets[k:] + targets[:k]
+    res.orders.append([t.name for t in order])
+    name = f"snap{run_no}"
+    saves = (("save", name, data), ("save_dup", f"{name}.dup", data), ("save_turn", f"{name}.turn", turn))
+    for op, fname, buf in saves:
+        for t in order:
+            drop_caches()
+            res.add(op, t.name, measure(t, lambda p=t.dir / fname, b=buf: save(p, b)))
+    fs.restart()  # empties the daemon's chunk cache for the cold restore
+    for t in order:
+        drop_caches()
+        res.add("cold", t.name, measure(t, lambda p=t.dir / name: restore(p, size), rss=True))
+        res.add("warm", t.name, measure(t, lambda p=t.dir / name: restore(p, size)))
+    print(
+        f"run {run_no + 1} ({', '.join(res.orders[-1])}): "
+        + "; ".join(f"{op} " + " ".join(f"{t.name} {res.last(op, t.name):.3f}s" for t in targets) for op in OPS),
+        flush=True,
+    )
+
+
 def run(args: argparse.Namespace) -> dict:
-    size = parse_size(args.size)
-    base = Path(args.dir)
-    work = Path(tempfile.mkdtemp(prefix="kvcfs-bench-", dir=base))
-    plain, store, mnt = work / "plain", work / "store", work / "mnt"
-    plain.mkdir()
-    daemon = Daemon(store, mnt, work / "daemon.log", args.mount_args.split())
-    kinds = ("save", "save_turn", "cold", "warm")
-    results: dict[str, dict[str, list[float]]] = {k: {"fs": [], "plain": []} for k in kinds}
-    throughput = []
+    size = cfgmod.parse_size(args.size)
+    work = Path(tempfile.mkdtemp(prefix="kvcfs-bench-", dir=Path(args.dir)))
+    res = Results(size)
+    targets: list[Target] = []
     try:
-        daemon.start()
+        targets = make_targets(work, args.mount_args.split())
+        for t in targets:
+            if t.mount is not None:
+                t.mount.start()
+        fs = next(t.mount for t in targets if t.name == FS)
+        assert fs is not None
         for run_no in range(args.runs):
-            data = memoryview(make_snapshot(size))
-            throughput.append(chunk_hash_throughput(bytes(data)))
-            order = [("fs", mnt), ("plain", plain)] if run_no % 2 == 0 else [("plain", plain), ("fs", mnt)]
-            name = f"snap{run_no}"
-            # The next turn: the same state plus new tokens' worth of bytes, saved as a new file.
-            turn = memoryview(bytes(data) + os.urandom(TURN_NEW))
-            for kind, d in order:
-                drop_caches()
-                results["save"][kind].append(timed(lambda p=d / name, b=data: save(p, b)))
-                drop_caches()
-                results["save_turn"][kind].append(timed(lambda p=d / f"{name}.turn", b=turn: save(p, b)))
-            daemon.stop()  # empties the daemon's chunk cache for the cold restore
-            daemon.start()
-            for kind, d in order:
-                drop_caches()
-                results["cold"][kind].append(timed(lambda p=d / name: restore(p)))
-                results["warm"][kind].append(timed(lambda p=d / name: restore(p)))
-            for _kind, d in order:
-                assert (d / name).stat().st_size == size
-            print(f"run {run_no + 1}/{args.runs}: " + ", ".join(
-                f"{k} fs {v['fs'][-1]:.3f}s plain {v['plain'][-1]:.3f}s" for k, v in results.items()), flush=True)
+            one_run(run_no, targets, fs, res)
     finally:
-        daemon.stop()
+        for t in targets:
+            if t.mount is not None:
+                t.mount.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    summary = {"size_bytes": size, "runs": args.runs, "chunk_hash_MBps_median": statistics.median(throughput)}
-    for k, v in results.items():
-        fs, pl = statistics.median(v["fs"]), statistics.median(v["plain"])
-        summary[k] = {"fs_median_s": fs, "plain_median_s": pl, "ratio": fs / pl, "fs_all": v["fs"],
-                      "plain_all": v["plain"]}
-    return summary
+        else:
+            print(f"kept {work}")
+    return summarize(res, args.runs)
+
+
+def op_bytes(op: str, size: int) -> int:
+    return size + TURN_NEW if op == "save_turn" else size
+
+
+def summarize(res: Results, runs: int) -> dict:
+    s: dict = {
+        "size_bytes": res.size,
+        "runs": runs,
+        "orders": res.orders,
+        "chunk_hash_MBps_median": statistics.median(res.throughput),
+        "ops": {},
+    }
+    for op, by_target in res.samples.items():
+        entry: dict = {}
+        for name, samples in by_target.items():
+            secs = [x.seconds for x in samples]
+            t: dict = {"median_s": statistics.median(secs), "all_s": secs}
+            cpus = [x.cpu for x in samples if x.cpu is not None]
+            if cpus:
+                t["cpu_s_per_GB_median"] = statistics.median(cpus) / (op_bytes(op, res.size) / GB)
+                t["cpu_s_all"] = cpus
+            peaks = [x.rss_peak for x in samples if x.rss_peak is not None]
+            if peaks:
+                t["rss_peak_bytes_median"] = statistics.median(peaks)
+                t["rss_start_bytes_median"] = statistics.median(x.rss_start for x in samples if x.rss_start)
+                t["rss_peak_bytes_all"] = peaks
+            entry[name] = t
+        fs, null, plain = (entry[n]["median_s"] for n in (FS, NULL, PLAIN))
+        entry["ratio_vs_plain"] = fs / plain
+        entry["ratio_vs_floor"] = fs / null
+        entry["floor_vs_plain"] = null / plain
+        s["ops"][op] = entry
+    return s
+
+
+COLUMNS = (PLAIN, NULL, FS, "fs/plain", "fs/floor", "floor/plain", "fs CPU s/GB", "floor CPU s/GB")
+WIDTHS = (9, 9, 12, 10, 10, 12, 13, 16)
+
+
+def _row(label: str, cells: list[str]) -> str:
+    return f"{label:15}" + "".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=True))
+
+
+def _op_row(label: str, e: dict) -> str:
+    times = [f"{e[n]['median_s']:.3f}s" for n in (PLAIN, NULL, FS)]
+    ratios = [f"{e[k]:.2f}x" for k in ("ratio_vs_plain", "ratio_vs_floor", "floor_vs_plain")]
+    cpu = [f"{e[n]['cpu_s_per_GB_median']:.2f}" for n in (FS, NULL)]
+    return _row(label, times + ratios + cpu)
+
+
+def _notes(s: dict) -> list[str]:
+    cold = s["ops"]["cold"]
+    peak = {n: cold[n]["rss_peak_bytes_median"] / MiB for n in (FS, NULL)}
+    start = {n: cold[n]["rss_start_bytes_median"] / MiB for n in (FS, NULL)}
+    rss = ", ".join(f"{n} {peak[n]:.0f} MiB (at its start {start[n]:.0f})" for n in (FS, NULL))
+    return [
+        f"daemon peak RSS during the cold restore: {rss}",
+        f"chunk+hash (1 thread): {s['chunk_hash_MBps_median']:.0f} MB/s",
+        "save (new): every byte new to the store; save (stored): the same bytes again under a new name;",
+        f"save (turn): the same state plus {TURN_NEW // MiB} MiB new, as a new file. floor = nullfs.",
+        f"CPU: daemon utime+stime per GB (1e9 bytes) of the file, counted in 1/{CLK_TCK} s ticks.",
+    ]
 
 
 def report(s: dict) -> str:
     mib = s["size_bytes"] / MiB
-    lines = [f"{mib:.0f} MiB snapshot, {s['runs']} interleaved runs, medians", "",
-             f"{'':14}{'kv-chunk-fs':>14}{'plain':>10}{'ratio':>8}{'fs MiB/s':>10}"]
-    names = {"save": "save (new)", "save_turn": "save (turn)", "cold": "restore cold", "warm": "restore warm"}
-    for k, label in names.items():
-        r = s[k]
-        lines.append(f"{label:14}{r['fs_median_s']:>13.3f}s{r['plain_median_s']:>9.3f}s{r['ratio']:>7.2f}x"
-                     f"{mib / r['fs_median_s']:>10.0f}")
-    lines.append(f"chunk+hash (1 thread): {s['chunk_hash_MBps_median']:.0f} MB/s")
-    lines.append("save (new): every byte new to the store; save (turn): the same state plus "
-                 f"{TURN_NEW // MiB} MiB of new bytes, written as a new file (the next turn)")
-    return "\n".join(lines)
+    title = f"{mib:.0f} MiB snapshot, {s['runs']} runs, targets interleaved (order rotated per run), medians"
+    rows = [_op_row(label, s["ops"][op]) for op, label in OPS.items()]
+    return "\n".join([title, "", _row("", list(COLUMNS)), *rows, "", *_notes(s)])
+
+
+def on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run()'s finally, which unmounts
 
 
 def main() -> None:
@@ -172,10 +408,11 @@ def main() -> None:
     p.add_argument("--dir", default="/var/tmp", help="where plain files and the store go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon log)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon logs)")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (drop_caches, FUSE)")
+    signal.signal(signal.SIGTERM, on_sigterm)
     s = run(args)
     print()
     print(report(s))

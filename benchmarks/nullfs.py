@@ -1,0 +1,285 @@
+"""A do-nothing pyfuse3 filesystem: the floor of the FUSE binding for the benchmark.
+
+One flat directory. Writes are accepted and dropped (only the file size is kept); reads answer with
+slices of one preallocated buffer. Everything else about the mount is kv-chunk-fs's own: the mount
+options, the process tuning, the trio loop with its task counts and signal handling, the bdi tuning
+(read_ahead_kb, max_bytes), keep_cache on open, the attribute timeouts and st_blksize. So the time a
+save or restore takes here is what pyfuse3 and the kernel cost before any store does work.
+
+    python3 benchmarks/nullfs.py [--kernel-readahead-kb 4096] [--writeback-cache] MOUNTPOINT
+
+Serves until SIGINT/SIGTERM or ``fusermount3 -u MOUNTPOINT``; always unmounts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvchunkfs.fuse import daemon  # noqa: E402
+from kvchunkfs.fuse.operations import ATTR_TIMEOUT  # noqa: E402
+
+BLKSIZE = 1 << 20  # kv-chunk-fs's st_blksize: clients size their stdio buffers by it
+
+
+@dataclass(eq=False)
+class File:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int = 0
+    mtime_ns: int = field(default_factory=time.time_ns)
+    nlookup: int = 0
+    opens: int = 0
+    linked: bool = True
+    dirty: bool = False
+
+
+class NullOperations(pyfuse3.Operations):
+    def __init__(self, writeback_cache: bool) -> None:
+        super().__init__()
+        self.enable_writeback_cache = writeback_cache
+        self.by_name: dict[bytes, File] = {}
+        self.files: dict[int, File] = {}  # by inode; the file handle is the inode too
+        self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._buf = memoryview(b"")  # read replies are slices of this: no work per read
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _file(self, ino: int) -> File:
+        f = self.files.get(ino)
+        if f is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return f
+
+    def _check_parent(self, ino: int) -> None:
+        if ino != pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+
+    def _maybe_drop(self, f: File) -> None:
+        if not f.linked and f.nlookup <= 0 and f.opens == 0:
+            self.files.pop(f.ino, None)
+
+    def _unlink_name(self, name: bytes) -> None:
+        f = self.by_name.pop(name, None)
+        if f is not None:
+            f.linked = False
+            self._maybe_drop(f)
+
+    def _root_attrs(self) -> pyfuse3.EntryAttributes:
+        a = self._base_attrs(pyfuse3.ROOT_INODE)
+        a.st_mode = stat.S_IFDIR | 0o755
+        a.st_nlink = 2
+        return a
+
+    def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        if ino == pyfuse3.ROOT_INODE:
+            return self._root_attrs()
+        f = self._file(ino)
+        a = self._base_attrs(ino)
+        a.st_mode, a.st_uid, a.st_gid = f.mode, f.uid, f.gid
+        a.st_nlink = 1
+        a.st_size = f.size
+        a.st_blocks = (f.size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = f.mtime_ns
+        return a
+
+    def _base_attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.entry_timeout = ATTR_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_blksize = BLKSIZE
+        return a
+
+    def _read_buffer(self, size: int) -> memoryview:
+        if len(self._buf) < size:  # once per mount in practice: requests are at most max_read
+            self._buf = memoryview(os.urandom(size))
+        return self._buf
+
+    # -- names ------------------------------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_parent(parent_inode)
+        if name in (b".", b".."):
+            return self._root_attrs()
+        f = self.by_name.get(name)
+        if f is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        f.nlookup += 1
+        return self._attrs(f.ino)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            f = self.files.get(ino)
+            if f is not None:
+                f.nlookup -= n
+                self._maybe_drop(f)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        return self._attrs(inode)
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        if inode != pyfuse3.ROOT_INODE:
+            f = self._file(inode)
+            if fields.update_size:
+                f.size = attr.st_size
+            if fields.update_mode:
+                f.mode = stat.S_IFREG | stat.S_IMODE(attr.st_mode)
+            if fields.update_mtime:
+                f.mtime_ns = attr.st_mtime_ns
+        return self._attrs(inode)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if inode != pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        names = sorted(self.by_name)
+        for i, name in enumerate(names[start_id:], start_id):
+            f = self.by_name[name]
+            if not pyfuse3.readdir_reply(token, name, self._attrs(f.ino), i + 1):
+                return
+            f.nlookup += 1
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_parent(parent_inode)
+        if name not in self.by_name:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        self._unlink_name(name)
+
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        self._check_parent(parent_inode_old)
+        self._check_parent(parent_inode_new)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        f = self.by_name.get(name_old)
+        if f is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & pyfuse3.RENAME_NOREPLACE and name_new in self.by_name:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        if name_new == name_old:
+            return
+        self._unlink_name(name_new)
+        del self.by_name[name_old]
+        self.by_name[name_new] = f
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        # As kv-chunk-fs answers security.* (asked on writes): ENODATA, not ENOSYS, which would
+        # make the kernel stop asking and so cost the floor less than the filesystem it bounds.
+        raise pyfuse3.FUSEError(errno.ENODATA)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = out.f_frsize = 4096
+        out.f_namemax = 255
+        return out
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._check_parent(parent_inode)
+        self._unlink_name(name)  # the kernel looked it up first; a racing create replaces it
+        f = File(self._next_ino, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        self._next_ino += 1
+        self.files[f.ino] = self.by_name[name] = f
+        f.nlookup += 1
+        f.opens += 1
+        return pyfuse3.FileInfo(fh=f.ino, keep_cache=True), self._attrs(f.ino)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        f = self._file(inode)
+        if flags & os.O_TRUNC:
+            f.size = 0
+        f.opens += 1
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)  # as kv-chunk-fs: warm reads stay in the kernel
+
+    async def read(self, fh: int, off: int, size: int) -> memoryview:
+        n = max(0, min(size, self._file(fh).size - off))
+        return self._read_buffer(n)[:n]
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        f = self._file(fh)
+        f.size = max(f.size, off + len(buf))
+        f.dirty = True
+        return len(buf)
+
+    async def flush(self, fh: int) -> None:
+        f = self._file(fh)
+        if f.dirty:  # only a writer's close: a new mtime makes the kernel drop the file's cached pages
+            f.mtime_ns, f.dirty = time.time_ns(), False
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        pass
+
+    async def release(self, fh: int) -> None:
+        f = self._file(fh)
+        f.opens -= 1
+        self._maybe_drop(f)
+
+
+def mount_options() -> set[str]:
+    """kv-chunk-fs's options under another name, so /proc/mounts tells the two apart."""
+    same = {o for o in daemon.mount_options(os.geteuid() == 0) if not o.startswith(("fsname=", "subtype="))}
+    return same | {"fsname=nullfs", "subtype=nullfs"}
+
+
+def serve(mountpoint: Path, readahead_kb: int, writeback_cache: bool) -> None:
+    daemon.clear_stale_mount(mountpoint)
+    daemon.tune_process()
+    ops = NullOperations(writeback_cache)
+    pyfuse3.init(ops, str(mountpoint), mount_options())
+    try:
+        # kv-chunk-fs's own loop (signals, bdi tuning, task counts): only the handlers differ.
+        trio.run(daemon._main, ops, mountpoint, readahead_kb, [])
+    finally:
+        pyfuse3.close(unmount=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mountpoint")
+    p.add_argument("--kernel-readahead-kb", type=int, default=4096, help="the mount's bdi read_ahead_kb")
+    p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction, default=False)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(Path(args.mountpoint).resolve(), args.kernel_readahead_kb, args.writeback_cache)
+
+
+if __name__ == "__main__":
+    main()

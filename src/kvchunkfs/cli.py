@@ -54,7 +54,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from . import daemon
     from .api import MountApi
     from .gc import GarbageCollector
-    from .recovery import StoreLocked, lock_store, recover
+    from .recovery import StoreLocked, lock_store, prepare_map_file, recover
 
     mountpoint = Path(args.mountpoint).resolve()
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
@@ -63,9 +63,10 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     except StoreLocked as e:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
         return 1
+    moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     repo = open_repo(cfg)
     try:
-        recover(repo)  # before serving: cut uncommitted pack tails, drop temp files, report damage
+        recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.

@@ -91,9 +91,14 @@ class Repository:
         )
 
     def load(self, rel: str) -> FileContent:
-        """Content of an existing snapshot; raises StubError for a stub that is not an index."""
+        """Content of an existing snapshot; raises StubError for a stub that is not an index, or
+        whose chunk lengths disagree with the map (reads would return wrong bytes)."""
         with self.store.lock:  # read and pin as one step: GC's sweep cannot fall between them
-            return self.content(stubs.read_index(self.path(rel)))
+            index = stubs.read_index(self.path(rel))
+            bad = self.store.length_mismatch(index)
+            if bad is not None:
+                raise stubs.StubError(f"{rel}: {bad}")
+            return self.content(index)
 
     def prepare_stub(self, index: Index, like: str | None) -> Path:
         like_path = self.path(like) if like is not None else None

@@ -327,7 +327,7 @@ class _Checker:
             row = self.described[index.ids[i]]
             return (
                 f"{REMAPPABLE} {len(remappable)} chunks that packs describe (first at {index.start(i)}: "
-                f"{index.ids[i].hex()} in pack {row.pack}); --repair or the next mount re-maps them"
+                f"{index.ids[i].hex()} in pack {row.pack}); --repair or the next mount re-maps those that are intact"
             )
         parts = []
         if wrong_length:

@@ -7,7 +7,8 @@
    A stub renamed during the walk may be missed by the directory listing, so renames and unlinks
    bump ``repo.ns_gen`` under ``ns_lock``; if it moved, the walk is redone (at most MAX_WALKS
    times, then once more while holding ``ns_lock``, which makes renames wait for that walk).
-3. Packs (outside the long lock): a pack no row points into is deleted; dead bytes after the last
+3. Packs (outside the long lock): a pack no row points into is deleted if the map knows it (not a
+   legacy pack a new map never saw); dead bytes after the last
    live chunk of a closed pack are cut off; a pack whose live share is below the threshold is
    compacted: live chunks are copied (and re-hashed) to a new pack in batches, each batch's rows
    are moved only if they still point at the old pack, then the old pack is deleted. The open

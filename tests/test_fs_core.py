@@ -292,9 +292,14 @@ def test_missing_chunk_fails_with_eio(kvfs):
     victim = stubs.read_index(kvfs.store / "snapshots" / "a").ids[5]
     kvfs.stop()
     db = sqlite3.connect(kvfs.store / "chunks.db")
+    pack, off = db.execute("SELECT pack, offset FROM chunks WHERE id = ?", (victim,)).fetchone()
     db.execute("DELETE FROM chunks WHERE id = ?", (victim,))
     db.commit()
     db.close()
+    with open(kvfs.store / "packs" / f"{pack:08d}.pack", "r+b") as f:  # else recovery re-maps it from the pack
+        byte = f.read(off + 1)[-1]
+        f.seek(off)
+        f.write(bytes([byte ^ 1]))
     kvfs.start()
     with pytest.raises(OSError) as e:
         kvfs.path("a").read_bytes()

@@ -85,14 +85,17 @@ def test_repair_marks_broken_snapshots_and_never_deletes_them(kvfs) -> None:
     lost = stubs.read_index(snaps / "holed").ids[4]
     db = sqlite3.connect(kvfs.store / "chunks.db")
     pack, off, length = db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (victim,)).fetchone()
+    lost_at = db.execute("SELECT pack, offset FROM chunks WHERE id = ?", (lost,)).fetchone()
     db.execute("DELETE FROM chunks WHERE id = ?", (lost,))
     db.commit()
     db.close()
-    with open(kvfs.store / "packs" / f"{pack:08d}.pack", "r+b") as f:
-        f.seek(off + 7)
-        b = f.read(1)
-        f.seek(off + 7)
-        f.write(bytes([b[0] ^ 1]))
+    # The packs' records would re-map a row the map lost: the lost chunk's bytes go too.
+    for p, o in ((pack, off), lost_at):
+        with open(kvfs.store / "packs" / f"{p:08d}.pack", "r+b") as f:
+            f.seek(o + 7)
+            b = f.read(1)
+            f.seek(o + 7)
+            f.write(bytes([b[0] ^ 1]))
     (snaps / "junk").write_bytes(b"\0" * 200)
 
     r = fsck_cli(kvfs.store, "--verify-data", "--repair")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvchunkfs.file.files import Files
 from kvchunkfs.format import index as idx
 from kvchunkfs.format.chunker import Chunker, StreamChunker, chunk_id
+from kvchunkfs.store.packformat import BATCH_HEADER_SIZE, ENTRY_SIZE, PACK_HEADER_SIZE
 from kvchunkfs.store.repository import Repository, StoreSettings
 
 MiB = 1 << 20
@@ -186,7 +187,8 @@ def test_one_large_batch_is_split_across_packs(tmp_path: Path):
     chunks = [(chunk_id(d), d) for d in (rand_bytes(200_000, 100 + i) for i in range(16))]
     repo.store.add_chunks(chunks, object())
     sizes = [repo.store.pack_path(p).stat().st_size for p in repo.store.pack_ids()]
-    assert len(sizes) >= 3 and max(sizes) <= 1 * MiB and sum(sizes) == 16 * 200_000
+    records = len(sizes) * (PACK_HEADER_SIZE + BATCH_HEADER_SIZE) + 16 * ENTRY_SIZE  # one batch per pack
+    assert len(sizes) >= 3 and max(sizes) <= 1 * MiB and sum(sizes) == 16 * 200_000 + records
     for cid, data in chunks:
         loc = repo.store.locate(cid)
         assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data

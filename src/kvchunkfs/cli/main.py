@@ -35,7 +35,7 @@ def setup_logging(level: str) -> None:
 def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.fuse import daemon
     from kvchunkfs.maint.gc import GarbageCollector
-    from kvchunkfs.maint.recovery import recover
+    from kvchunkfs.maint.recovery import prepare_map_file, recover
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
@@ -45,10 +45,11 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     except StoreLocked as e:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
         return 1
+    moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     repo = open_repo(cfg)
     files = Files(repo)
     try:
-        recover(repo)  # before serving: cut uncommitted pack tails, drop temp files, report damage
+        recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
@@ -70,10 +71,10 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """Through the daemon's API if it holds the store, else right here."""
     from kvchunkfs.maint.gc import format_summary, run_gc
-    from kvchunkfs.maint.recovery import recover
+    from kvchunkfs.maint.recovery import prepare_map_file, recover
 
     root = Path(cfg.store)
-    if not Layout(root).exists():
+    if not Layout(root).is_store():
         print(f"kv-chunk-fs: no store at {root}", file=sys.stderr)
         return 2
     lock_fd = try_lock_store(root)
@@ -81,9 +82,10 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         if lock_fd is None:
             result = _through_daemon(root, "POST", "/gc")
         else:
+            moved_aside = prepare_map_file(root)  # an unreadable chunks.db is rebuilt from the packs
             repo = open_repo(cfg)
             try:
-                recover(repo)  # a crashed daemon's leftovers first: GC must not copy an uncommitted tail
+                recover(repo, moved_aside)  # a crashed daemon's leftovers first: the map caught up with the packs
                 result = run_gc(repo, cfg.gc_compact_threshold).to_dict()
             finally:
                 repo.close()

@@ -291,6 +291,9 @@ class Fetcher:
 
 
 def _assemble(index: Index, offset: int, end: int, first: int, last: int, datas: Sequence[Buffer]) -> bytes:
+    for i, data in enumerate(datas, first):
+        if len(data) != index.length(i):  # the map's chunk is not the one the index means: never wrong bytes
+            raise ChunkCorrupt(f"chunk {index.ids[i].hex()} is {len(data)} bytes, the index says {index.length(i)}")
     head = offset - index.start(first)
     if first == last:
         return bytes(datas[0][head : head + end - offset])

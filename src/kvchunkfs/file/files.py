@@ -17,6 +17,7 @@ from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import fsync_dir
 from kvchunkfs.store.repository import Repository
+from kvchunkfs.store.stubs import StubError
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,17 @@ class Files:
         )
 
     def load(self, rel: str) -> FileContent:
-        """Content of an existing snapshot; StubError for a stub that is not an index.
+        """Content of an existing snapshot; StubError for a stub that is not an index, or whose chunk
+        lengths disagree with the map (reads would return wrong bytes).
 
         Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them.
         """
         with self.repo.store.lock:
-            return self.content(self.repo.read_index(rel))
+            index = self.repo.read_index(rel)
+            bad = self.repo.store.length_mismatch(index)
+            if bad is not None:
+                raise StubError(f"{rel}: {bad}")
+            return self.content(index)
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

@@ -1,18 +1,25 @@
 """``kv-chunk-fs fsck``: check that every snapshot can be read back, and optionally repair the store.
 
-Checks: every stub parses (index and size xattr); every chunk it names is mapped and lies inside
-its pack; map rows do not overlap; no pack has bytes after its last mapped chunk and no pack is
-unused (crash leftovers, normally removed by recovery at mount); no temp or staging files are left.
+Checks: chunks.db is readable; every stub parses (index and size xattr); every chunk it names is
+mapped, lies inside its pack and has the length the index gives it; map rows do not overlap and
+agree with their pack's batch records; no pack has bytes after its last mapped chunk (crash
+leftovers, normally handled by recovery at mount); no temp or staging files are left. A chunk a
+snapshot names that the map lacks but a pack describes is a stale map (repairable), not damage.
 ``--verify-data`` re-hashes every mapped chunk (SHA-256 = id).
 
 Informational, not problems: garbage (mapped chunks no snapshot names) and slack (dead bytes
-inside packs GC has not compacted, and packs no chunk is mapped to): GC's job.
+inside packs GC has not compacted, and packs no chunk is mapped to): GC's job. Batch records
+are neither.
 
-``--repair`` (store not mounted): removes temp files, drops map rows that point outside their pack
-(or, with --verify-data, at corrupt bytes), cuts unmapped pack tails, deletes unused packs, marks
-damaged snapshots with the xattr ``user.kvcfs.broken`` (never deletes them: what is intact stays
-readable through an export or a later save of the same bytes), and runs GC with threshold 1, which
-removes unreferenced rows and compacts every pack with unmapped bytes.
+``--repair`` (store not mounted): moves an unreadable chunks.db aside, removes temp files, catches
+the map up with the packs' records exactly as recovery does at mount (a missing map is rebuilt
+whole), drops map rows that point outside their pack, disagree with its records or (with
+--verify-data) at corrupt bytes, re-maps chunks snapshots name from any pack that describes them
+(checksum verified), cuts pack bytes that hold no complete chunk, marks snapshots that still
+cannot be read with the xattr ``user.kvcfs.broken`` (never deletes them: what is intact stays
+readable through an export or a later save of the same bytes), and runs GC with threshold 1,
+which removes unreferenced rows and compacts every pack with dead bytes. It never deletes a pack
+that describes a chunk the map has not dropped as unreferenced.
 
 On a mounted store fsck checks read-only and skips what a running daemon legitimately has in
 flight (pack tails, unused packs, temp files, garbage); a stub that fails is read again in case it
@@ -34,14 +41,23 @@ from typing import Any
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.maint.gc import run_gc, salvage_ids
-from kvchunkfs.maint.recovery import RecoveryReport, clean_temp_dirs, repair_packs
+from kvchunkfs.maint.recovery import (
+    RecoveryReport,
+    check_snapshots,
+    clean_temp_dirs,
+    prepare_map_file,
+    repair_packs,
+)
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, try_lock_store, walk_stubs
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import MapReader
 from kvchunkfs.store.repository import Repository
 
 READ_SPAN = 4 << 20
 LIVE_RETRIES = 3
+DISAGREES = "disagrees with the records of pack"
+REMAPPABLE = "the map lacks"
 
 
 @dataclass
@@ -56,6 +72,7 @@ class FsckReport:
     garbage_bytes: int = 0
     slack_bytes: int = 0  # pack bytes no chunk maps, inside packs or in unused ones (GC's job)
     unused_packs: int = 0
+    legacy_packs: int = 0  # packs without batch records (only the map knows what they hold)
     problems: list[str] = field(default_factory=list)
     broken: dict[str, str] = field(default_factory=dict)  # snapshot -> why it cannot be read in full
     repaired: list[str] = field(default_factory=list)
@@ -99,6 +116,7 @@ class Damage(enum.Enum):
     PACK_MISSING = "pack missing"
     PAST_END = "past the end of its pack"
     CORRUPT = "fails its checksum"
+    DISAGREES = "the map disagrees with its pack's records"
 
 
 @dataclass
@@ -119,6 +137,9 @@ class _Checker:
         self.rows: dict[bytes, _Row] = {}
         self.bad: dict[bytes, tuple[Damage, str]] = {}  # chunk id -> why it cannot be read
         self.referenced: set[bytes] = set()
+        self.described: dict[bytes, _Row] = {}  # offline: a place each described chunk is at
+        self.records: dict[int, set[tuple[bytes, int, int]]] = {}  # described pack -> its chunks
+        self.record_bytes: dict[int, int] = {}  # described pack -> bytes of header and records
 
     def pack_path(self, pack: int) -> Path:
         return self.layout.pack_path(pack)
@@ -136,11 +157,31 @@ class _Checker:
         on_disk = {pack: size for pack, size in sizes.items() if size is not None}  # GC may delete meanwhile
         self.report.packs = len(on_disk)
         self.report.pack_bytes = sum(on_disk.values())
+        if not self.live:  # a running daemon appends to its open pack meanwhile
+            for pack, size in sorted(on_disk.items()):
+                self._read_records(pack, size)
         for pack in sorted(set(by_pack) | set(on_disk)):
             problems = self._check_pack(pack, by_pack.get(pack, []), on_disk.get(pack))
             if problems and self.live:  # GC may have moved or deleted it meanwhile: look again
                 problems = self._check_pack(pack, self._pack_rows(pack), _size(self.pack_path(pack)))
             self.report.problems += problems
+
+    def _read_records(self, pack: int, size: int) -> None:
+        try:
+            fd = os.open(self.pack_path(pack), os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            if not has_header(fd):
+                self.report.legacy_packs += not is_torn_header(os.pread(fd, PACK_HEADER_SIZE, 0))
+                return
+            found = scan(fd, size)
+        finally:
+            os.close(fd)
+        self.records[pack] = {(c.id, c.offset, c.length) for c in found.chunks}
+        self.record_bytes[pack] = PACK_HEADER_SIZE + found.record_bytes
+        for c in found.chunks:
+            self.described.setdefault(c.id, _Row(pack, c.offset, c.length))
 
     def _pack_rows(self, pack: int) -> list[tuple[bytes, int, int]]:
         return self.map.rows_of_pack(pack)
@@ -164,11 +205,26 @@ class _Checker:
         overlaps = sum(1 for (_, a, n), (_, b, _) in zip(rows, rows[1:], strict=False) if b < a + n)
         if overlaps:
             problems.append(f"pack {pack}: {overlaps} chunks overlap the previous one")
+        problems += self._check_records(pack, rows)
         end = max(off + n for _, off, n in rows)
         if size > end and not self.live:
             problems.append(f"pack {pack}: {size - end} bytes after its last mapped chunk (uncommitted tail)")
-        self.report.slack_bytes += max(0, min(end, size) - sum(n for _, _, n in rows))
+        overhead = self.record_bytes.get(pack, 0)
+        self.report.slack_bytes += max(0, min(end, size) - sum(n for _, _, n in rows) - overhead)
         return problems
+
+    def _check_records(self, pack: int, rows: list[tuple[bytes, int, int]]) -> list[str]:
+        """Offline: every row into a described pack must be a chunk its records list there."""
+        described = self.records.get(pack)
+        if described is None:
+            return []
+        wrong = [(cid, off, n) for cid, off, n in rows if (cid, off, n) not in described]
+        for cid, off, _ in wrong:
+            self.bad.setdefault(cid, (Damage.DISAGREES, f"{DISAGREES} {pack} (map says offset {off})"))
+        if not wrong:
+            return []
+        cid, off, n = wrong[0]
+        return [f"pack {pack}: {len(wrong)} map rows {DISAGREES} {pack} (first: {cid.hex()} at {off}, {n} bytes)"]
 
     def verify_data(self) -> None:
         total = self.report.chunk_bytes
@@ -222,7 +278,8 @@ class _Checker:
                 continue
             self.report.snapshots += 1
             if reason:
-                self.report.broken[rel] = reason
+                if not reason.startswith(REMAPPABLE):
+                    self.report.broken[rel] = reason
                 self.report.problems.append(f"snapshot {rel}: {reason}")
             self.progress("stubs", n, len(paths))
         self.progress("", 1, 1)
@@ -247,14 +304,32 @@ class _Checker:
     def _chunk_problems(self, index: idx.Index) -> str | None:
         missing: list[int] = []
         damaged: list[int] = []
+        remappable: list[int] = []
+        wrong_length: list[int] = []
         for i, cid in enumerate(index.ids):
             if cid not in self.rows and not self._mapped_now(cid):
-                missing.append(i)
+                (remappable if cid in self.described else missing).append(i)
             elif cid in self.bad:
                 damaged.append(i)
-        if not missing and not damaged:
-            return None
+            elif self.rows[cid].length != index.length(i):
+                wrong_length.append(i)
+        if not missing and not damaged and not wrong_length:
+            if not remappable:
+                return None
+            i = remappable[0]
+            row = self.described[index.ids[i]]
+            return (
+                f"{REMAPPABLE} {len(remappable)} chunks that packs describe (first at {index.start(i)}: "
+                f"{index.ids[i].hex()} in pack {row.pack}); --repair or the next mount re-maps those that are intact"
+            )
         parts = []
+        if wrong_length:
+            i = wrong_length[0]
+            mapped = self.rows[index.ids[i]].length
+            parts.append(
+                f"{len(wrong_length)} chunks whose length disagrees with the map (first: chunk {i} at "
+                f"{index.start(i)} is {index.length(i)} bytes in the index, {mapped} in the map)"
+            )
         if missing:
             i = missing[0]
             parts.append(f"{len(missing)} chunks not in the store (first at {index.start(i)}: {index.ids[i].hex()})")
@@ -299,9 +374,13 @@ def check(
     """Read-only check of the store at ``root``; ``live``: a daemon serves it."""
     start = time.monotonic()
     layout = Layout(root)
-    chunk_map = MapReader(layout)
+    if not layout.is_store():
+        raise FileNotFoundError(f"no store at {root} (no chunks.db, no packs)")
+    chunk_map, problem = MapReader.open_or_empty(layout)
     try:
         checker = _Checker(layout, chunk_map, live, progress)
+        if problem:
+            checker.report.problems.append(problem)
         checker.check_map()
         if verify_data:
             checker.verify_data()
@@ -314,12 +393,18 @@ def check(
     return checker.report, checker
 
 
-def repair(repo: Repository, checker: _Checker) -> None:
+def repair(repo: Repository, checker: _Checker, moved_aside: str = "") -> None:
     """Fix what ``check`` found; the store lock must be held and no daemon may serve the store."""
     report = checker.report
+    if moved_aside:
+        report.repaired.append(f"moved the unreadable chunk map to {moved_aside}")
     n = clean_temp_dirs(repo)
     if n:
         report.repaired.append(f"removed {n} leftover temp/staging files")
+    disagreeing = [cid for cid, (damage, _) in checker.bad.items() if damage is Damage.DISAGREES]
+    if disagreeing:
+        repo.store.delete_chunks(disagreeing)
+        report.repaired.append(f"dropped {len(disagreeing)} map rows that disagree with their pack's records")
     rec = RecoveryReport()
     repair_packs(repo.store, rec)
     if rec.rows_dropped or rec.packs_truncated or rec.packs_removed:
@@ -327,13 +412,20 @@ def repair(repo: Repository, checker: _Checker) -> None:
             f"dropped {rec.rows_dropped} map rows outside their pack, cut {rec.packs_truncated} pack tails "
             f"({rec.tail_bytes_cut} bytes), removed {rec.packs_removed} unused packs"
         )
+    if rec.chunks_added:
+        n, packs = rec.chunks_added, rec.packs_scanned
+        report.repaired.append(f"added {n} chunks the packs describe to the map ({packs} packs scanned)")
     corrupt = [cid for cid, (damage, _) in checker.bad.items() if damage is Damage.CORRUPT]
     if corrupt:
         repo.store.delete_chunks(corrupt)
         report.repaired.append(
             f"dropped {len(corrupt)} corrupt chunks from the map (a save of the same bytes restores them)"
         )
-    _mark_broken(repo, report)
+    after = RecoveryReport()
+    check_snapshots(repo, after, rescue_marked=True)
+    if after.chunks_rescued:
+        report.repaired.append(f"re-mapped {after.chunks_rescued} chunks snapshots name from their packs' records")
+    _mark_broken(repo, report, _still_broken(report, after))
     gc_report = run_gc(repo, threshold=1.0)
     if gc_report.chunks_freed or gc_report.disk_bytes_freed:
         report.repaired.append(
@@ -343,10 +435,19 @@ def repair(repo: Repository, checker: _Checker) -> None:
     report.repaired += [f"gc: {e}" for e in gc_report.errors]
 
 
-def _mark_broken(repo: Repository, report: FsckReport) -> None:
+def _still_broken(report: FsckReport, after: RecoveryReport) -> dict[str, str]:
+    """Snapshots that cannot be read in full once the map is repaired (re-mapped ones can)."""
+    now = set(after.unreadable) | set(after.missing) | set(after.mismatched)
+    out = {rel: why for rel, why in report.broken.items() if rel in now}
+    for rel in now - set(out):
+        out[rel] = after.mismatched.get(rel) or f"{after.missing.get(rel, 0)} chunks not in the store"
+    return out
+
+
+def _mark_broken(repo: Repository, report: FsckReport, broken: dict[str, str]) -> None:
     for path in walk_stubs(repo.snapshots):
         rel = path.relative_to(repo.snapshots).as_posix()
-        reason = report.broken.get(rel)
+        reason = broken.get(rel)
         if reason is not None:
             os.setxattr(path, stubs.BROKEN, reason.encode(), follow_symlinks=False)
             report.repaired.append(f"marked snapshot {rel} broken")
@@ -369,16 +470,17 @@ def run_fsck(
     open_repo: Callable[[], Repository] | None = None,
 ) -> FsckReport:
     """Check (and with ``do_repair`` fix) the store; a mounted store is only checked."""
-    lock_fd = try_lock_store(root) if Layout(root).exists() else None
+    lock_fd = try_lock_store(root) if Layout(root).is_store() else None
     live = lock_fd is None
     try:
         if do_repair and live:
             raise RuntimeError(f"store {root} is mounted (or locked by another tool); unmount it to repair")
         report, checker = check(root, verify_data, live, progress)
         if do_repair:
+            moved_aside = prepare_map_file(root)
             repo = open_repo() if open_repo is not None else Repository(root)
             try:
-                repair(repo, checker)
+                repair(repo, checker, moved_aside)
             finally:
                 repo.close()
         return report

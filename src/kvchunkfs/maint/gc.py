@@ -7,7 +7,8 @@
 2. Sweep (under ``store.lock``): live = named ids | ``store.pinned()``; delete the map rows of
    every other chunk. A save checks "store has it" and pins the chunk under the same
    ``store.lock``, so a chunk it is about to reuse cannot vanish before its stub is renamed.
-3. Packs (outside the long lock): a pack no row points into is deleted; dead bytes after the last
+3. Packs (outside the long lock): a pack no row points into is deleted if the map knows it (not a
+   legacy pack a new map never saw); dead bytes after the last
    live chunk of a closed pack are cut off; a pack whose live share is below the threshold is
    compacted: live chunks are copied (and re-hashed) to a new pack in batches, each batch's rows
    are moved only if they still point at the old pack, then the old pack is deleted. The open
@@ -23,7 +24,6 @@ never blocks either.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import math
@@ -40,7 +40,8 @@ import trio
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store.layout import file_size, walk_stubs
-from kvchunkfs.store.packs import ChunkCorrupt, PackStore
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
+from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -223,10 +224,23 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
             cut = store.trim_pack(pack)  # dead chunks at the end: no tail is left that looks like a crash's
             size -= cut
             report.disk_bytes_freed += cut
-            if size and live / size < threshold:
+            if size and live / size < threshold and _dead_bytes(store, pack, size, live) > 0:
                 _compact_logged(store, pack, size, out, report, stop)
     finally:
         out.close()
+
+
+def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
+    """Bytes of ``pack`` that are neither live chunks nor batch records (which every pack has)."""
+    try:
+        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+    except FileNotFoundError:
+        return 0
+    try:
+        records = scan(fd, size).record_bytes + PACK_HEADER_SIZE if has_header(fd) else 0
+    finally:
+        os.close(fd)
+    return size - records - live
 
 
 def _compact_logged(
@@ -260,7 +274,7 @@ def _compact(
                 report.interrupted = True
                 return None
             moves = out.copy(src, pack, batch)
-            report.chunks_moved += store.move_chunks(pack, moves)
+            report.chunks_moved += store.move_chunks(pack, moves, (out.pack, out.end))
             nbytes = sum(n for _, _, n in batch)
             report.bytes_moved += nbytes
             moved += nbytes
@@ -282,7 +296,7 @@ def _batches(rows: list[tuple[bytes, int, int]]) -> Iterator[list[tuple[bytes, i
 
 
 class _PackWriter:
-    """GC's own output packs: created like any pack, never the one saves append to."""
+    """GC's own output packs: created like any pack (self-describing), never the one saves append to."""
 
     def __init__(self, store: PackStore) -> None:
         self.store = store
@@ -292,7 +306,8 @@ class _PackWriter:
         self.end = 0
 
     def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
-        """Append verified copies of ``batch`` and fsync them; returns (id, new pack, new offset)."""
+        """Append verified copies of ``batch`` (with their record) and fsync them; returns
+        (id, new pack, new offset) for each. ``self.end`` is then the batch's end, to commit with the rows."""
         first = batch[0][1]
         span = batch[-1][1] + batch[-1][2] - first
         data = memoryview(os.pread(src, span, first))
@@ -304,21 +319,20 @@ class _PackWriter:
             pieces.append(piece)
         if self.fd < 0 or self.end >= self.store.pack_size:
             self._next_pack()
+        record = batch_record([(cid, n) for cid, _, n in batch])
         moves = []
-        off = self.end
-        for (cid, _, n), _piece in zip(batch, pieces, strict=True):
+        off = self.end + len(record)
+        for cid, _, n in batch:
             moves.append((cid, self.pack, off))
             off += n
-        self._write(pieces)
-        os.fsync(self.fd)  # the copies are on disk before any row points at them
+        self._write([record, *pieces])
+        os.fsync(self.fd)  # the copies and their record are on disk before any row points at them
         self.end = off
         return moves
 
-    def _write(self, pieces: list[memoryview]) -> None:
+    def _write(self, pieces: list[bytes | memoryview]) -> None:
         try:
-            total = sum(len(p) for p in pieces)
-            if os.pwritev(self.fd, pieces, self.end) != total:
-                raise OSError(errno.EIO, "short write to a GC pack")
+            pwrite_all(self.fd, pieces, self.end)
         except OSError:
             os.ftruncate(self.fd, self.end)
             raise
@@ -327,13 +341,13 @@ class _PackWriter:
         self.close()
         self.pack, self.fd = self.store.create_pack()
         self.packs.add(self.pack)
-        self.end = 0
+        self.end = PACK_HEADER_SIZE
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-            if self.end == 0:  # nothing copied into it
+            if self.end <= PACK_HEADER_SIZE:  # nothing copied into it
                 self.store.remove_pack(self.pack)
 
 

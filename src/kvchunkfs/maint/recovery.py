@@ -1,19 +1,29 @@
-"""Crash recovery: bring a store back to its last committed state before it is served.
+"""Crash recovery: bring a store back to a consistent state before it is served.
 
-A save writes in this order (docs/design.md, "Saving: the order of writes"): pack data, map commit, stub temp
-file, rename. A crash therefore leaves at most
+Packs are the truth, the map is a cache. Every pack describes its chunks (``packformat``: a record
+before each batch), written before the batch's map rows, and the map keeps each pack's committed
+end (table ``packs``). A crash therefore leaves at most
 
-* pack bytes after the last committed chunk (a batch written but not committed) -> truncated;
-* packs no map row points into (GC dropped the rows, then died before unlinking) -> deleted;
+* a described batch past a pack's committed end (written, not committed) -> added to the map
+  (GC frees it if no stub names it: recovery cannot tell it from a batch an older map forgot);
+* bytes past the last complete chunk a pack describes (a torn batch, junk) -> cut;
+* packs that describe nothing (a pack created, then cut by a crash) -> deleted;
 * staging copies and half-written temp stubs under ``staging/`` and ``tmp/`` -> deleted;
 * committed chunks no stub names (the save died before its rename) -> left to GC.
 
-Map rows that point past the end of their pack or into a missing pack are not crash leftovers
-(the map is only committed after the bytes are written) but damage, e.g. a truncated pack or data
-lost to a power failure with ``durability = close``. They are dropped, so the store never claims
-to have a chunk it cannot return (a later save of the same bytes stores them again), and every
-snapshot that needs a chunk the store lacks is reported. Such snapshots are not touched: reads of
-them fail with EIO.
+The same catching-up rebuilds a map that is missing (a new empty map knows no pack, so every pack
+is scanned), unreadable (moved aside first, see ``prepare_map_file``) or older than the packs
+(packs past their committed end, packs it does not know). Chunks a stub names that the map still
+lacks are looked for in every pack's records and re-mapped if their bytes hash right. Recovery
+never deletes a pack that describes a chunk; whole unused packs are GC's job, from a map caught up
+with the packs. Legacy packs (no records) are known only through the map: one the map does not
+know is never touched.
+
+Map rows that point past the end of their pack or into a missing pack are damage, not crash
+leftovers. Unless a pack describes the chunk elsewhere they are dropped, so the store never claims
+a chunk it cannot return (a later save of the same bytes stores it again), and every snapshot that
+needs a chunk the store lacks, or whose index disagrees with the map about a chunk's length, is
+reported. Such snapshots are not touched: opening or reading them fails with EIO.
 
 Only one process may work on a store at a time: the daemon holds an flock on ``STORE/lock`` for
 its lifetime, and offline tools (gc, fsck --repair) take the same lock.
@@ -22,15 +32,20 @@ its lifetime, and offline tools (gc, fsck --repair) take the same lock.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import file_size, walk_stubs
+from kvchunkfs.store.layout import DB_NAME, file_size, walk_stubs
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described, Scan, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.repository import Repository
 
@@ -43,9 +58,15 @@ class RecoveryReport:
     tail_bytes_cut: int = 0
     rows_dropped: int = 0
     packs_removed: int = 0
+    packs_scanned: int = 0  # packs the map did not know, or knew only up to an earlier end
+    chunks_added: int = 0  # described chunks the map lacked (uncommitted batches, a lost or older map)
+    chunks_rescued: int = 0  # chunks snapshots name that the map had lost, found in a pack's records
+    legacy_unknown: int = 0  # packs without records the map does not know: kept untouched
+    map_moved_aside: str = ""  # where an unreadable chunks.db went
     snapshots: int = 0
     unreadable: list[str] = field(default_factory=list)  # stubs that are not a valid index
     missing: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks it needs that are gone
+    mismatched: dict[str, str] = field(default_factory=dict)  # snapshot -> how its index disagrees with the map
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,15 +76,60 @@ class RecoveryReport:
         return (
             f"recovery: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
             f"{self.packs_truncated} pack tails cut ({self.tail_bytes_cut} bytes), {self.packs_removed} unused packs "
-            f"removed, {self.rows_dropped} map rows dropped, {len(self.unreadable)} unreadable and "
-            f"{len(self.missing)} incomplete snapshots, {self.duration_s:.2f}s"
+            f"removed, {self.rows_dropped} map rows dropped, {self.packs_scanned} packs scanned "
+            f"({self.chunks_added} chunks added to the map, {self.chunks_rescued} rescued), "
+            f"{self.legacy_unknown} unknown legacy packs kept, {len(self.unreadable)} unreadable, "
+            f"{len(self.missing)} incomplete and {len(self.mismatched)} inconsistent snapshots, {self.duration_s:.2f}s"
         )
 
 
-def recover(repo: Repository) -> RecoveryReport:
+def prepare_map_file(root: Path) -> str:
+    """Before the map is opened (store lock held): move aside what SQLite must not open.
+
+    An unreadable chunks.db is renamed, never deleted (recovery rebuilds the map from the packs);
+    a WAL left without its database is renamed too, or SQLite would replay it into the new, empty
+    one. Returns where a moved database went, or "".
+    """
+    db = root / DB_NAME
+    wal, shm = db.with_name(DB_NAME + "-wal"), db.with_name(DB_NAME + "-shm")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if not db.exists():
+        for path in (wal, shm):
+            if path.exists():
+                os.rename(path, path.with_name(f"{path.name}.orphan-{stamp}"))
+                log.warning("%s has no database: moved aside", path)
+        return ""
+    error = _unreadable(db)
+    if error is None:
+        return ""
+    aside = db.with_name(f"{DB_NAME}.unreadable-{stamp}")
+    for path in (db, wal, shm):
+        if path.exists():
+            os.rename(path, path.with_name(aside.name + path.name[len(DB_NAME) :]))
+    log.error("%s is unreadable (%s): moved to %s; the map is rebuilt from the packs", db, error, aside)
+    return str(aside)
+
+
+def _unreadable(db: Path) -> str | None:
+    try:
+        con = sqlite3.connect(db)
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return None
+    except sqlite3.OperationalError:  # e.g. locked: not a reason to move a database aside
+        raise
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    finally:
+        con.close()
+
+
+def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     """Undo what a crash left behind; call with the store lock held, before serving."""
     start = time.monotonic()
-    report = RecoveryReport()
+    report = RecoveryReport(map_moved_aside=moved_aside)
     report.temp_files_removed = clean_temp_dirs(repo)
     repair_packs(repo.store, report)
     check_snapshots(repo, report)
@@ -87,35 +153,117 @@ def clean_temp_dirs(repo: Repository) -> int:
 
 
 def repair_packs(store: PackStore, report: RecoveryReport) -> None:
-    """Drop rows that point outside their pack, then cut unmapped tails and delete unused packs."""
-    on_disk = set(store.pack_ids())
-    for pack in sorted(set(store.pack_usage()) - on_disk):
-        ids = store.rows_outside(pack, -1)
-        log.error("pack %d is missing: dropping its %d chunks from the map", pack, len(ids))
-        report.rows_dropped += store.delete_chunks(ids)
-    sizes = {pack: file_size(store.pack_path(pack)) for pack in on_disk}
+    """Catch the map up with the packs, then drop rows that point outside their pack."""
+    sizes = {pack: file_size(store.pack_path(pack)) for pack in store.pack_ids()}
+    ends = store.pack_ends()
+    for pack in sorted(set(ends) - set(sizes)):
+        store.forget_pack(pack)
+    bad = _rows_outside(store, sizes)
+    bad_ids = {cid for ids in bad.values() for cid in ids}
     for pack, size in sorted(sizes.items()):
+        found = catch_up_pack(store, pack, size, ends.get(pack), bad_ids, report)
+        bad_ids -= found
+    for pack, ids in sorted(bad.items()):
+        lost = [cid for cid in ids if cid in bad_ids]
+        if not lost:
+            continue
+        if pack in sizes:
+            size = sizes[pack]
+            log.error("pack %d is %d bytes, shorter than the map says: dropping %d chunks", pack, size, len(lost))
+        else:
+            log.error("pack %d is missing: dropping its %d chunks from the map", pack, len(lost))
+        report.rows_dropped += store.delete_chunks(lost)
+
+
+def _rows_outside(store: PackStore, sizes: dict[int, int]) -> dict[int, list[bytes]]:
+    """pack -> ids of rows that point into it although it is missing or too short."""
+    out = {pack: store.rows_outside(pack, -1) for pack in set(store.pack_usage()) - set(sizes)}
+    for pack, size in sizes.items():
         past = store.rows_outside(pack, size)
         if past:
-            log.error("pack %d is %d bytes, shorter than the map says: dropping %d chunks", pack, size, len(past))
-            report.rows_dropped += store.delete_chunks(past)
-    usage = store.pack_usage()
-    for pack, size in sorted(sizes.items()):
-        end = usage[pack][2] if pack in usage else 0
-        if end == 0:
-            if store.remove_pack(pack):
-                report.packs_removed += 1
-                log.info("removed pack %d: no committed chunk in it (%d bytes)", pack, size)
-        elif size > end:
-            os.truncate(store.pack_path(pack), end)
-            report.packs_truncated += 1
-            report.tail_bytes_cut += size - end
-            log.info("pack %d: cut %d bytes written after its last committed chunk", pack, size - end)
+            out[pack] = past
+    return out
 
 
-def check_snapshots(repo: Repository, report: RecoveryReport) -> None:
-    """Report every snapshot that cannot be read in full (never served as zeros: reads fail)."""
+def catch_up_pack(
+    store: PackStore, pack: int, size: int, end: int | None, bad: set[bytes], report: RecoveryReport
+) -> set[bytes]:
+    """Map what ``pack`` describes past its committed ``end`` (all of it if the map does not know
+    it), cut bytes that hold no complete chunk, delete it if it describes nothing; returns the
+    ids of ``bad`` rows it re-mapped."""
+    try:
+        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+    except FileNotFoundError:
+        return set()
+    try:
+        head = os.pread(fd, PACK_HEADER_SIZE, 0)
+        if not has_header(fd) and not is_torn_header(head) and pack < store.described_from:
+            _legacy(pack, end, report)
+            return set()
+        start = PACK_HEADER_SIZE if end is None else max(end, PACK_HEADER_SIZE)
+        if size <= start and end is not None:
+            return set()
+        found = _scan_from(fd, size, start)
+    finally:
+        os.close(fd)
+    report.packs_scanned += 1
+    if end is None and not found.chunks:
+        store.adopt(pack, [], PACK_HEADER_SIZE)  # known now, so it can be removed
+        if store.remove_pack(pack):
+            report.packs_removed += 1
+            log.info("removed pack %d: no chunk in it (%d bytes)", pack, size)
+        return set()
+    remapped = {c.id for c in found.chunks} & bad
+    added = store.adopt(pack, found.chunks, found.end, replace=remapped)
+    report.chunks_added += added
+    if added:
+        log.warning(
+            "pack %d: added %d chunks it describes past the map's end (%s)",
+            pack,
+            added,
+            "a pack the map did not know" if end is None else "a batch cut off before its commit, or an older map",
+        )
+    if size > found.end:
+        _cut(store, pack, size, found.end, report)
+    return remapped
+
+
+def _scan_from(fd: int, size: int, start: int) -> Scan:
+    """The records from ``start`` on; from the pack's start if ``start`` is not a batch boundary."""
+    found = scan(fd, size, start)
+    if found.end == start and size > start > PACK_HEADER_SIZE:
+        full = scan(fd, size)
+        if full.end > start:
+            return Scan(start, full.end, [c for c in full.chunks if c.offset >= start], full.record_bytes)
+    return found
+
+
+def _cut(store: PackStore, pack: int, size: int, end: int, report: RecoveryReport) -> None:
+    os.truncate(store.pack_path(pack), end)
+    report.packs_truncated += 1
+    report.tail_bytes_cut += size - end
+    log.info("pack %d: cut %d bytes past its last complete batch (a torn write)", pack, size - end)
+
+
+def _legacy(pack: int, end: int | None, report: RecoveryReport) -> None:
+    if end is None:
+        report.legacy_unknown += 1
+        log.warning(
+            "pack %d has no batch records (written before packs described themselves) and the map does not "
+            "know it: kept untouched; only a chunks.db that knows it can use it",
+            pack,
+        )
+
+
+def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: bool = False) -> None:
+    """Report every snapshot that cannot be read in full (never served as zeros: reads fail).
+
+    Chunks a snapshot names that the map lacks are first looked for in the packs' records (not
+    for snapshots fsck already marked broken, unless ``rescue_marked``: it looked for them then).
+    """
     mapped = repo.store.chunk_lengths()
+    missing: dict[str, set[bytes]] = {}
+    wanted: set[bytes] = set()
     for path in walk_stubs(repo.snapshots):
         rel = path.relative_to(repo.snapshots).as_posix()
         report.snapshots += 1
@@ -127,12 +275,81 @@ def check_snapshots(repo: Repository, report: RecoveryReport) -> None:
             report.unreadable.append(rel)
             log.error("snapshot %s is unreadable: %s", rel, e)
             continue
-        missing = {cid for cid in index.ids if cid not in mapped}
-        if missing:
-            report.missing[rel] = len(missing)
+        _check_lengths(rel, index, mapped, report)
+        lacking = {cid for cid in index.ids if cid not in mapped}
+        if lacking:
+            missing[rel] = lacking
+            if rescue_marked or not _is_marked(path):
+                wanted |= lacking
+    if wanted:
+        mapped.update(rescue_chunks(repo.store, wanted, report))
+    for rel, lacking in sorted(missing.items()):
+        lost = lacking - mapped.keys()
+        if lost:
+            report.missing[rel] = len(lost)
             log.error(
                 "snapshot %s needs %d chunks the store does not have (e.g. %s); reads of it fail with EIO",
                 rel,
-                len(missing),
-                next(iter(missing)).hex(),
+                len(lost),
+                next(iter(lost)).hex(),
             )
+
+
+def _check_lengths(rel: str, index: Index, mapped: dict[bytes, int], report: RecoveryReport) -> None:
+    for i, cid in enumerate(index.ids):
+        n = mapped.get(cid)
+        if n is not None and n != index.length(i):
+            why = f"chunk {i} ({cid.hex()}) is {index.length(i)} bytes in the index, {n} in the map"
+            report.mismatched[rel] = why
+            log.error("snapshot %s disagrees with the map: %s; opening it fails with EIO", rel, why)
+            return
+
+
+def _is_marked(path: Path) -> bool:
+    try:
+        return stubs.BROKEN in os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def rescue_chunks(store: PackStore, wanted: set[bytes], report: RecoveryReport) -> dict[bytes, int]:
+    """Look for ``wanted`` chunks in every pack's records; map each copy whose bytes hash right.
+
+    Reads the records of all packs: only when a snapshot names a chunk the map lacks.
+    """
+    rescued: dict[bytes, int] = {}
+    left = set(wanted)
+    for pack in store.pack_ids():
+        if not left:
+            break
+        good = _good_copies(store, pack, left)
+        if good:
+            store.adopt(pack, good, PACK_HEADER_SIZE)
+            for c in good:
+                rescued[c.id] = c.length
+                left.discard(c.id)
+    if rescued:
+        report.chunks_rescued += len(rescued)
+        log.warning("re-mapped %d chunks that snapshots name from their packs' records", len(rescued))
+    return rescued
+
+
+def _hashes_right(fd: int, c: Described) -> bool:
+    return hashlib.sha256(os.pread(fd, c.length, c.offset)).digest() == c.id
+
+
+def _good_copies(store: PackStore, pack: int, wanted: set[bytes]) -> list[Described]:
+    try:
+        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+    except FileNotFoundError:
+        return []
+    try:
+        if not has_header(fd):
+            return []
+        good: dict[bytes, Described] = {}
+        for c in scan(fd, os.fstat(fd).st_size).chunks:
+            if c.id in wanted and c.id not in good and _hashes_right(fd, c):
+                good[c.id] = c
+        return list(good.values())
+    finally:
+        os.close(fd)

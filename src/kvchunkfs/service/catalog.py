@@ -337,7 +337,7 @@ def chunk_map_stats(root: Path) -> tuple[int, int]:
     layout = Layout(root)
     if not layout.exists():
         return 0, 0
-    chunk_map = MapReader(layout)
+    chunk_map = MapReader.open(layout)
     try:
         return chunk_map.stats()
     finally:

@@ -66,6 +66,10 @@ class Layout:
         """A store has been created here (its chunk map exists)."""
         return self.db.exists()
 
+    def is_store(self) -> bool:
+        """A store, even one whose chunk map is lost (its packs remain)."""
+        return self.db.exists() or self.packs.is_dir()
+
     def snapshot(self, rel: str) -> Path:
         """The stub of ``rel`` (a path relative to ``snapshots/``; "" is the directory itself)."""
         return self.snapshots / rel if rel else self.snapshots

@@ -1,8 +1,14 @@
 """Chunk store: append-only pack files plus a SQLite map chunk id -> (pack, offset, length).
 
-Write order for new chunks (see docs/design.md): chunk bytes are appended to the open pack first,
-then the map rows are committed. A crash between the two leaves unreferenced bytes at a pack's
-tail, which recovery truncates. A map row therefore never points at bytes that were not written.
+Packs are the truth, the map is a cache. Write order for new chunks (see docs/design.md): a batch
+record listing the chunks (``packformat``) and their bytes are written at the open pack's known end
+first, then the map rows and the pack's new committed end (table ``packs``) are committed in one
+transaction. A crash between the two leaves a described batch past the committed end, which
+recovery adds to the map. A map row therefore never points at bytes that were not written, and
+the map can always be rebuilt from the packs.
+
+The map file may be deleted or replaced under a running daemon; every write transaction first
+checks that ``chunks.db`` is still the file this connection opened, and refuses (EIO) otherwise.
 
 Pins protect chunks that open files use but no stub names yet (a save in progress, a file that
 was unlinked while open). Garbage collection treats pinned ids as live; the existence check and
@@ -19,16 +25,39 @@ import logging
 import os
 import sqlite3
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import Layout, fsync_dir
+from kvchunkfs.store.packformat import (
+    BATCH_HEADER_SIZE,
+    ENTRY_SIZE,
+    PACK_HEADER_SIZE,
+    Described,
+    batch_record,
+    pack_header,
+)
 
 log = logging.getLogger(__name__)
 
 _SQL_BATCH = 500
 _IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
+MAX_FDS = 64  # read fds kept open (least recently used idle ones are closed)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+    id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunks_by_pack ON chunks (pack, offset);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS packs (pack INTEGER PRIMARY KEY, end INTEGER NOT NULL);
+"""
+# A pack's committed end only grows (a commit of an older batch must not move it back).
+_UPSERT_END = (
+    "INSERT INTO packs (pack, end) VALUES (?, ?) ON CONFLICT (pack) DO UPDATE SET end = max(end, excluded.end)"
+)
 
 
 class ChunkMissing(LookupError):
@@ -76,7 +105,7 @@ class _PackFd:
 
 
 class PackStore:
-    def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False) -> None:
+    def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False, max_fds: int = MAX_FDS) -> None:
         self.root = root
         self.layout = Layout(root)
         self.packs_dir = self.layout.packs
@@ -85,26 +114,49 @@ class PackStore:
         self.durable = durable
         self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
         self._fd_lock = threading.Lock()
-        self._fds: dict[int, _PackFd] = {}
-        self.db = sqlite3.connect(self.layout.db, check_same_thread=False, isolation_level=None)
+        self._fds: OrderedDict[int, _PackFd] = OrderedDict()  # least recently used first
+        self.max_fds = max_fds
+        self.db_path = self.layout.db
+        self.db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        self._db_ident = _ident(self.db_path)  # the file this connection writes to
+        self._db_lost: str | None = None
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-        self.db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS chunks (
-                id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
-            ) WITHOUT ROWID;
-            CREATE INDEX IF NOT EXISTS chunks_by_pack ON chunks (pack, offset);
-            CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-            """
-        )
         self._db_lock = threading.Lock()  # sqlite3 connection is shared between threads
+        self._migrate()
         self._pack_id: int | None = None  # pack currently appended to
         self._pack_fd = -1
         self._pack_end = 0
         self._unsynced: set[int] = set()  # packs written since the last sync()
         self.pins: dict[object, set[bytes]] = {}
         self.counters = StoreCounters()
+
+    def _migrate(self) -> None:
+        """Create the schema; a map without the ``packs`` table is a new or a legacy one.
+
+        ``described_from``: packs numbered below it may be legacy packs (no header, written before
+        packs described themselves). A legacy map is taken as the truth about the packs it knows;
+        a new map over existing packs (chunks.db was lost) knows none of them, so recovery scans
+        the described ones and leaves legacy ones alone.
+        """
+        tables = {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        self.db.executescript(_SCHEMA)
+        if "packs" in tables:
+            self.described_from = int(self.get_meta("described_from") or 1)
+            return
+        on_disk = self.pack_ids()
+        last = max(int(self.get_meta("last_pack") or 0), on_disk[-1] if on_disk else 0)
+        steps: list[tuple[str, Sequence[tuple]]] = [
+            ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("described_from", str(last + 1))]),
+            ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("last_pack", str(last))]),
+        ]
+        if "chunks" in tables:
+            ends = dict(self.db.execute("SELECT pack, max(offset + length) FROM chunks GROUP BY pack"))
+            known = [(pack, ends.get(pack, 0)) for pack in sorted(set(on_disk) | set(ends))]
+            steps.append(("INSERT OR REPLACE INTO packs (pack, end) VALUES (?, ?)", known))
+            log.info("chunk map: %d legacy packs (no batch records) are known only to the map", len(on_disk))
+        self._commit(steps)
+        self.described_from = last + 1
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -135,6 +187,18 @@ class PackStore:
         if loc is None:
             raise ChunkMissing(cid.hex())
         return loc
+
+    def length_mismatch(self, index: Index) -> str | None:
+        """How ``index`` disagrees with the map about a chunk's length, or None.
+
+        Chunks the map lacks are not judged here (reading them fails with EIO anyway).
+        """
+        found = self.locate_many(index.ids)
+        for i, cid in enumerate(index.ids):
+            loc = found.get(cid)
+            if loc is not None and loc.length != index.length(i):
+                return f"chunk {i} ({cid.hex()}) is {index.length(i)} bytes in the index, {loc.length} in the map"
+        return None
 
     def pack_ids(self) -> list[int]:
         return self.layout.pack_ids()
@@ -167,19 +231,26 @@ class PackStore:
         with self._db_lock:
             return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
 
-    def _write_many(self, sql: str, params: Sequence[tuple], durable: bool = False) -> int:
-        """Run ``sql`` for every tuple in one transaction; returns the rows changed.
+    def pack_ends(self) -> dict[int, int]:
+        """pack -> committed end: the map knows every batch before it (table ``packs``)."""
+        with self._db_lock:
+            return dict(self.db.execute("SELECT pack, end FROM packs"))
+
+    def _commit(self, steps: Sequence[tuple[str, Sequence[tuple]]], durable: bool = False) -> int:
+        """Run each (sql, rows) of ``steps`` in one transaction; returns the rows changed.
 
         ``durable``: the commit itself is fsynced (WAL + synchronous=FULL), whatever the setting.
         """
         with self._db_lock:
+            self._check_db()
             if durable and not self.durable:
                 self.db.execute("PRAGMA synchronous=FULL")
             self.db.execute("BEGIN")
             try:
                 changed = 0
-                for row in params:
-                    changed += self.db.execute(sql, row).rowcount
+                for sql, params in steps:
+                    for row in params:
+                        changed += self.db.execute(sql, row).rowcount
                 self.db.execute("COMMIT")
             except sqlite3.Error:
                 with contextlib.suppress(sqlite3.Error):
@@ -190,19 +261,58 @@ class PackStore:
                     self.db.execute("PRAGMA synchronous=NORMAL")
         return changed
 
+    def _check_db(self) -> None:
+        """Refuse to write into a map file that was deleted or replaced under us (EIO, logged once).
+
+        Writing on would commit rows nobody will read (a deleted file) or mix two maps; reopening
+        would need a rebuild while saves run. The packs describe every chunk written so far, so
+        the next mount rebuilds the map from them.
+        """
+        if self._db_lost is None:
+            now = _ident(self.db_path)
+            if now == self._db_ident:
+                return
+            self._db_lost = "was deleted" if now is None else "was replaced by another file"
+            log.error(
+                "%s %s while the store is in use: refusing to save (EIO) until the store is mounted again; "
+                "the packs describe every chunk written so far and the next mount rebuilds the map from them",
+                self.db_path,
+                self._db_lost,
+            )
+        raise OSError(errno.EIO, f"chunk map {self.db_path} {self._db_lost}; remount the store")
+
     def delete_chunks(self, ids: Iterable[bytes]) -> int:
         """Drop map rows (GC's sweep: call under ``lock``); the pack bytes become dead space."""
-        return self._write_many("DELETE FROM chunks WHERE id = ?", [(cid,) for cid in ids])
+        return self._commit([("DELETE FROM chunks WHERE id = ?", [(cid,) for cid in ids])])
 
-    def move_chunks(self, old_pack: int, moves: Sequence[tuple[bytes, int, int]]) -> int:
+    def move_chunks(self, old_pack: int, moves: Sequence[tuple[bytes, int, int]], new_end: tuple[int, int]) -> int:
         """Point rows at copies (id, new pack, new offset), each only if it is still in ``old_pack``.
 
-        Durable even with durability=close: the old pack is deleted next, and a power failure must
-        not bring back rows that point into it.
+        ``new_end``: (new pack, end of the copied batch), committed with the rows. Durable even with
+        durability=close: the old pack is deleted next, and a power failure must not bring back rows
+        that point into it.
         """
         sql = "UPDATE chunks SET pack = ?, offset = ? WHERE id = ? AND pack = ?"
         with self.lock:
-            return self._write_many(sql, [(pack, off, cid, old_pack) for cid, pack, off in moves], durable=True)
+            steps = [(sql, [(pack, off, cid, old_pack) for cid, pack, off in moves]), (_UPSERT_END, [new_end])]
+            return self._commit(steps, durable=True) - 1
+
+    def adopt(self, pack: int, chunks: Sequence[Described], end: int, replace: Iterable[bytes] = ()) -> int:
+        """Map described chunks the map lacks (ids in ``replace``: overwrite their bad rows) and
+        record ``end`` as the pack's committed end; returns the rows added or replaced."""
+        bad = set(replace)
+        rows = [(c.id, pack, c.offset, c.length) for c in chunks]
+        sql = "INSERT OR {} INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)"
+        steps = [
+            (sql.format("REPLACE"), [r for r in rows if r[0] in bad]),
+            (sql.format("IGNORE"), [r for r in rows if r[0] not in bad]),
+        ]
+        with self.lock:
+            return self._commit([*steps, (_UPSERT_END, [(pack, end)])]) - 1
+
+    def forget_pack(self, pack: int) -> None:
+        """Drop the committed end of a pack that is gone."""
+        self._commit([("DELETE FROM packs WHERE pack = ?", [(pack,)])])
 
     def rows_outside(self, pack: int, size: int) -> list[bytes]:
         """Ids of the rows of ``pack`` that end past ``size`` bytes."""
@@ -222,18 +332,23 @@ class PackStore:
             size = path.stat().st_size
             if end == 0 or size <= end:
                 return 0
+            self._commit([("UPDATE packs SET end = min(end, ?) WHERE pack = ?", [(end, pack)])])
             os.truncate(path, end)
             return size - end
 
     def remove_pack(self, pack: int) -> bool:
-        """Delete a pack no row points into (never the open one); False if it is still in use."""
+        """Delete a pack no row points into (never the open one, never one the map does not know,
+        e.g. a legacy pack after chunks.db was lost); False if it is kept."""
         with self.lock:
             with self._db_lock:
                 used = self.db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,)).fetchone()
-            if pack == self._pack_id or used:
+                known = self.db.execute("SELECT 1 FROM packs WHERE pack = ?", (pack,)).fetchone()
+            if pack == self._pack_id or used or not known:
                 return False
+            self._check_db()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.pack_path(pack))
+            self.forget_pack(pack)
         self.retire_pack(pack)
         return True
 
@@ -270,6 +385,7 @@ class PackStore:
         with self.lock:
             pinned = self.pins.setdefault(owner, set())
             pinned.update(cid for cid, _ in chunks)
+            self._check_db()  # also a save that finds every chunk: its stub would name a lost map's rows
             try:
                 present = self.locate_many(cid for cid, _ in chunks)
             except sqlite3.Error as e:  # callers (the chunker thread) handle OSError only
@@ -293,52 +409,56 @@ class PackStore:
         items = list(new.items())
         i = 0
         while i < len(items):
-            if self._pack_id is not None and self._pack_end + len(items[i][1]) > self.pack_size:
+            cost = BATCH_HEADER_SIZE + ENTRY_SIZE + len(items[i][1])
+            if self._pack_id is not None and self._pack_end + cost > self.pack_size:
                 self._close_pack()
-            room = self.pack_size - (self._pack_end if self._pack_id is not None else 0)
+            _, _, end = self._open_pack()
+            room = self.pack_size - end - BATCH_HEADER_SIZE
             group: dict[bytes, bytes | memoryview] = {}
             size = 0
-            while i < len(items) and (not group or size + len(items[i][1]) <= room):
+            while i < len(items) and (not group or size + ENTRY_SIZE + len(items[i][1]) <= room):
                 group[items[i][0]] = items[i][1]
-                size += len(items[i][1])
+                size += ENTRY_SIZE + len(items[i][1])
                 i += 1
             self._append(group)
 
     def _append(self, new: dict[bytes, bytes | memoryview]) -> None:
+        """Write one batch (record + chunks) at the pack's known end, then commit its rows."""
         fd, pack, start = self._open_pack()
         datas = list(new.values())
-        total = sum(len(d) for d in datas)
+        record = batch_record([(cid, len(data)) for cid, data in new.items()])
         rows = []
-        off = start
+        off = start + len(record)
         for cid, data in new.items():
             rows.append((cid, pack, off, len(data)))
             off += len(data)
         try:
-            for i in range(0, len(datas), _IOV_MAX):
-                _write_all(fd, datas[i : i + _IOV_MAX])
+            pwrite_all(fd, [record, *datas], start)
             if self.durable:
                 os.fsync(fd)
-            self._insert_rows(rows)
+            self._insert_rows(rows, pack, off)
         except (OSError, sqlite3.Error) as e:
-            # Nothing of this batch is in the map; cut the partial bytes so the pack stays exact and
-            # the next batch is written at _pack_end again (a full disk can fail the map commit too).
+            # Nothing of this batch is in the map. The next batch is written at _pack_end again
+            # (explicit offsets), so even a failing truncate only leaves dead bytes behind it.
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, start)
-                os.lseek(fd, start, os.SEEK_SET)
             if isinstance(e, sqlite3.Error):
                 raise _os_error(e) from e
             raise
         self._pack_end = off
         self._unsynced.add(pack)
-        self.counters.add(chunks_written=len(rows), bytes_written=total)
+        self.counters.add(chunks_written=len(rows), bytes_written=off - start - len(record))
         if self._pack_end >= self.pack_size:
             self._close_pack()
 
-    def _insert_rows(self, rows: list[tuple[bytes, int, int, int]]) -> None:
+    def _insert_rows(self, rows: list[tuple[bytes, int, int, int]], pack: int, end: int) -> None:
+        """The batch's rows and the pack's new committed end, in one transaction."""
         with self._db_lock:
+            self._check_db()
             self.db.execute("BEGIN")
             try:
                 self.db.executemany("INSERT OR REPLACE INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)", rows)
+                self.db.execute(_UPSERT_END, (pack, end))
                 self.db.execute("COMMIT")
             except sqlite3.Error:
                 with contextlib.suppress(sqlite3.Error):
@@ -348,24 +468,37 @@ class PackStore:
     def _open_pack(self) -> tuple[int, int, int]:
         if self._pack_id is None:
             pack, fd = self.create_pack()
-            self._pack_id, self._pack_fd, self._pack_end = pack, fd, 0
+            self._pack_id, self._pack_fd, self._pack_end = pack, fd, PACK_HEADER_SIZE
         return self._pack_fd, self._pack_id, self._pack_end
 
     def create_pack(self) -> tuple[int, int]:
-        """A new empty pack (number, write fd) under a number never used before in this store.
+        """A new pack holding just its header (number, write fd), under a number never used before.
 
         Numbers of deleted packs are not reused: a reader that located a chunk in a pack GC
-        deleted must get FileNotFoundError and look again, not read another pack's bytes.
+        deleted must get FileNotFoundError and look again, not read another pack's bytes. The
+        pack is known to the map (table ``packs``) before its file exists.
         """
         with self.lock:
             ids = self.pack_ids()
             try:
-                last = max(int(self.get_meta("last_pack") or 0), ids[-1] if ids else 0)
-                self.set_meta("last_pack", str(last + 1))
+                pack = max(int(self.get_meta("last_pack") or 0), ids[-1] if ids else 0) + 1
+                self._commit(
+                    [
+                        ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("last_pack", str(pack))]),
+                        ("INSERT OR REPLACE INTO packs (pack, end) VALUES (?, ?)", [(pack, PACK_HEADER_SIZE)]),
+                    ]
+                )
             except sqlite3.Error as e:
                 raise _os_error(e) from e
-            fd = os.open(self.pack_path(last + 1), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            return last + 1, fd
+            path = self.pack_path(pack)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                pwrite_all(fd, [pack_header()], 0)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
+            return pack, fd
 
     def _close_pack(self) -> None:
         if self._pack_id is not None:
@@ -409,13 +542,20 @@ class PackStore:
 
     @contextlib.contextmanager
     def pack_fd(self, pack: int) -> Iterator[int]:
-        """A read fd for ``pack`` that stays valid even if GC deletes the pack meanwhile."""
+        """A read fd for ``pack`` that stays valid even if GC deletes the pack meanwhile.
+
+        At most ``max_fds`` are cached: opening one more closes the least recently used fd that
+        no reader holds (a store has far more packs than a process may have fds).
+        """
         with self._fd_lock:
             entry = self._fds.get(pack)
             if entry is None:
                 entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY))
                 self._fds[pack] = entry
+            else:
+                self._fds.move_to_end(pack)
             entry.users += 1
+            self._evict_idle()
         try:
             yield entry.fd
         finally:
@@ -423,6 +563,12 @@ class PackStore:
                 entry.users -= 1
                 if entry.retired and entry.users == 0:
                     os.close(entry.fd)
+
+    def _evict_idle(self) -> None:
+        """Under ``_fd_lock``: close idle fds, oldest first, until the cache fits ``max_fds``."""
+        excess = len(self._fds) - self.max_fds
+        for pack in [p for p, e in self._fds.items() if e.users == 0][: max(0, excess)]:
+            os.close(self._fds.pop(pack).fd)
 
     def retire_pack(self, pack: int) -> None:
         """Forget the cached fd of a deleted pack; readers holding it finish first."""
@@ -452,13 +598,25 @@ class PackStore:
             self.db.close()
 
 
-def _write_all(fd: int, datas: list[bytes | memoryview]) -> None:
-    written = os.writev(fd, datas)
-    total = sum(len(d) for d in datas)
-    if written < total:  # short write (rare on regular files): finish from a joined copy, or raise
-        rest = memoryview(b"".join(datas))
-        while written < total:
-            written += os.write(fd, rest[written:])
+def pwrite_all(fd: int, datas: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write ``datas`` at ``offset`` (never at the fd's position: a failed batch cannot shift the next)."""
+    for i in range(0, len(datas), _IOV_MAX):
+        part = datas[i : i + _IOV_MAX]
+        total = sum(len(d) for d in part)
+        written = os.pwritev(fd, part, offset)
+        if written < total:  # short write (rare on regular files): finish from a joined copy, or raise
+            rest = memoryview(b"".join(part))
+            while written < total:
+                written += os.pwrite(fd, rest[written:], offset + written)
+        offset += total
+
+
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _os_error(e: sqlite3.Error) -> OSError:
@@ -470,14 +628,42 @@ def _os_error(e: sqlite3.Error) -> OSError:
 class MapReader:
     """A read-only view of a store's chunk map, safe beside a running daemon (fsck, offline listings)."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    @classmethod
+    def open(cls, layout: Layout) -> MapReader:
         if not layout.exists():
             raise FileNotFoundError(errno.ENOENT, "no store here (no chunk map)", str(layout.db))
         try:
-            self.db = sqlite3.connect(f"{layout.db.as_uri()}?mode=ro", uri=True)
-            self.db.execute("SELECT 1 FROM chunks LIMIT 1")
+            db = sqlite3.connect(f"{layout.db.as_uri()}?mode=ro", uri=True)
+            db.execute("SELECT 1 FROM chunks LIMIT 1")
         except sqlite3.Error as e:  # e.g. no permission for the WAL index of a root-owned store
             raise OSError(errno.EIO, f"cannot read the chunk map {layout.db}: {e}") from None
+        return cls(db)
+
+    @classmethod
+    def open_or_empty(cls, layout: Layout) -> tuple[MapReader, str]:
+        """The map, or an empty one and the problem (missing or unreadable: the packs still tell)."""
+        path = layout.db
+        if path.exists():
+            db = sqlite3.connect(path)
+            try:
+                db.execute("SELECT count(*) FROM chunks").fetchone()
+                return cls(db), ""
+            except sqlite3.OperationalError as e:
+                if "no such table" not in str(e):
+                    db.close()
+                    raise
+                why = "has no chunk table"
+            except sqlite3.DatabaseError as e:
+                why = f"is unreadable ({e})"
+            db.close()
+        else:
+            why = "is missing"
+        empty = sqlite3.connect(":memory:")
+        empty.execute("CREATE TABLE chunks (id BLOB PRIMARY KEY, pack INTEGER, offset INTEGER, length INTEGER)")
+        return cls(empty), f"{path} {why}; --repair (or the next mount) rebuilds the map from the packs"
 
     def rows(self) -> Iterator[tuple[bytes, int, int, int]]:
         """(id, pack, offset, length) of every row, in pack order."""

@@ -1,0 +1,83 @@
+"""PackStore in-process: writes land at the pack's known end even when a rollback fails; the fd cache is bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from kvchunkfs.store.packs import PackStore
+
+
+def chunk(n: int, seed: int) -> tuple[bytes, bytes]:
+    data = os.urandom(n) if seed < 0 else hashlib.sha256(str(seed).encode()).digest() * (n // 32)
+    return hashlib.sha256(data).digest(), data
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_failed_rollback_does_not_misplace_the_next_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing map commit whose ftruncate fails too: the next batch must still be where its rows say."""
+    store = PackStore(tmp_path)
+    owner = object()
+    first, second = chunk(100_000, -1), chunk(40_000, -1)
+    real_insert = store._insert_rows
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def no_truncate(fd: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_insert_rows", full_disk)
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError):
+        store.add_chunks([first], owner)
+    monkeypatch.setattr(store, "_insert_rows", real_insert)
+    monkeypatch.undo()  # os.ftruncate works again
+
+    store.add_chunks([second], owner)
+    loc = store.locate(second[0])
+    assert store.read_run(loc.pack, loc.offset, loc.length) == second[1]
+    with pytest.raises(LookupError):
+        store.locate(first[0])
+    store.close()
+
+
+def test_pack_fd_cache_is_bounded(tmp_path: Path) -> None:
+    """Reading from many more packs than the cache holds keeps the number of open fds bounded."""
+    store = PackStore(tmp_path, pack_size=4096)
+    owner = object()
+    chunks = [chunk(3000, i) for i in range(150)]
+    for c in chunks:
+        store.add_chunks([c], owner)
+    assert len(store.pack_ids()) >= 150
+    before = open_fds()
+    for _ in range(2):  # twice: evicted packs are opened again and read right
+        for cid, data in chunks:
+            loc = store.locate(cid)
+            assert store.read_run(loc.pack, loc.offset, loc.length) == data
+            assert open_fds() - before <= 64
+    store.close()
+    assert open_fds() < before
+
+
+def test_pack_fd_in_use_is_never_evicted(tmp_path: Path) -> None:
+    store = PackStore(tmp_path, pack_size=4096)
+    owner = object()
+    chunks = [chunk(3000, 1000 + i) for i in range(100)]
+    for c in chunks:
+        store.add_chunks([c], owner)
+    held_cid, held_data = chunks[0]
+    held = store.locate(held_cid)
+    with store.pack_fd(held.pack) as fd:
+        for cid, data in chunks[1:]:
+            loc = store.locate(cid)
+            assert store.read_run(loc.pack, loc.offset, loc.length) == data
+        assert os.pread(fd, held.length, held.offset) == held_data
+    store.close()

@@ -19,7 +19,6 @@ import contextlib
 import math
 import os
 import sqlite3
-import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -113,14 +112,13 @@ def json_float(x: float) -> float:
 
 
 def stub_paths(snapshots_dir: Path) -> Iterator[str]:
-    """Relative paths of the regular files under ``snapshots_dir``, sorted; symlinks are skipped."""
-    for dirpath, dirnames, filenames in os.walk(snapshots_dir):
-        dirnames.sort()
-        base = Path(dirpath).relative_to(snapshots_dir)
-        for name in sorted(filenames):
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-                if stat.S_ISREG(os.lstat(Path(dirpath) / name).st_mode):
-                    yield (base / name).as_posix()
+    """Relative paths of the regular files under ``snapshots_dir``, sorted; symlinks, FIFOs and the
+    like are skipped, and nothing a user shaped through the mount can make the walk fail or hang."""
+    if not snapshots_dir.is_dir():
+        return
+    for entry in stubs.walk(snapshots_dir):
+        if entry.kind == "file":
+            yield entry.rel
 
 
 def _float_attr(attrs: Mapping[str, bytes], name: str) -> float | None:
@@ -177,8 +175,12 @@ def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
 def scan(snapshots_dir: Path) -> list[StubInfo]:
     out = []
     for rel in stub_paths(snapshots_dir):
-        with contextlib.suppress(FileNotFoundError):
+        try:
             out.append(read_stub(snapshots_dir, rel))
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # e.g. a store path longer than PATH_MAX: a row that says so
+            out.append(StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e)))
     return out
 
 

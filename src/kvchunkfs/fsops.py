@@ -12,6 +12,8 @@ file in arrival order.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import json
 import logging
 import os
@@ -73,6 +75,42 @@ def _errno_of(e: BaseException) -> int:
     return errno.EIO
 
 
+def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` that answers an unexpected exception with an errno and a log line.
+
+    pyfuse3 answers only FUSEError; anything else would stop its main loop and so the daemon.
+    """
+
+    @functools.wraps(handler)
+    async def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            if name == "forget":  # no reply to carry it: pyfuse3 would stop
+                log.error("forget failed with a FUSEError; ignored")
+                return None
+            raise
+        except Exception as e:
+            code = _errno_of(e)
+            # An OSError is the store's answer (one line); anything else is a bug (traceback).
+            log.error("%s failed (%s): %s: %s", name, errno.errorcode.get(code, code), type(e).__name__, e,
+                      exc_info=not isinstance(e, OSError))
+            if name == "forget":
+                return None
+            raise pyfuse3.FUSEError(code) from None
+
+    return guard
+
+
+def guard_handlers(cls: type[T]) -> type[T]:
+    """Wrap every request handler of ``cls`` (all async methods pyfuse3 calls) with ``_guarded``."""
+    for name, value in vars(pyfuse3.Operations).items():
+        if inspect.iscoroutinefunction(value):
+            setattr(cls, name, _guarded(name, getattr(cls, name)))
+    return cls
+
+
+@guard_handlers
 class Operations(pyfuse3.Operations):
     def __init__(self, repo: Repository) -> None:
         super().__init__()
@@ -216,11 +254,15 @@ class Operations(pyfuse3.Operations):
             await self._truncate(node, attr.st_size)
         path = self.repo.path(node.path) if node.path is not None else None
         try:
+            # Never through a symlink: the daemon (root) would change its target, anywhere.
             if path is not None and fields.update_mode:
-                os.chmod(path, stat.S_IMODE(attr.st_mode))
+                _chmod_nofollow(path, stat.S_IMODE(attr.st_mode))
             if path is not None and (fields.update_uid or fields.update_gid):
                 os.chown(
-                    path, attr.st_uid if fields.update_uid else -1, attr.st_gid if fields.update_gid else -1
+                    path,
+                    attr.st_uid if fields.update_uid else -1,
+                    attr.st_gid if fields.update_gid else -1,
+                    follow_symlinks=False,
                 )
             if path is not None and (fields.update_atime or fields.update_mtime):
                 st = os.lstat(path)
@@ -230,6 +272,7 @@ class Operations(pyfuse3.Operations):
                         attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
                         attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
                     ),
+                    follow_symlinks=False,
                 )
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
@@ -258,7 +301,7 @@ class Operations(pyfuse3.Operations):
             if content.truncate(size) is Action.TO_STAGING:
                 await self._thread(content.to_staging)
                 content.truncate(size)
-        except OSError as e:
+        except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
             log.error("truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
@@ -302,7 +345,7 @@ class Operations(pyfuse3.Operations):
         path = self.repo.path(rel)
         try:
             os.mkdir(path, stat.S_IMODE(mode))
-            os.chown(path, ctx.uid, ctx.gid)
+            os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, True)
@@ -353,7 +396,7 @@ class Operations(pyfuse3.Operations):
         try:
             if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(dst):
                 raise pyfuse3.FUSEError(errno.EEXIST)
-            if os.path.isfile(dst) and os.path.isfile(src):
+            if _is_file(dst) and _is_file(src):
                 stubs.carry_metadata(dst, src)
             if target is not None and target.content is not None:
                 target.last_stat = self._stat_node(target)
@@ -463,6 +506,8 @@ class Operations(pyfuse3.Operations):
                 await self._commit(node)
             except pyfuse3.FUSEError:
                 pass  # already logged; the previous version of the snapshot stays
+            except Exception:
+                log.exception("saving %s on release failed; the previous version stays", node.path)
             finally:
                 if node.opens == 0 and node.content is content:
                     node.content = None
@@ -510,7 +555,7 @@ class Operations(pyfuse3.Operations):
                 self.repo.install_stub(tmp, node.path)
                 if durable:
                     await self._thread(stubs.fsync_dir, self.repo.path(node.path).parent)
-            except OSError as e:
+            except (ChunkMissing, ChunkCorrupt, OSError) as e:
                 log.error("saving %s failed, previous version kept: %s", node.path, e)
                 await self._forget_unsaved(node)
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
@@ -647,6 +692,25 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent_ino, name)
     except OSError as e:  # the kernel does not know the name: nothing to drop
         log.debug("invalidating %r: %s", name, e)
+
+
+def _is_file(path: os.PathLike[str]) -> bool:
+    """A regular file itself, not what a symlink points at."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
+    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)
 
 
 def _fsync_path(path: os.PathLike[str]) -> None:

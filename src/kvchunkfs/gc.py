@@ -40,6 +40,7 @@ from typing import Any
 import trio
 
 from . import index as idx
+from . import stubs
 from .packstore import ChunkCorrupt, PackStore
 from .repo import Repository
 
@@ -64,6 +65,8 @@ class GCReport:
     snapshots: int = 0
     unreadable_snapshots: int = 0
     missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
+    skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
+    unreadable: list[str] = field(default_factory=list)  # entries that could not be read: nothing was freed
     walks: int = 0
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
@@ -85,6 +88,8 @@ def format_summary(r: dict[str, Any]) -> str:
     )
     if r.get("missing_chunks"):
         text += f"; {r['missing_chunks']} chunks missing (run fsck)"
+    if r.get("skipped"):
+        text += f"; {len(r['skipped'])} entries skipped: " + "; ".join(r["skipped"])
     if r.get("interrupted"):
         text += "; interrupted"
     if r.get("errors"):
@@ -105,20 +110,12 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
 # -- mark -----------------------------------------------------------------------------------------
 
 
-def walk_stubs(snapshots: Path) -> Iterator[Path]:
-    """Every regular file under ``snapshots``; a directory that cannot be listed raises."""
+def walk_stubs(snapshots: Path) -> Iterator[stubs.Entry]:
+    """Every entry under ``snapshots`` but directories (see ``stubs.walk``): stubs to read, entries
+    that could not be read and ones that are skipped; callers name the last two in their reports."""
     if not snapshots.is_dir():  # an empty walk would make every chunk garbage
         raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
-
-    def fail(e: OSError) -> None:
-        if not isinstance(e, FileNotFoundError):  # a directory removed during the walk
-            raise e
-
-    for dirpath, _dirs, files in os.walk(snapshots, onerror=fail):
-        for name in files:
-            path = Path(dirpath, name)
-            if not path.is_symlink():
-                yield path
+    return stubs.walk(snapshots)
 
 
 def stub_ids(data: bytes) -> list[bytes] | None:
@@ -135,18 +132,30 @@ def salvage_ids(data: bytes) -> list[bytes]:
 
 
 def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
+    """Ids the stubs name. An entry that cannot be read may name any chunk: it goes to
+    ``report.unreadable`` and the sweep then frees nothing."""
     named: set[bytes] = set()
     report.snapshots = report.unreadable_snapshots = 0
-    for path in walk_stubs(repo.snapshots):
+    report.skipped, report.unreadable = [], []
+    for entry in walk_stubs(repo.snapshots):
+        if entry.skipped is not None:
+            report.skipped.append(entry.problem())
+            continue
         try:
-            data = path.read_bytes()
+            if entry.error is not None:
+                raise entry.error
+            data, _ = entry.read()
         except FileNotFoundError:  # renamed or unlinked meanwhile: ns_gen tells
+            continue
+        except OSError as e:
+            entry.error = e
+            report.unreadable.append(entry.problem())
             continue
         report.snapshots += 1
         ids = stub_ids(data)
         if ids is None:
             report.unreadable_snapshots += 1
-            log.warning("gc: %s is not a valid index; keeping every chunk it may name", path)
+            log.warning("gc: %s is not a valid index; keeping every chunk it may name", entry.rel)
             ids = salvage_ids(data)
         named.update(ids)
     return named
@@ -184,6 +193,10 @@ def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[b
 
 def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
+    if report.unreadable:  # what they name is unknown: any candidate may be live
+        report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
+        report.live_chunks = store.stats()[0]
+        return
     pinned = store.pinned()
     dead = [cid for cid in candidates if cid not in pinned]
     report.chunks_freed = store.delete_chunks(dead)

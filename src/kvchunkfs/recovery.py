@@ -47,7 +47,7 @@ class StoreLocked(RuntimeError):
 
 def lock_store(root: Path) -> int:
     """Take the store's lock for this process; returns the fd to keep open (closing it unlocks)."""
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -79,6 +79,7 @@ class RecoveryReport:
     packs_removed: int = 0
     snapshots: int = 0
     unreadable: list[str] = field(default_factory=list)  # stubs that are not a valid index
+    skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     missing: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks it needs that are gone
     duration_s: float = 0.0
 
@@ -90,7 +91,7 @@ class RecoveryReport:
             f"recovery: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
             f"{self.packs_truncated} pack tails cut ({self.tail_bytes_cut} bytes), {self.packs_removed} unused packs "
             f"removed, {self.rows_dropped} map rows dropped, {len(self.unreadable)} unreadable and "
-            f"{len(self.missing)} incomplete snapshots, {self.duration_s:.2f}s"
+            f"{len(self.missing)} incomplete snapshots, {len(self.skipped)} entries skipped, {self.duration_s:.2f}s"
         )
 
 
@@ -157,11 +158,21 @@ def _size(path: Path) -> int:
 def check_snapshots(repo: Repository, report: RecoveryReport) -> None:
     """Report every snapshot that cannot be read in full (never served as zeros: reads fail)."""
     mapped = repo.store.chunk_lengths()
-    for path in walk_stubs(repo.snapshots):
-        rel = path.relative_to(repo.snapshots).as_posix()
+    for entry in walk_stubs(repo.snapshots):
+        rel = entry.rel
+        if entry.skipped is not None:  # named, never opened: a FIFO would block, a symlink lead out
+            report.skipped.append(entry.problem())
+            log.warning("not a snapshot, skipped: %s", entry.problem())
+            continue
         report.snapshots += 1
         try:
-            index = stubs.read_index(path)
+            if entry.error is not None:
+                raise entry.error
+            fd = entry.open()
+            try:
+                index = stubs.read_index(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             continue
         except OSError as e:

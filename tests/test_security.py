@@ -1,0 +1,171 @@
+"""Security regressions (the "Hardening" issue): what another local user, a hostile store entry or a
+malformed request can do to the daemon and the store.
+
+Every test mounts the real filesystem as root with ``allow_other`` (as deployed) and acts as a real
+unprivileged user, created here if absent, through ordinary file calls and programs.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SRC, Mount, is_mounted
+from helpers import rand_bytes
+
+MiB = 1 << 20
+USER = "kvcfs-test"
+PATH_MAX = 4096  # bytes, with the terminating NUL
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+
+
+@pytest.fixture(scope="session")
+def user() -> User:
+    try:
+        pw = pwd.getpwnam(USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True
+        )
+        pw = pwd.getpwnam(USER)
+    return User(USER, pw.pw_uid, pw.pw_gid)
+
+
+def as_user(user: User, script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a shell script as ``user`` (no supplementary groups), as a local attacker would."""
+    return subprocess.run(
+        ["/bin/bash", "-c", script],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=[],
+        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory every user may traverse (pytest's tmp_path is 0700): store and mount live here,
+    as /var/lib/kv-chunk-fs and /srv/kv-slots do."""
+    base = Path(tempfile.mkdtemp(prefix="kvcfs-sec-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def start_mount(base: Path, log: Path, extra: list[str] | None = None) -> Mount:
+    m = Mount(base / "store", base / "mnt", log)
+    m.start(extra)
+    return m
+
+
+def stop_mount(m: Mount) -> None:
+    if m.proc is not None and m.proc.poll() is not None and is_mounted(m.mnt):
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mnt)], check=False)  # a daemon that died
+    m.stop()
+
+
+@pytest.fixture
+def fs(shared: Path, tmp_path: Path) -> Iterator[Mount]:
+    m = start_mount(shared, tmp_path / "daemon.log")
+    try:
+        yield m
+    finally:
+        stop_mount(m)
+
+
+def alive(m: Mount) -> bool:
+    """The daemon still runs and serves the mount."""
+    if m.proc is None or m.proc.poll() is not None:
+        return False
+    try:
+        os.listdir(m.mnt)
+    except OSError:
+        return False
+    return True
+
+
+def kv_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CHUNK_FS_")}
+    env["PYTHONPATH"] = str(SRC)
+    cmd = [sys.executable, "-m", "kvchunkfs.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def unix_api(m: Mount) -> httpx.Client:
+    transport = httpx.HTTPTransport(uds=str(m.store / "api.sock"))
+    return httpx.Client(transport=transport, base_url="http://kvcfs", timeout=120)
+
+
+def user_dir(m: Mount, user: User, name: str = "d") -> Path:
+    """A directory on the mount owned by ``user`` (what llama-server's user has)."""
+    d = m.mnt / name
+    d.mkdir()
+    os.chown(d, user.uid, user.gid)
+    return d
+
+
+# -- 1: a path longer than PATH_MAX inside the store ------------------------------------------------
+
+
+def test_path_longer_than_path_max_in_the_store_harms_nothing(fs: Mount, user: User) -> None:
+    """A user nests directories, then renames the top one longer: the store path of the deepest entry
+    passes PATH_MAX. Listing it must fail cleanly, and recovery, GC and fsck must still handle the store
+    (GC keeping that deep snapshot's chunks)."""
+    user_dir(fs, user)
+    data = rand_bytes(3 * MiB, 1)
+    src = fs.store.parent / "data"
+    src.write_bytes(data)
+    src.chmod(0o644)
+    # Store path of the deep file: 4066 bytes now, 4121 (> PATH_MAX - 1) once "t" is 255 long.
+    prefix = len(os.fsencode(fs.store / "snapshots" / "d")) + 1
+    names, left = ["t" * 200], 4066 - prefix - 201
+    while left > 2 * 201:
+        names.append("n" * 200)
+        left -= 201
+    names.append("m" * (left - 101))
+    leaf = "f" * 100
+    chain = "/".join(names)
+    assert prefix + len(chain) + 1 + len(leaf) == 4066
+    r = as_user(user, f"cd {fs.mnt}/d && mkdir -p {chain} && cp {src} {chain}/{leaf} && mv {'t' * 200} {'T' * 255}")
+    assert r.returncode == 0, r.stderr
+    moved = chain.replace("t" * 200, "T" * 255, 1)
+    r = as_user(user, f"cd {fs.mnt}/d/{moved} && ls -la")
+    assert r.returncode != 0 and "too long" in r.stderr.lower(), r.stdout + r.stderr
+    assert alive(fs), fs.log()[-3000:]
+    assert "readdir" in fs.log(), "the failure is logged"
+
+    with unix_api(fs) as api:
+        gc = api.post("/gc")
+    assert gc.status_code == 200, gc.text
+    assert gc.json()["errors"] == [] and gc.json()["missing_chunks"] == 0
+    check = kv_cli("fsck", "--store", str(fs.store))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    fs.stop()
+    offline = kv_cli("fsck", "--store", str(fs.store))
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    fs.start_settled()  # recovery and the GC at mount walk the store
+    assert "recovery:" in fs.log()
+    os.rename(fs.mnt / "d" / ("T" * 255), fs.mnt / "d" / ("t" * 200))
+    assert (fs.mnt / "d" / chain / leaf).read_bytes() == data, "GC kept the deep snapshot's chunks"

@@ -7,9 +7,11 @@ unprivileged user, created here if absent, through ordinary file calls and progr
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,6 @@ from helpers import rand_bytes
 
 MiB = 1 << 20
 USER = "kvcfs-test"
-PATH_MAX = 4096  # bytes, with the terminating NUL
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,60 @@ def test_path_longer_than_path_max_in_the_store_harms_nothing(fs: Mount, user: U
     assert "recovery:" in fs.log()
     os.rename(fs.mnt / "d" / ("T" * 255), fs.mnt / "d" / ("t" * 200))
     assert (fs.mnt / "d" / chain / leaf).read_bytes() == data, "GC kept the deep snapshot's chunks"
+
+
+# -- 2: a damaged snapshot, truncated or appended to ------------------------------------------------
+
+
+def damage_chunk(m: Mount, name: str, i: int, how: str) -> bytes:
+    """With the daemon stopped, drop chunk ``i`` of ``name`` from the map or flip a byte of it."""
+    from kvchunkfs import stubs
+
+    cid = stubs.read_index(m.store / "snapshots" / name).ids[i]
+    m.stop()
+    db = sqlite3.connect(m.store / "chunks.db")
+    try:
+        pack, off, length = db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (cid,)).fetchone()
+        if how == "missing":
+            db.execute("DELETE FROM chunks WHERE id = ?", (cid,))
+            db.commit()
+    finally:
+        db.close()
+    if how == "corrupt":
+        with open(m.store / "packs" / f"{pack:08d}.pack", "r+b") as f:
+            f.seek(off + length // 2)
+            byte = f.read(1)[0]
+            f.seek(off + length // 2)
+            f.write(bytes([byte ^ 0x55]))
+    m.start()
+    return cid
+
+
+@pytest.mark.parametrize("how", ["missing", "corrupt"])
+@pytest.mark.parametrize("op", ["truncate", "extend"])
+def test_truncating_or_extending_a_damaged_snapshot_is_eio_for_that_file_only(fs: Mount, op: str, how: str) -> None:
+    a, b = rand_bytes(3 * MiB, 10), rand_bytes(2 * MiB, 11)
+    fs.path("a").write_bytes(a)
+    fs.path("b").write_bytes(b)
+    stub = fs.store / "snapshots" / "a"
+    damage_chunk(fs, "a", 1, how)
+    before = stub.read_bytes()
+
+    if op == "truncate":  # shrinking copies the whole content to staging first
+        with pytest.raises(OSError) as e:
+            os.truncate(fs.path("a"), 100)
+    else:  # append (the stream continues from the last chunk), then write past the end: the commit
+        fd = os.open(fs.path("a"), os.O_WRONLY)  # at close needs the whole content
+        try:
+            os.pwrite(fd, b"x" * 5000, len(a))
+            os.pwrite(fd, b"y" * 5000, len(a) + 5000 + 70000)
+        finally:
+            with pytest.raises(OSError) as e:
+                os.close(fd)
+    assert e.value.errno == errno.EIO
+    assert alive(fs), fs.log()[-3000:]
+    assert stub.read_bytes() == before, "the damaged snapshot's stub is untouched"
+    assert fs.path("b").read_bytes() == b
+    fs.path("c").write_bytes(b"still saving")
+    assert fs.path("c").read_bytes() == b"still saving"
+    assert ("truncate failed" if op == "truncate" else "saving a failed") in fs.log()

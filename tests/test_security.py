@@ -227,3 +227,72 @@ def test_truncating_or_extending_a_damaged_snapshot_is_eio_for_that_file_only(fs
     fs.path("c").write_bytes(b"still saving")
     assert fs.path("c").read_bytes() == b"still saving"
     assert ("truncate failed" if op == "truncate" else "saving a failed") in fs.log()
+
+
+# -- 5 and 6: the store is the daemon's user's alone ------------------------------------------------
+
+
+def mode(path: Path) -> int:
+    return os.lstat(path).st_mode & 0o7777
+
+
+def test_other_users_can_neither_enter_the_store_nor_read_its_bytes(fs: Mount, user: User) -> None:
+    """A user owning mnt/d owns STORE/snapshots/d: with a traversable store they could plant a symlink
+    there for the daemon to follow, and read every snapshot's bytes from packs and map."""
+    d = user_dir(fs, user)
+    secret = rand_bytes(2 * MiB, 20)
+    fs.path("secret").write_bytes(secret)  # root's snapshot, mode 0644 on the mount
+    fs.path("secret").chmod(0o600)
+
+    def assert_private(n: int) -> None:
+        store = fs.store
+        assert mode(store) == 0o700
+        assert mode(store / "packs") == 0o700 and mode(store / "tmp") == 0o700 and mode(store / "staging") == 0o700
+        packs = list((store / "packs").glob("*.pack"))
+        assert packs
+        for f in [*packs, *store.glob("chunks.db*")]:
+            assert mode(f) == 0o600, f
+        r = as_user(user, f"ln -s /etc/passwd {store}/snapshots/d/planted")
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+        assert not os.path.lexists(store / "snapshots" / "d" / "planted")
+        for f in [store / "chunks.db", *packs]:
+            r = as_user(user, f"cat {f} | wc -c")
+            assert "Permission denied" in r.stderr, (f, r.stdout, r.stderr)
+        r = as_user(user, f"cat {fs.mnt}/secret")
+        assert "Permission denied" in r.stderr and r.stdout == ""
+        # The mount itself still works for the user.
+        r = as_user(user, f"seq {n} 100000 > {d}/mine{n} && echo end >> {d}/mine{n} && cmp {d}/mine{n} <(seq {n} 100000; echo end)")
+        assert r.returncode == 0, r.stderr
+
+    assert_private(1)
+    # A store made before this rule (0755, 0644 files) is tightened at the next mount.
+    fs.stop()
+    for p in [fs.store, fs.store / "packs", fs.store / "tmp", fs.store / "staging"]:
+        p.chmod(0o755)
+    for p in [*(fs.store / "packs").glob("*.pack"), *fs.store.glob("chunks.db*")]:
+        p.chmod(0o644)
+    fs.start()
+    assert_private(2)
+    assert fs.path("secret").read_bytes() == secret
+
+
+def test_attribute_changes_never_follow_a_symlink_in_the_store(fs: Mount, user: User, shared: Path) -> None:
+    """However a symlink got into the store (planted before the store was private, or by root), chgrp -h
+    and touch -h on it through the mount change the link, never its target (root's /etc/shadow...)."""
+    user_dir(fs, user)
+    victim = shared / "victim"
+    victim.write_bytes(b"root's file")
+    os.utime(victim, ns=(10**18, 10**18))
+    link = fs.store / "snapshots" / "d" / "link"
+    link.symlink_to(victim)
+    os.chown(link, user.uid, user.gid, follow_symlinks=False)  # as if the user had made it
+    before = os.stat(victim)
+    r = as_user(user, f"chgrp -h {user.gid} {fs.mnt}/d/link && touch -h -d @1000000 {fs.mnt}/d/link")
+    after = os.stat(victim)
+    assert (after.st_uid, after.st_gid, after.st_mode, after.st_mtime_ns) == (
+        before.st_uid, before.st_gid, before.st_mode, before.st_mtime_ns
+    ), r.stderr  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert victim.read_bytes() == b"root's file"
+    assert os.lstat(link).st_gid == user.gid and os.lstat(link).st_mtime == 1000000, "the link itself changed"
+    assert alive(fs)

@@ -57,7 +57,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from .recovery import StoreLocked, lock_store, recover
 
     mountpoint = Path(args.mountpoint).resolve()
-    Path(cfg.store).mkdir(parents=True, exist_ok=True)
+    Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ class PackStore:
     def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False) -> None:
         self.root = root
         self.packs_dir = root / "packs"
-        self.packs_dir.mkdir(parents=True, exist_ok=True)
+        self.packs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_private(root, self.packs_dir)  # every snapshot's bytes: the daemon's user only
         self.pack_size = pack_size
         self.durable = durable
         self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
@@ -331,7 +333,7 @@ class PackStore:
                 self.set_meta("last_pack", str(last + 1))
             except sqlite3.Error as e:
                 raise _os_error(e) from e
-            fd = os.open(self.pack_path(last + 1), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self.pack_path(last + 1), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             return last + 1, fd
 
     def _close_pack(self) -> None:
@@ -433,6 +435,37 @@ def _os_error(e: sqlite3.Error) -> OSError:
     """A chunk-map failure as the OSError callers handle (a full disk stays ENOSPC)."""
     full = "full" in str(e).lower()
     return OSError(errno.ENOSPC if full else errno.EIO, f"chunk map: {e}")
+
+
+def _make_private(root: Path, packs_dir: Path) -> None:
+    """Packs and the map readable by the daemon's user only, also in a store made before this rule.
+
+    The map is created 0600 before SQLite opens it: SQLite gives its -wal and -shm files the mode
+    of the database file.
+    """
+    db = root / "chunks.db"
+    os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    restrict(packs_dir, 0o700)
+    for path in (db, root / "chunks.db-wal", root / "chunks.db-shm", *packs_dir.glob("*" + PACK_SUFFIX)):
+        restrict(path, 0o600)
+
+
+def restrict(path: Path, allowed: int) -> None:
+    """Clear the mode bits of ``path`` outside ``allowed``, never through a symlink; a missing path is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        log.warning("cannot restrict the permissions of %s: %s", path, e)
+        return
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & ~allowed:
+            os.fchmod(fd, mode & allowed)
+            log.info("%s was mode %o; now %o", path, mode, mode & allowed)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

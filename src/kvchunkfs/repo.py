@@ -16,7 +16,7 @@ from pathlib import Path
 from . import stubs
 from .chunker import Chunker
 from .index import Index
-from .packstore import PackStore
+from .packstore import PackStore, restrict
 from .reader import ChunkCache, Fetcher
 from .writer import FileContent
 
@@ -44,8 +44,14 @@ class Repository:
         self.snapshots = root / "snapshots"
         self.tmp = root / "tmp"
         self.staging = root / "staging"
+        # Other users reach the snapshots only through the mount: the store itself is the daemon's
+        # user's alone (snapshots/ keeps its mode, which the mount shows as its root's).
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        restrict(root, 0o700)
         for d in (self.snapshots, self.tmp, self.staging):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700 if d != self.snapshots else 0o777, parents=True, exist_ok=True)
+        restrict(self.tmp, 0o700)
+        restrict(self.staging, 0o700)
         self.durable = settings.durability == "fsync"
         # Renames and unlinks of stubs hold ns_lock and bump ns_gen, so GC can tell that its walk
         # of snapshots/ raced with one (a renamed stub can be missed by a directory listing).

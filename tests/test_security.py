@@ -296,3 +296,37 @@ def test_attribute_changes_never_follow_a_symlink_in_the_store(fs: Mount, user: 
     assert victim.read_bytes() == b"root's file"
     assert os.lstat(link).st_gid == user.gid and os.lstat(link).st_mtime == 1000000, "the link itself changed"
     assert alive(fs)
+
+
+# -- 8: a FIFO among the stubs ----------------------------------------------------------------------
+
+HANG = 60  # seconds after which a command counts as hung (a guard, not a timing assertion)
+
+
+def test_a_fifo_among_the_stubs_is_named_and_skipped_never_opened(fs: Mount, user: User) -> None:
+    user_dir(fs, user)
+    data = rand_bytes(2 * MiB, 30)
+    fs.path("d/snap").write_bytes(data)
+    snaps = fs.store / "snapshots"
+    os.mkfifo(snaps / "d" / "fifo")  # planted (e.g. before the store was private)
+    (snaps / "d" / "to-fifo").symlink_to("fifo")
+
+    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "fsck", "--store", str(fs.store)],
+                       capture_output=True, text=True, timeout=HANG, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "skipped: d/fifo: a FIFO, not a snapshot" in r.stdout and "d/to-fifo: a symlink" in r.stdout
+    with unix_api(fs) as api:
+        report = api.post("/gc", timeout=HANG).json()
+        listing = api.get("/snapshots", timeout=HANG).json()
+    assert report["errors"] == [] and report["snapshots"] == 1
+    assert any(s.startswith("d/fifo: a FIFO") for s in report["skipped"]), report
+    assert [row["path"] for row in listing["snapshots"]] == ["d/snap"]
+
+    fs.stop()
+    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "gc", "--store", str(fs.store)],
+                       capture_output=True, text=True, timeout=HANG, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    assert r.returncode == 0 and "d/fifo: a FIFO" in r.stdout, r.stdout + r.stderr
+    fs.start_settled()  # recovery and the GC at mount
+    assert "not a snapshot, skipped: d/fifo: a FIFO" in fs.log()
+    assert fs.path("d/snap").read_bytes() == data
+    assert sorted(os.listdir(fs.mnt / "d")) == ["fifo", "snap", "to-fifo"]

@@ -106,11 +106,11 @@ def alive(m: Mount) -> bool:
     return True
 
 
-def kv_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def kv_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CHUNK_FS_")}
     env["PYTHONPATH"] = str(SRC)
     cmd = [sys.executable, "-m", "kvchunkfs.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def unix_api(m: Mount) -> httpx.Client:
@@ -261,7 +261,8 @@ def test_other_users_can_neither_enter_the_store_nor_read_its_bytes(fs: Mount, u
         r = as_user(user, f"cat {fs.mnt}/secret")
         assert "Permission denied" in r.stderr and r.stdout == ""
         # The mount itself still works for the user.
-        r = as_user(user, f"seq {n} 100000 > {d}/mine{n} && echo end >> {d}/mine{n} && cmp {d}/mine{n} <(seq {n} 100000; echo end)")
+        mine = f"{d}/mine{n}"
+        r = as_user(user, f"seq {n} 100000 > {mine} && echo end >> {mine} && cmp {mine} <(seq {n} 100000; echo end)")
         assert r.returncode == 0, r.stderr
 
     assert_private(1)
@@ -311,8 +312,7 @@ def test_a_fifo_among_the_stubs_is_named_and_skipped_never_opened(fs: Mount, use
     os.mkfifo(snaps / "d" / "fifo")  # planted (e.g. before the store was private)
     (snaps / "d" / "to-fifo").symlink_to("fifo")
 
-    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "fsck", "--store", str(fs.store)],
-                       capture_output=True, text=True, timeout=HANG, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    r = kv_cli("fsck", "--store", str(fs.store), timeout=HANG)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "skipped: d/fifo: a FIFO, not a snapshot" in r.stdout and "d/to-fifo: a symlink" in r.stdout
     with unix_api(fs) as api:
@@ -323,10 +323,88 @@ def test_a_fifo_among_the_stubs_is_named_and_skipped_never_opened(fs: Mount, use
     assert [row["path"] for row in listing["snapshots"]] == ["d/snap"]
 
     fs.stop()
-    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "gc", "--store", str(fs.store)],
-                       capture_output=True, text=True, timeout=HANG, env=dict(os.environ, PYTHONPATH=str(SRC)))  # fmt: skip
+    r = kv_cli("gc", "--store", str(fs.store), timeout=HANG)
     assert r.returncode == 0 and "d/fifo: a FIFO" in r.stdout, r.stdout + r.stderr
     fs.start_settled()  # recovery and the GC at mount
     assert "not a snapshot, skipped: d/fifo: a FIFO" in fs.log()
     assert fs.path("d/snap").read_bytes() == data
     assert sorted(os.listdir(fs.mnt / "d")) == ["fifo", "snap", "to-fifo"]
+
+
+# -- 7: the TCP API --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_http(user: User, port: int, request_line: str, token: str = "") -> str:
+    """An HTTP request sent by ``user`` with nothing but bash; the status line of the answer."""
+    auth = f"Authorization: Bearer {token}\\r\\n" if token else ""
+    r = as_user(user, f"exec 3<>/dev/tcp/127.0.0.1/{port} && "
+                      f"printf '{request_line} HTTP/1.1\\r\\nHost: x\\r\\n{auth}Connection: close\\r\\n\\r\\n' >&3 && "
+                      "head -n 1 <&3")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_tcp_api_without_a_token_is_refused_unless_explicitly_allowed(shared: Path, tmp_path: Path,
+                                                                     user: User) -> None:  # fmt: skip
+    port = free_port()
+    m = Mount(shared / "store", shared / "mnt", tmp_path / "daemon.log")
+    try:
+        with pytest.raises(RuntimeError, match="daemon exited 1"):
+            m.start(["--api-address", f"127.0.0.1:{port}"])
+        assert "refusing to serve the API on 127.0.0.1:" in m.log() and "api_token_file" in m.log()
+        assert "Traceback" not in m.log()
+        # Opting in is explicit, and said in the log.
+        m.start(["--api-address", f"127.0.0.1:{port}", "--api-insecure-no-token"])
+        assert "open by every local user without a token" in m.log()
+        m.path("victim").write_bytes(b"x")
+        assert "200" in raw_http(user, port, "DELETE /snapshots/victim")
+        assert not m.path("victim").exists()
+        assert "API deleted snapshot victim (by 127.0.0.1:" in m.log(), "the caller is named"
+    finally:
+        stop_mount(m)
+
+
+def test_token_from_a_file_and_every_delete_and_gc_names_its_caller(shared: Path, tmp_path: Path,
+                                                                    user: User) -> None:  # fmt: skip
+    port, token = free_port(), "s3cret-token-from-a-file"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    m = Mount(shared / "store", shared / "mnt", tmp_path / "daemon.log")
+    m.start(["--api-address", f"127.0.0.1:{port}", "--api-token-file", str(token_file)])
+    try:
+        assert m.proc is not None
+        assert token not in Path(f"/proc/{m.proc.pid}/cmdline").read_text(), "not visible in ps"
+        m.path("victim").write_bytes(b"x")
+        assert "401" in raw_http(user, port, "DELETE /snapshots/victim")
+        assert "401" in raw_http(user, port, "DELETE /snapshots/victim", token="guess")
+        assert "401" in raw_http(user, port, "POST /gc")
+        assert m.path("victim").exists()
+        assert "API DELETE /snapshots/victim refused: missing or wrong token (from 127.0.0.1:" in m.log()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as h:
+            assert h.post("/gc", timeout=HANG).status_code == 200
+            assert h.delete("/snapshots/victim").status_code == 200
+        assert "API GC requested by 127.0.0.1:" in m.log()
+        assert "API deleted snapshot victim (by 127.0.0.1:" in m.log()
+        m.path("other").write_bytes(b"y")
+        with unix_api(m) as api:
+            assert api.delete("/snapshots/other").status_code == 200
+        assert f"API deleted snapshot other (by uid 0 pid {os.getpid()} (unix socket))" in m.log()
+    finally:
+        stop_mount(m)
+    # Both a token and a token file, or an empty token file: clear errors.
+    r = kv_cli("config", "--api-token", "a", "--api-token-file", str(token_file))
+    assert r.returncode == 2 and "both set" in r.stderr, r.stderr
+    token_file.write_text("\n")
+    with pytest.raises(RuntimeError, match="daemon exited 1"):
+        m.start(["--api-address", f"127.0.0.1:{port}", "--api-token-file", str(token_file)])
+    stop_mount(m)
+    assert "holds no token" in m.log() and "Traceback" not in m.log()

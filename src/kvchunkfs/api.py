@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -40,10 +41,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import catalog, logbuffer, prefixtree
 from .apiclient import daemon_listening, short_path, socket_path
-from .config import Config
+from .config import Config, ConfigError
+from .config import api_token as configured_token
 from .formula import compile_formula
 from .metrics import CONTENT_TYPE, Metrics
 from .openapi import spec
@@ -226,9 +229,10 @@ def create_app(service: Service) -> Starlette:
             await run_in_threadpool(service.delete, rel)
         except OSError as e:
             status = _UNLINK_STATUS.get(e.errno or 0, 500)
-            log.log(logging.ERROR if status == 500 else logging.INFO, "API delete of %s failed: %s", rel, e)
+            log.log(logging.ERROR if status == 500 else logging.INFO, "API delete of %s by %s failed: %s", rel,
+                    caller(request), e)  # fmt: skip
             raise HTTPException(status, f"cannot delete {rel!r}: {e.strerror or e}") from None
-        log.info("API deleted snapshot %s", rel)
+        log.info("API deleted snapshot %s (by %s)", rel, caller(request))
         return JSONResponse({"deleted": rel})
 
     async def get_stats(request: Request) -> Response:
@@ -237,6 +241,7 @@ def create_app(service: Service) -> Starlette:
 
     async def post_gc(request: Request) -> Response:
         _params(request, frozenset())
+        log.info("API GC requested by %s", caller(request))
         return JSONResponse(await run_in_threadpool(service.run_gc))
 
     async def get_logs(request: Request) -> Response:
@@ -327,6 +332,9 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            if scope.get("method") not in ("GET", "HEAD"):
+                log.warning("API %s %s refused: missing or wrong token (from %s)", scope.get("method"),
+                            scope["path"], caller(Request(scope)))  # fmt: skip
             response = JSONResponse(
                 {"error": "missing or wrong bearer token"},
                 401,
@@ -395,12 +403,36 @@ def bind_unix(path: Path, tmp_dir: Path) -> socket.socket:
     return sock
 
 
+def caller(request: Request) -> str:
+    """Who sent the request, for the log: ``host:port`` over TCP, ``uid N pid N`` on the unix socket."""
+    client = request.client
+    if client is None:
+        return "unknown"
+    return client.host if client.port == 0 else f"{client.host}:{client.port}"
+
+
+class _PeerProtocol(H11Protocol):
+    """uvicorn's h11 protocol that names a unix-socket client by its credentials (SO_PEERCRED)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.client is None and sock is not None and sock.family == socket.AF_UNIX:
+            try:
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                pid, uid, _ = struct.unpack("3i", creds)
+                self.client = (f"uid {uid} pid {pid} (unix socket)", 0)
+            except OSError as e:  # only the log line loses its detail
+                log.debug("no peer credentials: %s", e)
+
+
 def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # log_config=None keeps our logging setup; no lifespan (the app has none); a short graceful
     # shutdown so a stuck request cannot hold up unmounting.
     return uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3, loop="asyncio"
-    )
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3, loop="asyncio",
+        http=_PeerProtocol,
+    )  # fmt: skip
 
 
 class ApiServer:
@@ -468,15 +500,18 @@ class MountApi:
         self.service.observe_gc()
         app = create_app(self.service)
         try:
-            self.server = ApiServer(app, socket_path(repo.root), repo.tmp, cfg.api_address, cfg.api_token)
+            token = tcp_token(cfg)
+            self.server = ApiServer(app, socket_path(repo.root), repo.tmp, cfg.api_address, token)
         except BaseException:
             logging.getLogger().removeHandler(self.logs)
             raise
         if cfg.api_address:
             host, _ = split_address(cfg.api_address)
-            if not cfg.api_token and not _is_loopback(host):
-                log.warning("the API on %s is reachable from the network without a token", cfg.api_address)
-            log.info("HTTP API on %s%s", cfg.api_address, " (bearer token required)" if cfg.api_token else "")
+            if not token:
+                where = "from the network" if not _is_loopback(host) else "by every local user"
+                log.warning("the API on %s is open %s without a token (api_insecure_no_token)", cfg.api_address,
+                            where)  # fmt: skip
+            log.info("HTTP API on %s%s", cfg.api_address, " (bearer token required)" if token else "")
 
     async def task(self, ops: Any) -> None:
         """Background task of the FUSE loop: serve the API while the filesystem runs."""
@@ -493,6 +528,21 @@ class MountApi:
     def close(self) -> None:
         self.server.stop()
         logging.getLogger().removeHandler(self.logs)
+
+
+def tcp_token(cfg: Config) -> str:
+    """The TCP listener's token; refuses (RuntimeError) a TCP API without one unless explicitly allowed:
+    every local user can connect to 127.0.0.1, and the API deletes snapshots."""
+    try:
+        token = configured_token(cfg)
+    except ConfigError as e:
+        raise RuntimeError(str(e)) from None
+    if cfg.api_address and not token and not cfg.api_insecure_no_token:
+        raise RuntimeError(
+            f"refusing to serve the API on {cfg.api_address} without a token: any local user could delete "
+            "snapshots. Set api_token_file (or api_token), or api_insecure_no_token = true to accept that"
+        )
+    return token
 
 
 def _is_loopback(host: str) -> bool:

@@ -408,3 +408,57 @@ def test_token_from_a_file_and_every_delete_and_gc_names_its_caller(shared: Path
         m.start(["--api-address", f"127.0.0.1:{port}", "--api-token-file", str(token_file)])
     stop_mount(m)
     assert "holds no token" in m.log() and "Traceback" not in m.log()
+
+
+# -- 9: names that are not UTF-8 --------------------------------------------------------------------
+
+
+def test_names_and_labels_that_are_not_utf8_are_listed_losslessly_and_deletable(fs: Mount, user: User) -> None:
+    import base64
+
+    d = user_dir(fs, user)
+    src = fs.store.parent / "data"
+    src.write_bytes(rand_bytes(MiB, 40))
+    src.chmod(0o644)
+    # A user names a snapshot and a label with bytes that are not UTF-8.
+    r = as_user(user, f"cp {src} {d}/$'bad\\xffname' && cp {src} {d}/good && "
+                      f"setfattr -n $'user.kvcfs.label.k\\xfe' -v 0x76fd {d}/$'bad\\xffname'")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    bad = os.fsencode(d) + b"/bad\xffname"
+    assert os.path.exists(bad)
+    fd = os.open(bad, os.O_WRONLY)  # an out-of-order write: a log line that names the file
+    os.pwrite(fd, b"z", 0)
+    os.close(fd)
+    (fs.store / "snapshots" / os.fsdecode(b"d/junk\xfe")).write_bytes(b"not an index")
+
+    with unix_api(fs) as api:
+        r = api.get("/snapshots")
+        assert r.status_code == 200, r.text
+        rows = {row.get("path_b64") or row["path"]: row for row in r.json()["snapshots"]}
+        assert set(rows) == {"d/good", base64.b64encode(b"d/bad\xffname").decode(),
+                             base64.b64encode(b"d/junk\xfe").decode()}  # fmt: skip
+        row = rows[base64.b64encode(b"d/bad\xffname").decode()]
+        assert row["path"] == "d/bad\ufffdname" and row["size"] == MiB
+        assert row["labels"] == {"k\ufffd": "v\ufffd"}
+        assert "path_b64" not in rows["d/good"]
+        for params in ({}, {"format": "text"}):
+            r = api.get("/prefix-tree", params=params)
+            assert r.status_code == 200 and "bad\ufffdname" in r.text, r.text
+        r = api.get("/logs")
+        assert r.status_code == 200, r.text
+        assert any("d/bad\\xffname: write at 0" in line["message"] for line in r.json()["lines"]), r.text
+        # The exact bytes, percent-encoded, name the snapshot.
+        assert api.get("/snapshots/d/bad%FFname").json()["size"] == MiB
+        assert api.get("/snapshots/d/bad%EF%BF%BDname").status_code == 404, "U+FFFD is another name"
+        r = api.delete("/snapshots/d/bad%FFname")
+        assert r.status_code == 200, r.text
+        assert r.json() == {"deleted": "d/bad\ufffdname", "path_b64": base64.b64encode(b"d/bad\xffname").decode()}
+    assert not os.path.exists(bad) and (d / "good").exists()
+    for cmd in (["ls"], ["ls", "--json"], ["tree"]):
+        r = kv_cli(*cmd, "--store", str(fs.store))
+        assert r.returncode == 0 and "junk" in r.stdout, (cmd, r.stdout, r.stderr)
+    fs.stop()
+    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "fsck", "--store", str(fs.store)],
+                       capture_output=True, env=dict(os.environ, PYTHONPATH=str(SRC)), timeout=300)  # fmt: skip
+    assert r.returncode == 1 and b"problem: snapshot d/junk\xfe: not a valid index" in r.stdout, r.stdout + r.stderr
+    fs.start()

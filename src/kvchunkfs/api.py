@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import unquote_to_bytes
 
 import trio
 import uvicorn
@@ -38,7 +39,8 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse as _StarletteJSONResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -62,6 +64,25 @@ class Collector(Protocol):
     """What POST /gc needs of the garbage collector (``gc.GarbageCollector``)."""
 
     def run(self) -> Any: ...  # a report with to_dict()
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """JSON whose strings are all valid UTF-8: a file name that is not (reaching a report, an error or a
+    log line) is shown with U+FFFD instead of failing the response. Snapshot rows carry the exact
+    bytes in ``path_b64`` (``catalog.path_fields``)."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(_displayable(content))
+
+
+def _displayable(value: Any) -> Any:
+    if isinstance(value, str):
+        return catalog.display_name(value)
+    if isinstance(value, dict):
+        return {_displayable(k): _displayable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_displayable(v) for v in value]
+    return value
 
 
 # -- the service: everything the handlers use --------------------------------------------------
@@ -195,6 +216,18 @@ def check_snapshot_path(snapshots_dir: Path, rel: str) -> str:
     return rel
 
 
+def snapshot_path_param(request: Request) -> str:
+    """The ``{path}`` of ``/snapshots/{path}`` as the file name's bytes (``os.fsdecode``d).
+
+    Taken from the raw request path: the decoded one has already replaced bytes that are not UTF-8,
+    so a name such as ``b"a\\xff"`` (``/snapshots/a%FF``) could not be named at all.
+    """
+    raw, prefix = request.scope.get("raw_path"), b"/snapshots/"
+    if isinstance(raw, bytes) and raw.startswith(prefix):
+        return os.fsdecode(unquote_to_bytes(raw[len(prefix) :]))
+    return request.path_params["path"]
+
+
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
 
 
@@ -215,7 +248,7 @@ def create_app(service: Service) -> Starlette:
 
     async def get_snapshot(request: Request) -> Response:
         _params(request, frozenset())
-        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
         rows = await run_in_threadpool(service.snapshots)
         for row in rows:
             if row.path == rel:
@@ -224,7 +257,7 @@ def create_app(service: Service) -> Starlette:
 
     async def delete_snapshot(request: Request) -> Response:
         _params(request, frozenset())
-        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
         try:
             await run_in_threadpool(service.delete, rel)
         except OSError as e:
@@ -233,7 +266,7 @@ def create_app(service: Service) -> Starlette:
                     caller(request), e)  # fmt: skip
             raise HTTPException(status, f"cannot delete {rel!r}: {e.strerror or e}") from None
         log.info("API deleted snapshot %s (by %s)", rel, caller(request))
-        return JSONResponse({"deleted": rel})
+        return JSONResponse({"deleted": rel, **_b64(rel)})
 
     async def get_stats(request: Request) -> Response:
         _params(request, frozenset())
@@ -298,6 +331,11 @@ def create_app(service: Service) -> Starlette:
     ]
     handlers = {HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def _b64(rel: str) -> dict[str, str]:
+    b64 = catalog.path_fields(rel).get("path_b64")
+    return {"path_b64": b64} if b64 else {}
 
 
 def render_tree_text(root: prefixtree.Node, skipped: Mapping[str, str]) -> str:

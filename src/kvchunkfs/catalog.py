@@ -15,6 +15,7 @@ A chunk repeated inside one file counts once, so ``unique_bytes + shared_bytes``
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import os
@@ -91,14 +92,37 @@ class Snapshot:
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out.update(path_fields(self.path))
+        out["labels"] = {display_name(k): display_name(v) for k, v in self.labels.items()}
         out["score"] = json_float(self.score)
         if self.error is None:
             del out["error"]
+        else:
+            out["error"] = display_name(self.error)
         return out
 
     def number(self, name: str) -> float:
         value = getattr(self, name)
         return 0.0 if value is None else float(value)
+
+
+def display_name(name: str) -> str:
+    """A file name (``os.fsdecode``d bytes), or text holding one, as text JSON and UTF-8 can carry:
+    bytes that are not UTF-8 become U+FFFD."""
+    try:
+        return os.fsencode(name).decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return name.encode("utf-8", "backslashreplace").decode()
+
+
+def path_fields(rel: str) -> dict[str, str]:
+    """``path`` for display, plus ``path_b64`` (the name's exact bytes, base64) when they are not UTF-8:
+    names are bytes, and a client gives those bytes back, percent-encoded, in ``/snapshots/{path}``."""
+    raw = os.fsencode(rel)
+    out = {"path": raw.decode("utf-8", "replace")}
+    if out["path"].encode() != raw:
+        out["path_b64"] = base64.b64encode(raw).decode()
+    return out
 
 
 def json_float(x: float) -> float:
@@ -435,4 +459,6 @@ def token_tree(
     """The token-prefix tree of the snapshots under ``prefix`` and the ones that were skipped."""
     paths = [p for p in stub_paths(snapshots_dir) if p.startswith(prefix.lstrip("/"))]
     tokens, skipped = snapshot_tokens(snapshots_dir, read_chunks, paths)
-    return prefixtree.build_tree(tokens), skipped
+    # Names go out as JSON and text: display forms (a name that is not UTF-8 is shown with U+FFFD).
+    tokens = {display_name(p): t for p, t in tokens.items()}
+    return prefixtree.build_tree(tokens), {display_name(p): display_name(why) for p, why in skipped.items()}

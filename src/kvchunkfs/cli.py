@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
+        sys.stdout.reconfigure(errors="surrogateescape")
     return args.func(cfg, args)
 
 

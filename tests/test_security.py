@@ -462,3 +462,33 @@ def test_names_and_labels_that_are_not_utf8_are_listed_losslessly_and_deletable(
                        capture_output=True, env=dict(os.environ, PYTHONPATH=str(SRC)), timeout=300)  # fmt: skip
     assert r.returncode == 1 and b"problem: snapshot d/junk\xfe: not a valid index" in r.stdout, r.stdout + r.stderr
     fs.start()
+
+
+# -- 13: malformed query parameters -----------------------------------------------------------------
+
+
+def test_every_malformed_parameter_is_a_400_with_a_message(fs: Mount) -> None:
+    fs.path("a").write_bytes(b"x")
+    long_number = "9" * 5000  # more digits than int() converts
+    cases = [
+        ("/snapshots", "limit", "²"),  # str.isdigit() says yes, int() says no
+        ("/snapshots", "limit", "١٢"),  # Arabic-Indic digits
+        ("/snapshots", "limit", "１"),  # fullwidth
+        ("/snapshots", "limit", long_number),
+        ("/snapshots", "limit", "-1"),
+        ("/snapshots", "min_size", long_number + "GiB"),
+        ("/snapshots", "max_use_count", "nan"),
+        ("/snapshots", "sort", "label."),
+        ("/logs", "limit", "²"),
+        ("/logs", "limit", long_number),
+        ("/logs", "limit", "99999999999999999999"),
+        ("/logs", "level", "²"),
+        ("/prefix-tree", "format", "²"),
+    ]
+    with unix_api(fs) as api:
+        for path, name, value in cases:
+            r = api.get(path, params={name: value})
+            assert r.status_code == 400, (path, name, value[:20], r.status_code, r.text[:200])
+            assert name in r.json()["error"], r.text[:200]
+        assert api.get("/snapshots", params={"limit": "1"}).json()["count"] == 1
+    assert "Traceback" not in fs.log()

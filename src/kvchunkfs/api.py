@@ -178,8 +178,9 @@ def _int_param(params: Mapping[str, str], name: str, default: int, lo: int, hi: 
     raw = params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise HTTPException(400, f"{name}={raw!r}: expected an integer from {lo} to {hi}")
+    # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or not lo <= int(raw) <= hi:
+        raise HTTPException(400, f"{name}={raw[:40]!r}: expected an integer from {lo} to {hi}")
     return int(raw)
 
 

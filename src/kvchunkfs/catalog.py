@@ -316,8 +316,9 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     out.sort(key=_sort_key_fn(sort), reverse=order == "desc")
     if "limit" in params:
         limit = params["limit"]
-        if not limit.isdigit():
-            raise QueryError(f"limit={limit!r}: not a non-negative integer")
+        # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+        if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
+            raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
         out = out[: int(limit)]
     return out
 

@@ -140,7 +140,8 @@ class _Checker:
             self.rows[cid] = _Row(pack, off, n)
         self.report.chunks = len(self.rows)
         self.report.chunk_bytes = sum(r.length for r in self.rows.values())
-        sizes = {int(p.name[:-5]): _size(p) for p in (self.root / "packs").glob("*.pack")}
+        packs = [p for p in (self.root / "packs").glob("*.pack") if p.name[:-5].isascii() and p.name[:-5].isdigit()]
+        sizes = {int(p.name[:-5]): _size(p) for p in packs}
         on_disk = {pack: size for pack, size in sizes.items() if size is not None}  # GC may delete meanwhile
         self.report.packs = len(on_disk)
         self.report.pack_bytes = sum(on_disk.values())
@@ -188,7 +189,7 @@ class _Checker:
         for pack, items in sorted(by_pack.items()):
             items.sort(key=lambda item: item[1].offset)
             try:
-                fd = os.open(self.pack_path(pack), os.O_RDONLY)
+                fd = os.open(self.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError:  # compacted by a running daemon meanwhile
                 continue
             try:
@@ -301,7 +302,7 @@ class _Checker:
 
 def _size(path: Path) -> int | None:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return None
 

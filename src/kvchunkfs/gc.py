@@ -236,7 +236,7 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return 0
 
@@ -264,7 +264,7 @@ def _compact(
         if pack == store.open_pack:
             return None
     rows = store.chunks_in_pack(pack)
-    src = os.open(store.pack_path(pack), os.O_RDONLY)
+    src = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     moved = 0
     try:
         for batch in _batches(rows):

@@ -126,7 +126,8 @@ class PackStore:
         return loc
 
     def pack_ids(self) -> list[int]:
-        return sorted(int(p.name[: -len(PACK_SUFFIX)]) for p in self.packs_dir.glob("*" + PACK_SUFFIX))
+        numbers = (pack_number(p) for p in self.packs_dir.glob("*" + PACK_SUFFIX))
+        return sorted(n for n in numbers if n >= 0)
 
     def chunks_in_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
         """(id, offset, length) of the mapped chunks of one pack, in pack order."""
@@ -208,11 +209,19 @@ class PackStore:
                 q = "SELECT coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
                 (end,) = self.db.execute(q, (pack,)).fetchone()
             path = self.pack_path(pack)
-            size = path.stat().st_size
+            size = path.lstat().st_size
             if end == 0 or size <= end:
                 return 0
-            os.truncate(path, end)
+            self.truncate_pack(pack, end)
             return size - end
+
+    def truncate_pack(self, pack: int, length: int) -> None:
+        """Cut a pack file to ``length`` bytes; never through a symlink."""
+        fd = os.open(self.pack_path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, length)
+        finally:
+            os.close(fd)
 
     def remove_pack(self, pack: int) -> bool:
         """Delete a pack no row points into (never the open one); False if it is still in use."""
@@ -382,7 +391,7 @@ class PackStore:
         with self._fd_lock:
             entry = self._fds.get(pack)
             if entry is None:
-                entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY))
+                entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
                 self._fds[pack] = entry
             entry.users += 1
         try:
@@ -437,6 +446,15 @@ def _os_error(e: sqlite3.Error) -> OSError:
     return OSError(errno.ENOSPC if full else errno.EIO, f"chunk map: {e}")
 
 
+def pack_number(path: Path) -> int:
+    """The number of a pack file, or -1 for a file in packs/ that is not one (named in the log, left alone)."""
+    stem = path.name[: -len(PACK_SUFFIX)]
+    if stem.isascii() and stem.isdigit() and len(stem) <= 18:
+        return int(stem)
+    log.warning("%s is not a pack file; ignored", path)
+    return -1
+
+
 def _make_private(root: Path, packs_dir: Path) -> None:
     """Packs and the map readable by the daemon's user only, also in a store made before this rule.
 
@@ -469,7 +487,7 @@ def restrict(path: Path, allowed: int) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:

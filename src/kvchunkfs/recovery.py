@@ -142,7 +142,7 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
                 report.packs_removed += 1
                 log.info("removed pack %d: no committed chunk in it (%d bytes)", pack, size)
         elif size > end:
-            os.truncate(store.pack_path(pack), end)
+            store.truncate_pack(pack, end)
             report.packs_truncated += 1
             report.tail_bytes_cut += size - end
             log.info("pack %d: cut %d bytes written after its last committed chunk", pack, size - end)
@@ -150,7 +150,7 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return 0
 

@@ -48,6 +48,8 @@ class StoreLocked(RuntimeError):
 def lock_store(root: Path) -> int:
     """Take the store's lock for this process; returns the fd to keep open (closing it unlocks)."""
     fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(OSError):  # made 0644 by older versions
+        os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -318,7 +318,7 @@ class Operations(pyfuse3.Operations):
         if node.path is None:
             return
         try:
-            names = sorted(e.name for e in os.scandir(self.repo.path(node.path)))
+            names = _list_dir(self.repo.path(node.path))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
@@ -694,6 +694,15 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         log.debug("invalidating %r: %s", name, e)
 
 
+def _list_dir(path: os.PathLike[str]) -> list[str]:
+    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
 def _is_file(path: os.PathLike[str]) -> bool:
     """A regular file itself, not what a symlink points at."""
     try:
@@ -714,7 +723,7 @@ def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
 
 
 def _fsync_path(path: os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:

@@ -105,7 +105,7 @@ class Repository:
         like_path = self.path(like) if like is not None else None
         tmp = stubs.prepare(self.tmp, index, like_path, fsync=False)
         with contextlib.suppress(OSError):  # fsck's mark is about the old content, not this one
-            os.removexattr(tmp, stubs.BROKEN)
+            os.removexattr(tmp, stubs.BROKEN, follow_symlinks=False)
         return tmp
 
     def install_stub(self, tmp: Path, rel: str) -> None:

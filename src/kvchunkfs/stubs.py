@@ -147,7 +147,7 @@ def create_empty(tmp_dir: Path, path: Path, index: idx.Index, mode: int, uid: in
     """Create a new empty snapshot at ``path`` (fails with EEXIST if it exists)."""
     tmp = prepare(tmp_dir, index, None, mode)
     try:
-        os.chown(tmp, uid, gid)
+        os.chown(tmp, uid, gid, follow_symlinks=False)
         os.link(tmp, path)  # atomic create-if-absent, unlike rename
     finally:
         os.unlink(tmp)

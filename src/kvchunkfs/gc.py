@@ -88,8 +88,9 @@ def format_summary(r: dict[str, Any]) -> str:
     )
     if r.get("missing_chunks"):
         text += f"; {r['missing_chunks']} chunks missing (run fsck)"
-    if r.get("skipped"):
-        text += f"; {len(r['skipped'])} entries skipped: " + "; ".join(r["skipped"])
+    if r.get("skipped"):  # the first few by name; the report has them all
+        more = f"; and {len(r['skipped']) - 5} more" if len(r["skipped"]) > 5 else ""
+        text += f"; {len(r['skipped'])} entries skipped: " + "; ".join(r["skipped"][:5]) + more
     if r.get("interrupted"):
         text += "; interrupted"
     if r.get("errors"):

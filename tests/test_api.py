@@ -267,8 +267,9 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
         with pytest.raises(RuntimeError, match="daemon exited 1"):
-            mount.start(extra=["--api-address", f"127.0.0.1:{port}"])
-    assert "cannot serve the API" in mount.log() and "Traceback" not in mount.log()
+            mount.start(extra=["--api-address", f"127.0.0.1:{port}", "--api-token", TOKEN])
+    assert "cannot serve the API" in mount.log() and "Address already in use" in mount.log()
+    assert "Traceback" not in mount.log()
     assert not (tmp_path / "store" / "api.sock").exists()
 
 

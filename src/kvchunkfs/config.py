@@ -149,7 +149,7 @@ class Setting:
     """One setting: how to parse it, its default, its bounds and its help text."""
 
     name: str
-    kind: str  # size, duration, int, float, bool, choice, str, address, formula, path
+    kind: str  # size, duration, int, float, bool, choice, str, address, formula, path, file (optional path)
     default: Any
     help: str
     lo: float | None = None
@@ -196,6 +196,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
         Setting("api_address", "address", "", "host:port of the HTTP API; a bare port means 127.0.0.1 (empty = off)"),
         Setting("api_token", "str", "", "bearer token required by the API"),
+        Setting("api_token_file", "file", None, "file holding the API's bearer token (not shown by ps, unlike a flag)"),
+        Setting("api_insecure_no_token", "bool", False,
+                "serve the TCP API without a token: anyone who can connect may delete snapshots"),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     )
@@ -226,6 +229,8 @@ class Config:
     durability: str = SETTINGS["durability"].default
     api_address: str = SETTINGS["api_address"].default
     api_token: str = SETTINGS["api_token"].default
+    api_token_file: Path | None = SETTINGS["api_token_file"].default
+    api_insecure_no_token: bool = SETTINGS["api_insecure_no_token"].default
     score: str = SETTINGS["score"].default
     log_level: str = SETTINGS["log_level"].default
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)
@@ -265,6 +270,8 @@ def _parse(setting: Setting, raw: object, source: str, base: Path | None) -> Any
 def _convert(setting: Setting, raw: object, base: Path | None) -> Any:
     if setting.kind == "path":
         return _parse_path(raw, base)
+    if setting.kind == "file":  # an optional path: empty means unset
+        return None if isinstance(raw, str) and not raw.strip() else _parse_path(raw, base)
     if setting.kind == "choice":
         text = _parse_str(raw).strip().lower()
         if text not in setting.choices:
@@ -380,6 +387,26 @@ def _check_consistency(merged: Layer) -> None:
             raise ConfigError(f"{_describe_one(merged, small)} must be less than {_describe_one(merged, big)}")
     if merged["pack_size"][0] < merged["chunk_max"][0]:
         raise ConfigError(f"{_describe_one(merged, 'pack_size')} must be at least {_describe_one(merged, 'chunk_max')}")
+    if merged["api_token"][0] and merged["api_token_file"][0] is not None:
+        raise ConfigError(
+            f"api_token ({merged['api_token'][1]}) and {_describe_one(merged, 'api_token_file')} are both set; "
+            "use one"
+        )
+
+
+def api_token(cfg: Config) -> str:
+    """The API's bearer token: ``api_token``, or the first line of ``api_token_file``; "" if neither."""
+    if cfg.api_token_file is None:
+        return cfg.api_token
+    where = f"api_token_file = {_show(str(cfg.api_token_file))} ({cfg.sources.get('api_token_file', 'default')})"
+    try:
+        with open(cfg.api_token_file, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
+    if not token:
+        raise ConfigError(f"{where}: the file holds no token")
+    return token
 
 
 def _describe_one(merged: Layer, name: str) -> str:
@@ -419,6 +446,8 @@ def _format_value(setting: Setting, value: Any) -> str:
         return f"{format_duration(value)} ({value})" if value >= 60 else str(value)
     if setting.kind == "bool":
         return "true" if value else "false"
+    if value is None:
+        return ""
     if setting.name == "api_token" and value:
         return "(set, hidden)"  # keep the secret out of logs and terminals
     return str(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
-    Path(cfg.store).mkdir(parents=True, exist_ok=True)
+    Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:
@@ -125,6 +126,8 @@ def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"problem: {line}")
     for line in report.repaired:
         print(f"repaired: {line}")
+    for line in report.skipped:
+        print(f"skipped: {line}")
     print(report.summary())
     return 1 if report.problems else 0
 
@@ -213,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
+        sys.stdout.reconfigure(errors="surrogateescape")
     return args.func(cfg, args)
 
 

@@ -15,6 +15,8 @@ ordered with the renames and unlinks of the same files).
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import json
 import logging
 import os
@@ -77,6 +79,42 @@ def _errno_of(e: BaseException) -> int:
     return errno.EIO
 
 
+def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` that answers an unexpected exception with an errno and a log line.
+
+    pyfuse3 answers only FUSEError; anything else would stop its main loop and so the daemon.
+    """
+
+    @functools.wraps(handler)
+    async def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            if name == "forget":  # no reply to carry it: pyfuse3 would stop
+                log.error("forget failed with a FUSEError; ignored")
+                return None
+            raise
+        except Exception as e:
+            code = _errno_of(e)
+            # An OSError is the store's answer (one line); anything else is a bug (traceback).
+            log.error("%s failed (%s): %s: %s", name, errno.errorcode.get(code, code), type(e).__name__, e,
+                      exc_info=not isinstance(e, OSError))
+            if name == "forget":
+                return None
+            raise pyfuse3.FUSEError(code) from None
+
+    return guard
+
+
+def guard_handlers(cls: type[T]) -> type[T]:
+    """Wrap every request handler of ``cls`` (all async methods pyfuse3 calls) with ``_guarded``."""
+    for name, value in vars(pyfuse3.Operations).items():
+        if inspect.iscoroutinefunction(value):
+            setattr(cls, name, _guarded(name, getattr(cls, name)))
+    return cls
+
+
+@guard_handlers
 class Operations(pyfuse3.Operations):
     def __init__(self, files: Files) -> None:
         super().__init__()
@@ -222,11 +260,15 @@ class Operations(pyfuse3.Operations):
             await self._truncate(node, attr.st_size)
         path = self.repo.path(node.path) if node.path is not None else None
         try:
+            # Never through a symlink: the daemon (root) would change its target, anywhere.
             if path is not None and fields.update_mode:
-                os.chmod(path, stat.S_IMODE(attr.st_mode))
+                _chmod_nofollow(path, stat.S_IMODE(attr.st_mode))
             if path is not None and (fields.update_uid or fields.update_gid):
                 os.chown(
-                    path, attr.st_uid if fields.update_uid else -1, attr.st_gid if fields.update_gid else -1
+                    path,
+                    attr.st_uid if fields.update_uid else -1,
+                    attr.st_gid if fields.update_gid else -1,
+                    follow_symlinks=False,
                 )
             if path is not None and (fields.update_atime or fields.update_mtime):
                 st = os.lstat(path)
@@ -236,6 +278,7 @@ class Operations(pyfuse3.Operations):
                         attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
                         attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
                     ),
+                    follow_symlinks=False,
                 )
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
@@ -261,7 +304,7 @@ class Operations(pyfuse3.Operations):
             if content.truncate(size) is Action.TO_STAGING:
                 await self._thread(content.to_staging)
                 content.truncate(size)
-        except (ChunkMissing, ChunkCorrupt, OSError) as e:
+        except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
             log.error("truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
@@ -278,7 +321,7 @@ class Operations(pyfuse3.Operations):
         if node.path is None:
             return
         try:
-            names = sorted(e.name for e in os.scandir(self.repo.path(node.path)))
+            names = _list_dir(self.repo.path(node.path))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
@@ -305,7 +348,7 @@ class Operations(pyfuse3.Operations):
         path = self.repo.path(rel)
         try:
             os.mkdir(path, stat.S_IMODE(mode))
-            os.chown(path, ctx.uid, ctx.gid)
+            os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, True)
@@ -426,6 +469,8 @@ class Operations(pyfuse3.Operations):
                     await self._commit(node)
             except pyfuse3.FUSEError:
                 pass  # already logged; the previous version of the snapshot stays
+            except Exception:
+                log.exception("saving %s on release failed; the previous version stays", node.path)
             finally:
                 if node.opens == 0 and node.content is content:
                     node.content = None
@@ -659,3 +704,23 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent_ino, name)
     except OSError as e:  # the kernel does not know the name: nothing to drop
         log.debug("invalidating %r: %s", name, e)
+
+
+def _list_dir(path: os.PathLike[str]) -> list[str]:
+    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
+    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchunkfs.format import index as idx
-from kvchunkfs.maint.gc import run_gc, salvage_ids
+from kvchunkfs.maint.gc import run_gc, salvage_ids, walk_stubs
 from kvchunkfs.maint.recovery import (
     RecoveryReport,
     check_snapshots,
@@ -49,7 +49,7 @@ from kvchunkfs.maint.recovery import (
     repair_packs,
 )
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import Layout, try_lock_store, walk_stubs
+from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import MapReader
 from kvchunkfs.store.repository import Repository
@@ -76,6 +76,7 @@ class FsckReport:
     problems: list[str] = field(default_factory=list)
     broken: dict[str, str] = field(default_factory=dict)  # snapshot -> why it cannot be read in full
     repaired: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     live: bool = False  # checked while a daemon serves the store
     duration_s: float = 0.0
 
@@ -96,6 +97,8 @@ class FsckReport:
         if not self.live:
             text += f"; garbage {self.garbage_chunks} chunks ({self.garbage_bytes} bytes)"
         text += f", slack {self.slack_bytes} bytes ({self.unused_packs} unused packs)"
+        if self.skipped:
+            text += f"; {len(self.skipped)} entries that are not snapshots skipped"
         if self.repaired:
             text += f"; {len(self.repaired)} repairs"
         if self.live:
@@ -235,7 +238,7 @@ class _Checker:
         for pack, items in sorted(by_pack.items()):
             items.sort(key=lambda item: item[1].offset)
             try:
-                fd = os.open(self.pack_path(pack), os.O_RDONLY)
+                fd = os.open(self.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError:  # compacted by a running daemon meanwhile
                 continue
             try:
@@ -266,12 +269,15 @@ class _Checker:
     # -- snapshots ----------------------------------------------------------------------------
 
     def check_snapshots(self, snapshots: Path) -> None:
-        paths = list(walk_stubs(snapshots))
-        for n, path in enumerate(paths, 1):
-            rel = path.relative_to(snapshots).as_posix()
-            reason = self._check_stub(path)
+        total = sum(1 for _ in walk_stubs(snapshots)) if self.progress is not _no_progress else 0
+        for n, entry in enumerate(walk_stubs(snapshots), 1):
+            rel = entry.rel
+            if entry.skipped is not None:
+                self.report.skipped.append(entry.problem())
+                continue
+            reason = self._check_stub(entry)
             for _ in range(LIVE_RETRIES if self.live and reason else 0):
-                reason = self._check_stub(path)  # replaced or deleted meanwhile?
+                reason = self._check_stub(entry)  # replaced or deleted meanwhile?
                 if not reason:
                     break
             if reason == "gone":
@@ -281,14 +287,15 @@ class _Checker:
                 if not reason.startswith(REMAPPABLE):
                     self.report.broken[rel] = reason
                 self.report.problems.append(f"snapshot {rel}: {reason}")
-            self.progress("stubs", n, len(paths))
+            self.progress("stubs", n, max(n, total))
         self.progress("", 1, 1)
 
-    def _check_stub(self, path: Path) -> str | None:
+    def _check_stub(self, entry: stubs.Entry) -> str | None:
         try:
-            data = path.read_bytes()
+            if entry.error is not None:
+                raise entry.error
+            data, size = entry.read()
             index = idx.decode(data)
-            size = stubs.stub_size(path)
         except FileNotFoundError:
             return "gone"
         except idx.IndexFormatError as e:
@@ -363,7 +370,7 @@ class _Checker:
 
 def _size(path: Path) -> int | None:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return None
 
@@ -445,20 +452,30 @@ def _still_broken(report: FsckReport, after: RecoveryReport) -> dict[str, str]:
 
 
 def _mark_broken(repo: Repository, report: FsckReport, broken: dict[str, str]) -> None:
-    for path in walk_stubs(repo.snapshots):
-        rel = path.relative_to(repo.snapshots).as_posix()
-        reason = broken.get(rel)
-        if reason is not None:
-            os.setxattr(path, stubs.BROKEN, reason.encode(), follow_symlinks=False)
-            report.repaired.append(f"marked snapshot {rel} broken")
-        elif _is_marked(path):
-            os.removexattr(path, stubs.BROKEN, follow_symlinks=False)
-            report.repaired.append(f"snapshot {rel} reads fine again: broken mark removed")
+    for entry in walk_stubs(repo.snapshots):
+        if entry.kind != "file":
+            continue
+        rel = entry.rel
+        try:
+            fd = entry.open()
+        except OSError as e:
+            report.repaired.append(f"could not mark snapshot {rel}: {e}")
+            continue
+        try:
+            reason = broken.get(rel)
+            if reason is not None:
+                os.setxattr(fd, stubs.BROKEN, reason.encode())
+                report.repaired.append(f"marked snapshot {rel} broken")
+            elif _is_marked(fd):
+                os.removexattr(fd, stubs.BROKEN)
+                report.repaired.append(f"snapshot {rel} reads fine again: broken mark removed")
+        finally:
+            os.close(fd)
 
 
-def _is_marked(path: Path) -> bool:
+def _is_marked(fd: int) -> bool:
     with contextlib.suppress(OSError):
-        return stubs.BROKEN in os.listxattr(path, follow_symlinks=False)
+        return stubs.BROKEN in os.listxattr(fd)
     return False
 
 

@@ -24,11 +24,13 @@ never blocks either.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import math
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +41,8 @@ from typing import Any
 import trio
 
 from kvchunkfs.format import index as idx
-from kvchunkfs.store.layout import file_size, walk_stubs
+from kvchunkfs.store import stubs
+from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
 from kvchunkfs.store.repository import Repository
@@ -65,6 +68,8 @@ class GCReport:
     snapshots: int = 0
     unreadable_snapshots: int = 0
     missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
+    skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
+    unreadable: list[str] = field(default_factory=list)  # entries that could not be read: nothing was freed
     walks: int = 0
     catch_ups: int = 0  # rounds of reading stubs created by renames and saves during the walk
     interrupted: bool = False
@@ -87,6 +92,9 @@ def format_summary(r: dict[str, Any]) -> str:
     )
     if r.get("missing_chunks"):
         text += f"; {r['missing_chunks']} chunks missing (run fsck)"
+    if r.get("skipped"):  # the first few by name; the report has them all
+        more = f"; and {len(r['skipped']) - 5} more" if len(r["skipped"]) > 5 else ""
+        text += f"; {len(r['skipped'])} entries skipped: " + "; ".join(r["skipped"][:5]) + more
     if r.get("interrupted"):
         text += "; interrupted"
     if r.get("errors"):
@@ -107,6 +115,14 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
 # -- mark -----------------------------------------------------------------------------------------
 
 
+def walk_stubs(snapshots: Path) -> Iterator[stubs.Entry]:
+    """Every entry under ``snapshots`` but directories (see ``stubs.walk``): stubs to read, entries
+    that could not be read and ones that are skipped; callers name the last two in their reports."""
+    if not snapshots.is_dir():  # an empty walk would make every chunk garbage
+        raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
+    return stubs.walk(snapshots)
+
+
 def stub_ids(data: bytes) -> list[bytes] | None:
     """Chunk ids of a stub's index, or None if it is not a valid index."""
     try:
@@ -121,24 +137,35 @@ def salvage_ids(data: bytes) -> list[bytes]:
 
 
 def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
-    """Every chunk id the stubs under ``snapshots/`` name (one full walk)."""
+    """Ids the stubs name (one full walk). An entry that cannot be read may name any chunk: it goes
+    to ``report.unreadable`` and the sweep then frees nothing."""
     named: set[bytes] = set()
     report.snapshots = report.unreadable_snapshots = 0
-    for path in walk_stubs(repo.snapshots):
-        _add_stub(path, named, report)
+    report.skipped, report.unreadable = [], []
+    for entry in walk_stubs(repo.snapshots):
+        _add_entry(entry, named, report)
     return named
 
 
-def _add_stub(path: Path, named: set[bytes], report: GCReport) -> None:
+def _add_entry(entry: stubs.Entry, named: set[bytes], report: GCReport) -> None:
+    if entry.skipped is not None:
+        report.skipped.append(entry.problem())
+        return
     try:
-        data = path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError):  # renamed or unlinked meanwhile: the log tells
+        if entry.error is not None:
+            raise entry.error
+        data, _ = entry.read()
+    except FileNotFoundError:  # renamed or unlinked meanwhile: the namespace log tells
+        return
+    except OSError as e:
+        entry.error = e
+        report.unreadable.append(entry.problem())
         return
     report.snapshots += 1
     ids = stub_ids(data)
     if ids is None:
         report.unreadable_snapshots += 1
-        log.warning("gc: %s is not a valid index; keeping every chunk it may name", path)
+        log.warning("gc: %s is not a valid index; keeping every chunk it may name", entry.rel)
         ids = salvage_ids(data)
     named.update(ids)
 
@@ -147,12 +174,16 @@ def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: 
     """Read what namespace changes created during the walk (a renamed directory: its whole subtree)."""
     for rel in dict.fromkeys(paths):
         path = repo.path(rel)
-        if path.is_dir() and not path.is_symlink():
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:  # moved on again: a later entry of the log has it
+            continue
+        if stat.S_ISDIR(mode):
             with contextlib.suppress(FileNotFoundError):
-                for stub in walk_stubs(path):
-                    _add_stub(stub, named, report)
-        elif path.is_file() and not path.is_symlink():
-            _add_stub(path, named, report)
+                for entry in stubs.walk(path):
+                    _add_entry(entry, named, report)
+        elif stat.S_ISREG(mode):
+            _add_entry(stubs.entry_at(path, rel), named, report)
 
 
 # -- sweep ----------------------------------------------------------------------------------------
@@ -193,6 +224,10 @@ def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[b
 
 def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
+    if report.unreadable:  # what they name is unknown: any candidate may be live
+        report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
+        report.live_chunks = store.stats()[0]
+        return
     pinned = store.pinned()
     dead = [cid for cid in candidates if cid not in pinned]
     report.chunks_freed = store.delete_chunks(dead)
@@ -233,7 +268,7 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
 def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
     """Bytes of ``pack`` that are neither live chunks nor batch records (which every pack has)."""
     try:
-        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+        fd = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return 0
     try:
@@ -266,7 +301,7 @@ def _compact(
         if pack == store.open_pack:
             return None
     rows = store.chunks_in_pack(pack)
-    src = os.open(store.pack_path(pack), os.O_RDONLY)
+    src = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     moved = 0
     try:
         for batch in _batches(rows):

@@ -44,7 +44,7 @@ from typing import Any
 
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import DB_NAME, file_size, walk_stubs
+from kvchunkfs.store.layout import DB_NAME, file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described, Scan, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.repository import Repository
@@ -65,6 +65,7 @@ class RecoveryReport:
     map_moved_aside: str = ""  # where an unreadable chunks.db went
     snapshots: int = 0
     unreadable: list[str] = field(default_factory=list)  # stubs that are not a valid index
+    skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     missing: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks it needs that are gone
     mismatched: dict[str, str] = field(default_factory=dict)  # snapshot -> how its index disagrees with the map
     duration_s: float = 0.0
@@ -79,7 +80,8 @@ class RecoveryReport:
             f"removed, {self.rows_dropped} map rows dropped, {self.packs_scanned} packs scanned "
             f"({self.chunks_added} chunks added to the map, {self.chunks_rescued} rescued), "
             f"{self.legacy_unknown} unknown legacy packs kept, {len(self.unreadable)} unreadable, "
-            f"{len(self.missing)} incomplete and {len(self.mismatched)} inconsistent snapshots, {self.duration_s:.2f}s"
+            f"{len(self.missing)} incomplete and {len(self.mismatched)} inconsistent snapshots, "
+            f"{len(self.skipped)} entries skipped, {self.duration_s:.2f}s"
         )
 
 
@@ -192,7 +194,7 @@ def catch_up_pack(
     it), cut bytes that hold no complete chunk, delete it if it describes nothing; returns the
     ids of ``bad`` rows it re-mapped."""
     try:
-        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+        fd = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return set()
     try:
@@ -239,7 +241,7 @@ def _scan_from(fd: int, size: int, start: int) -> Scan:
 
 
 def _cut(store: PackStore, pack: int, size: int, end: int, report: RecoveryReport) -> None:
-    os.truncate(store.pack_path(pack), end)
+    store.truncate_pack(pack, end)
     report.packs_truncated += 1
     report.tail_bytes_cut += size - end
     log.info("pack %d: cut %d bytes past its last complete batch (a torn write)", pack, size - end)
@@ -264,11 +266,22 @@ def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: boo
     mapped = repo.store.chunk_lengths()
     missing: dict[str, set[bytes]] = {}
     wanted: set[bytes] = set()
-    for path in walk_stubs(repo.snapshots):
-        rel = path.relative_to(repo.snapshots).as_posix()
+    for entry in stubs.walk(repo.snapshots):
+        rel = entry.rel
+        if entry.skipped is not None:  # named, never opened: a FIFO would block, a symlink lead out
+            report.skipped.append(entry.problem())
+            log.warning("not a snapshot, skipped: %s", entry.problem())
+            continue
         report.snapshots += 1
         try:
-            index = stubs.read_index(path)
+            if entry.error is not None:
+                raise entry.error
+            fd = entry.open()
+            try:
+                index = stubs.read_index(fd)
+                marked = _is_marked(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -279,7 +292,7 @@ def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: boo
         lacking = {cid for cid in index.ids if cid not in mapped}
         if lacking:
             missing[rel] = lacking
-            if rescue_marked or not _is_marked(path):
+            if rescue_marked or not marked:
                 wanted |= lacking
     if wanted:
         mapped.update(rescue_chunks(repo.store, wanted, report))
@@ -305,9 +318,9 @@ def _check_lengths(rel: str, index: Index, mapped: dict[bytes, int], report: Rec
             return
 
 
-def _is_marked(path: Path) -> bool:
+def _is_marked(fd: int) -> bool:
     try:
-        return stubs.BROKEN in os.listxattr(path, follow_symlinks=False)
+        return stubs.BROKEN in os.listxattr(fd)
     except OSError:
         return False
 
@@ -340,7 +353,7 @@ def _hashes_right(fd: int, c: Described) -> bool:
 
 def _good_copies(store: PackStore, pack: int, wanted: set[bytes]) -> list[Described]:
     try:
-        fd = os.open(store.pack_path(pack), os.O_RDONLY)
+        fd = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
     try:

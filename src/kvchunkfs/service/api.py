@@ -24,12 +24,14 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import unquote_to_bytes
 
 import trio
 import uvicorn
@@ -37,11 +39,14 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse as _StarletteJSONResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvchunkfs.config import Config
+from kvchunkfs.config import Config, ConfigError
+from kvchunkfs.config import api_token as configured_token
 from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, logbuffer, prefixtree
@@ -60,6 +65,25 @@ class Collector(Protocol):
     """What POST /gc needs of the garbage collector (``gc.GarbageCollector``)."""
 
     def run(self) -> Any: ...  # a report with to_dict()
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """JSON whose strings are all valid UTF-8: a file name that is not (reaching a report, an error or a
+    log line) is shown with U+FFFD instead of failing the response. Snapshot rows carry the exact
+    bytes in ``path_b64`` (``catalog.path_fields``)."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(_displayable(content))
+
+
+def _displayable(value: Any) -> Any:
+    if isinstance(value, str):
+        return catalog.display_name(value)
+    if isinstance(value, dict):
+        return {_displayable(k): _displayable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_displayable(v) for v in value]
+    return value
 
 
 # -- the service: everything the handlers use --------------------------------------------------
@@ -152,8 +176,9 @@ def _int_param(params: Mapping[str, str], name: str, default: int, lo: int, hi: 
     raw = params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise HTTPException(400, f"{name}={raw!r}: expected an integer from {lo} to {hi}")
+    # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or not lo <= int(raw) <= hi:
+        raise HTTPException(400, f"{name}={raw[:40]!r}: expected an integer from {lo} to {hi}")
     return int(raw)
 
 
@@ -190,6 +215,18 @@ def check_snapshot_path(snapshots_dir: Path, rel: str) -> str:
     return rel
 
 
+def snapshot_path_param(request: Request) -> str:
+    """The ``{path}`` of ``/snapshots/{path}`` as the file name's bytes (``os.fsdecode``d).
+
+    Taken from the raw request path: the decoded one has already replaced bytes that are not UTF-8,
+    so a name such as ``b"a\\xff"`` (``/snapshots/a%FF``) could not be named at all.
+    """
+    raw, prefix = request.scope.get("raw_path"), b"/snapshots/"
+    if isinstance(raw, bytes) and raw.startswith(prefix):
+        return os.fsdecode(unquote_to_bytes(raw[len(prefix) :]))
+    return request.path_params["path"]
+
+
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
 
 
@@ -210,7 +247,7 @@ def create_app(service: Service) -> Starlette:
 
     async def get_snapshot(request: Request) -> Response:
         _params(request, frozenset())
-        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
         rows = await run_in_threadpool(service.snapshots)
         for row in rows:
             if row.path == rel:
@@ -219,15 +256,16 @@ def create_app(service: Service) -> Starlette:
 
     async def delete_snapshot(request: Request) -> Response:
         _params(request, frozenset())
-        rel = check_snapshot_path(service.repo.snapshots, request.path_params["path"])
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
         try:
             await run_in_threadpool(service.delete, rel)
         except OSError as e:
             status = _UNLINK_STATUS.get(e.errno or 0, 500)
-            log.log(logging.ERROR if status == 500 else logging.INFO, "API delete of %s failed: %s", rel, e)
+            log.log(logging.ERROR if status == 500 else logging.INFO, "API delete of %s by %s failed: %s", rel,
+                    caller(request), e)  # fmt: skip
             raise HTTPException(status, f"cannot delete {rel!r}: {e.strerror or e}") from None
-        log.info("API deleted snapshot %s", rel)
-        return JSONResponse({"deleted": rel})
+        log.info("API deleted snapshot %s (by %s)", rel, caller(request))
+        return JSONResponse({"deleted": rel, **_b64(rel)})
 
     async def get_stats(request: Request) -> Response:
         _params(request, frozenset())
@@ -235,6 +273,7 @@ def create_app(service: Service) -> Starlette:
 
     async def post_gc(request: Request) -> Response:
         _params(request, frozenset())
+        log.info("API GC requested by %s", caller(request))
         return JSONResponse(await run_in_threadpool(service.run_gc))
 
     async def get_logs(request: Request) -> Response:
@@ -293,6 +332,11 @@ def create_app(service: Service) -> Starlette:
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
 
 
+def _b64(rel: str) -> dict[str, str]:
+    b64 = catalog.path_fields(rel).get("path_b64")
+    return {"path_b64": b64} if b64 else {}
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = exc.detail
@@ -318,6 +362,9 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            if scope.get("method") not in ("GET", "HEAD"):
+                log.warning("API %s %s refused: missing or wrong token (from %s)", scope.get("method"),
+                            scope["path"], caller(Request(scope)))  # fmt: skip
             response = JSONResponse(
                 {"error": "missing or wrong bearer token"},
                 401,
@@ -386,12 +433,36 @@ def bind_unix(path: Path, tmp_dir: Path) -> socket.socket:
     return sock
 
 
+def caller(request: Request) -> str:
+    """Who sent the request, for the log: ``host:port`` over TCP, ``uid N pid N`` on the unix socket."""
+    client = request.client
+    if client is None:
+        return "unknown"
+    return client.host if client.port == 0 else f"{client.host}:{client.port}"
+
+
+class _PeerProtocol(H11Protocol):
+    """uvicorn's h11 protocol that names a unix-socket client by its credentials (SO_PEERCRED)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.client is None and sock is not None and sock.family == socket.AF_UNIX:
+            try:
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                pid, uid, _ = struct.unpack("3i", creds)
+                self.client = (f"uid {uid} pid {pid} (unix socket)", 0)
+            except OSError as e:  # only the log line loses its detail
+                log.debug("no peer credentials: %s", e)
+
+
 def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # log_config=None keeps our logging setup; no lifespan (the app has none); a short graceful
     # shutdown so a stuck request cannot hold up unmounting.
     return uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3, loop="asyncio"
-    )
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=3, loop="asyncio",
+        http=_PeerProtocol,
+    )  # fmt: skip
 
 
 class ApiServer:
@@ -460,15 +531,18 @@ class MountApi:
         self.service.observe_gc()
         app = create_app(self.service)
         try:
-            self.server = ApiServer(app, socket_path(repo.root), repo.tmp, cfg.api_address, cfg.api_token)
+            token = tcp_token(cfg)
+            self.server = ApiServer(app, socket_path(repo.root), repo.tmp, cfg.api_address, token)
         except BaseException:
             logging.getLogger().removeHandler(self.logs)
             raise
         if cfg.api_address:
             host, _ = split_address(cfg.api_address)
-            if not cfg.api_token and not _is_loopback(host):
-                log.warning("the API on %s is reachable from the network without a token", cfg.api_address)
-            log.info("HTTP API on %s%s", cfg.api_address, " (bearer token required)" if cfg.api_token else "")
+            if not token:
+                where = "from the network" if not _is_loopback(host) else "by every local user"
+                log.warning("the API on %s is open %s without a token (api_insecure_no_token)", cfg.api_address,
+                            where)  # fmt: skip
+            log.info("HTTP API on %s%s", cfg.api_address, " (bearer token required)" if token else "")
 
     async def task(self, ops: Any) -> None:
         """Background task of the FUSE loop: serve the API while the filesystem runs."""
@@ -485,6 +559,21 @@ class MountApi:
     def close(self) -> None:
         self.server.stop()
         logging.getLogger().removeHandler(self.logs)
+
+
+def tcp_token(cfg: Config) -> str:
+    """The TCP listener's token; refuses (RuntimeError) a TCP API without one unless explicitly allowed:
+    every local user can connect to 127.0.0.1, and the API deletes snapshots."""
+    try:
+        token = configured_token(cfg)
+    except ConfigError as e:
+        raise RuntimeError(str(e)) from None
+    if cfg.api_address and not token and not cfg.api_insecure_no_token:
+        raise RuntimeError(
+            f"refusing to serve the API on {cfg.api_address} without a token: any local user could delete "
+            "snapshots. Set api_token_file (or api_token), or api_insecure_no_token = true to accept that"
+        )
+    return token
 
 
 def _is_loopback(host: str) -> bool:

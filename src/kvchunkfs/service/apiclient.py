@@ -137,4 +137,4 @@ def running_daemon(store: Path) -> DaemonClient | None:
 
 def quote_path(rel: str) -> str:
     """A snapshot path as a URL path segment sequence (``/`` kept, everything else escaped)."""
-    return quote(rel, safe="/")
+    return quote(os.fsencode(rel), safe="/")  # the name's bytes, also when they are not UTF-8

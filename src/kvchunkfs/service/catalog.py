@@ -15,6 +15,7 @@ A chunk repeated inside one file counts once, so ``unique_bytes + shared_bytes``
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import os
@@ -29,7 +30,7 @@ from kvchunkfs.format.index import Index
 from kvchunkfs.formula import Formula
 from kvchunkfs.service import prefixtree
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import Layout, walk_stubs
+from kvchunkfs.store.layout import Layout
 from kvchunkfs.store.packs import MapReader
 from kvchunkfs.units import parse_size
 
@@ -92,14 +93,37 @@ class Snapshot:
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out.update(path_fields(self.path))
+        out["labels"] = {display_name(k): display_name(v) for k, v in self.labels.items()}
         out["score"] = json_float(self.score)
         if self.error is None:
             del out["error"]
+        else:
+            out["error"] = display_name(self.error)
         return out
 
     def number(self, name: str) -> float:
         value = getattr(self, name)
         return 0.0 if value is None else float(value)
+
+
+def display_name(name: str) -> str:
+    """A file name (``os.fsdecode``d bytes), or text holding one, as text JSON and UTF-8 can carry:
+    bytes that are not UTF-8 become U+FFFD."""
+    try:
+        return os.fsencode(name).decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return name.encode("utf-8", "backslashreplace").decode()
+
+
+def path_fields(rel: str) -> dict[str, str]:
+    """``path`` for display, plus ``path_b64`` (the name's exact bytes, base64) when they are not UTF-8:
+    names are bytes, and a client gives those bytes back, percent-encoded, in ``/snapshots/{path}``."""
+    raw = os.fsencode(rel)
+    out = {"path": raw.decode("utf-8", "replace")}
+    if out["path"].encode() != raw:
+        out["path_b64"] = base64.b64encode(raw).decode()
+    return out
 
 
 def json_float(x: float) -> float:
@@ -113,9 +137,13 @@ def json_float(x: float) -> float:
 
 
 def stub_paths(snapshots_dir: Path) -> Iterator[str]:
-    """Relative paths of the stubs under ``snapshots_dir``, sorted."""
-    for path in walk_stubs(snapshots_dir):
-        yield path.relative_to(snapshots_dir).as_posix()
+    """Relative paths of the regular files under ``snapshots_dir``, sorted; symlinks, FIFOs and the
+    like are skipped, and nothing a user shaped through the mount can make the walk fail or hang."""
+    if not snapshots_dir.is_dir():
+        return
+    for entry in stubs.walk(snapshots_dir):
+        if entry.kind == "file":
+            yield entry.rel
 
 
 def _float_attr(attrs: Mapping[str, bytes], name: str) -> float | None:
@@ -172,8 +200,12 @@ def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
 def scan(snapshots_dir: Path) -> list[StubInfo]:
     out = []
     for rel in stub_paths(snapshots_dir):
-        with contextlib.suppress(FileNotFoundError):
+        try:
             out.append(read_stub(snapshots_dir, rel))
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # e.g. a store path longer than PATH_MAX: a row that says so
+            out.append(StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e)))
     return out
 
 
@@ -285,8 +317,9 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     out.sort(key=_sort_key_fn(sort), reverse=order == "desc")
     if "limit" in params:
         limit = params["limit"]
-        if not limit.isdigit():
-            raise QueryError(f"limit={limit!r}: not a non-negative integer")
+        # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+        if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
+            raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
         out = out[: int(limit)]
     return out
 
@@ -424,4 +457,6 @@ def token_tree(
     """The token-prefix tree of the snapshots under ``prefix`` and the ones that were skipped."""
     paths = [p for p in stub_paths(snapshots_dir) if p.startswith(prefix.lstrip("/"))]
     tokens, skipped = snapshot_tokens(snapshots_dir, read_chunks, paths)
-    return prefixtree.build_tree(tokens), skipped
+    # Names go out as JSON and text: display forms (a name that is not UTF-8 is shown with U+FFFD).
+    tokens = {display_name(p): t for p, t in tokens.items()}
+    return prefixtree.build_tree(tokens), {display_name(p): display_name(why) for p, why in skipped.items()}

@@ -22,7 +22,15 @@ class LogLine:
     message: str
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        # A file name that is not UTF-8 reaches messages as lone surrogates, which JSON cannot encode:
+        # show its bytes as \xNN.
+        try:
+            raw = self.message.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = self.message.encode("utf-8", "backslashreplace")
+        out["message"] = raw.decode("utf-8", "backslashreplace")
+        return out
 
 
 def parse_level(name: str) -> int:

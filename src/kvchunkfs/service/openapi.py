@@ -27,7 +27,10 @@ _SNAPSHOT = {
     "type": "object",
     "required": ["path", "size", "chunks", "unique_bytes", "shared_bytes", "use_count", "created", "labels", "score"],
     "properties": {
-        "path": {"type": "string", "description": "path relative to the mount, '/'-separated"},
+        "path": {"type": "string", "description": "path relative to the mount, '/'-separated; bytes that are "
+                 "not UTF-8 are shown as U+FFFD"},
+        "path_b64": {"type": "string", "description": "present if the path is not UTF-8: its exact bytes, base64 "
+                     "(percent-encode them in /snapshots/{path})"},
         "size": {"type": "integer", "description": "logical size in bytes"},
         "chunks": {"type": "integer", "description": "entries in the chunk index"},
         "distinct_chunks": {"type": "integer"},
@@ -72,7 +75,8 @@ _PATHS: dict[str, Any] = {
     },
     "/snapshots/{path}": {
         "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"},
-                        "description": "snapshot path relative to the mount; no '..', no symlinks"}],  # fmt: skip
+                        "description": "snapshot path relative to the mount, percent-encoded bytes (a name "
+                                       "that is not UTF-8 too: see path_b64); no '..', no symlinks"}],  # fmt: skip
         "get": {
             "summary": "One snapshot",
             "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR},
@@ -80,7 +84,8 @@ _PATHS: dict[str, Any] = {
         "delete": {
             "summary": "Delete a snapshot (unlinked through the mount; GC frees its unique chunks)",
             "responses": {
-                "200": _json({"type": "object", "properties": {"deleted": {"type": "string"}}}),
+                "200": _json({"type": "object", "properties": {"deleted": {"type": "string"},
+                                                               "path_b64": {"type": "string"}}}),
                 "400": _ERROR, "403": _ERROR, "404": _ERROR,
             },  # fmt: skip
         },

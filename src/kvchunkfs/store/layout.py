@@ -16,11 +16,10 @@ Only this module spells these names; everything else asks a ``Layout``.
 
 from __future__ import annotations
 
-import errno
 import fcntl
+import logging
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,8 @@ PACK_SUFFIX = ".pack"
 DB_NAME = "chunks.db"
 LOCK_NAME = "lock"
 SOCKET_NAME = "api.sock"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,48 +79,68 @@ class Layout:
         return self.packs / f"{pack:08d}{PACK_SUFFIX}"
 
     def pack_ids(self) -> list[int]:
-        """Numbers of the pack files on disk, ascending."""
+        """Numbers of the pack files on disk, ascending (other files in packs/ are named and skipped)."""
         if not self.packs.is_dir():
             return []
-        ids = []
-        for p in self.packs.glob("*" + PACK_SUFFIX):
-            stem = p.name[: -len(PACK_SUFFIX)]
-            if stem.isdigit():
-                ids.append(int(stem))
-        return sorted(ids)
+        numbers = (pack_number(p) for p in self.packs.glob("*" + PACK_SUFFIX))
+        return sorted(n for n in numbers if n >= 0)
 
     def create_dirs(self) -> None:
-        for d in (self.snapshots, self.packs, self.tmp, self.staging):
-            d.mkdir(parents=True, exist_ok=True)
+        """The store's directories, private to the daemon's user (docs/design.md, "Threat model").
+
+        Other users reach snapshots only through the mount; ``snapshots/`` keeps its mode, which
+        the mount shows as its root's. A store made before this rule is tightened here.
+        """
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        restrict(self.root, 0o700)
+        self.snapshots.mkdir(mode=0o777, exist_ok=True)
+        for d in (self.packs, self.tmp, self.staging):
+            d.mkdir(mode=0o700, exist_ok=True)
+            restrict(d, 0o700)
+
+    def make_private(self) -> None:
+        """Packs and the map readable by the daemon's user only, also in a store made before this rule.
+
+        The map is created 0600 before SQLite opens it: SQLite gives its -wal and -shm files the mode
+        of the database file.
+        """
+        os.close(os.open(self.db, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        wal, shm = self.root / (DB_NAME + "-wal"), self.root / (DB_NAME + "-shm")
+        for path in (self.db, wal, shm, self.lock, *self.packs.glob("*" + PACK_SUFFIX)):
+            restrict(path, 0o600)
 
 
-def walk_stubs(snapshots: Path) -> Iterator[Path]:
-    """Every regular file under ``snapshots`` in sorted order (no symlinks, FIFOs or devices).
+def pack_number(path: Path) -> int:
+    """The number of a pack file, or -1 for a file in packs/ that is not one (named in the log, left alone)."""
+    stem = path.name[: -len(PACK_SUFFIX)]
+    if stem.isascii() and stem.isdigit() and len(stem) <= 18:
+        return int(stem)
+    log.warning("%s is not a pack file; ignored", path)
+    return -1
 
-    A directory that cannot be listed raises: an incomplete walk would make chunks look unused.
-    """
-    if not snapshots.is_dir():  # an empty walk would make every chunk garbage
-        raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
 
-    def fail(e: OSError) -> None:
-        if not isinstance(e, FileNotFoundError):  # a directory removed during the walk
-            raise e
-
-    for dirpath, dirnames, files in os.walk(snapshots, onerror=fail):
-        dirnames.sort()
-        for name in sorted(files):
-            path = Path(dirpath, name)
-            try:
-                if stat.S_ISREG(os.lstat(path).st_mode):
-                    yield path
-            except FileNotFoundError:  # removed meanwhile
-                continue
+def restrict(path: Path, allowed: int) -> None:
+    """Clear the mode bits of ``path`` outside ``allowed``, never through a symlink; a missing path is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        log.warning("cannot restrict the permissions of %s: %s", path, e)
+        return
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & ~allowed:
+            os.fchmod(fd, mode & allowed)
+            log.info("%s was mode %o; now %o", path, mode, mode & allowed)
+    finally:
+        os.close(fd)
 
 
 def file_size(path: Path) -> int:
-    """Size of ``path``, 0 if it does not exist."""
+    """Size of ``path`` (not through a symlink), 0 if it does not exist."""
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except FileNotFoundError:
         return 0
 
@@ -133,7 +154,7 @@ def fsync_path(path: os.PathLike[str] | str) -> None:
 
 
 def fsync_dir(path: os.PathLike[str] | str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -149,7 +170,7 @@ class StoreLocked(RuntimeError):
 
 def lock_store(root: Path) -> int:
     """Take the store's lock for this process; returns the fd to keep open (closing it unlocks)."""
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -109,7 +109,8 @@ class PackStore:
         self.root = root
         self.layout = Layout(root)
         self.packs_dir = self.layout.packs
-        self.packs_dir.mkdir(parents=True, exist_ok=True)
+        self.layout.create_dirs()
+        self.layout.make_private()  # every snapshot's bytes: the daemon's user only
         self.pack_size = pack_size
         self.durable = durable
         self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
@@ -329,12 +330,20 @@ class PackStore:
                 q = "SELECT coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
                 (end,) = self.db.execute(q, (pack,)).fetchone()
             path = self.pack_path(pack)
-            size = path.stat().st_size
+            size = path.lstat().st_size
             if end == 0 or size <= end:
                 return 0
             self._commit([("UPDATE packs SET end = min(end, ?) WHERE pack = ?", [(end, pack)])])
-            os.truncate(path, end)
+            self.truncate_pack(pack, end)
             return size - end
+
+    def truncate_pack(self, pack: int, length: int) -> None:
+        """Cut a pack file to ``length`` bytes; never through a symlink."""
+        fd = os.open(self.pack_path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, length)
+        finally:
+            os.close(fd)
 
     def remove_pack(self, pack: int) -> bool:
         """Delete a pack no row points into (never the open one, never one the map does not know,
@@ -491,7 +500,7 @@ class PackStore:
             except sqlite3.Error as e:
                 raise _os_error(e) from e
             path = self.pack_path(pack)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 pwrite_all(fd, [pack_header()], 0)
             except OSError:
@@ -550,7 +559,7 @@ class PackStore:
         with self._fd_lock:
             entry = self._fds.get(pack)
             if entry is None:
-                entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY))
+                entry = _PackFd(os.open(self.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
                 self._fds[pack] = entry
             else:
                 self._fds.move_to_end(pack)

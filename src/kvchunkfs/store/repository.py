@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -95,7 +96,7 @@ class Repository:
         like_path = self.path(like) if like is not None else None
         tmp = stubs.prepare(self.tmp, index, like_path, fsync=False)
         with contextlib.suppress(OSError):  # fsck's mark is about the old content, not this one
-            os.removexattr(tmp, stubs.BROKEN)
+            os.removexattr(tmp, stubs.BROKEN, follow_symlinks=False)
         if durable:
             fsync_path(tmp)
         return tmp
@@ -113,7 +114,7 @@ class Repository:
 
     def rename(self, old: str, new: str) -> None:
         src, dst = self.path(old), self.path(new)
-        if os.path.isfile(dst) and os.path.isfile(src):
+        if _is_file(dst) and _is_file(src):
             stubs.carry_metadata(dst, src)
         os.rename(src, dst)
         self._bump(new)
@@ -146,3 +147,11 @@ class Repository:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _is_file(path: Path) -> bool:
+    """A regular file itself, not what a symlink points at."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvchunkfs.format import index as idx
@@ -32,21 +35,59 @@ class StubError(OSError):
     """A stub could not be read as a snapshot (bad index or size)."""
 
 
-def read_index(path: Path | str) -> idx.Index:
-    with open(path, "rb") as f:
-        data = f.read()
+def read_index(path: Path | str | int) -> idx.Index:
+    """The index of the stub at ``path`` (or open as fd ``path``); StubError if it is not one."""
+    data, size = read_stub(path)
     try:
         index = idx.decode(data)
     except idx.IndexFormatError as e:
         raise StubError(f"{path}: {e}") from e
-    size = stub_size(path)
     if size is not None and size != index.size:
         raise StubError(f"{path}: size xattr {size} does not match index size {index.size}")
     return index
 
 
-def stub_size(path: Path | str) -> int | None:
+def open_stub(path: Path | str, dir_fd: int | None = None) -> int:
+    """An fd of the regular file at ``path``: never through a final symlink, never blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise StubError(f"{path}: {file_kind(mode)}, not a snapshot")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_stub(path: Path | str | int) -> tuple[bytes, int | None]:
+    """(content, size xattr) of a stub, by path (see ``open_stub``) or from an open fd."""
+    owned = not isinstance(path, int)
+    fd = open_stub(path) if owned else path
+    try:
+        chunks, offset = [], 0
+        while piece := os.pread(fd, 1 << 20, offset):
+            chunks.append(piece)
+            offset += len(piece)
+        return b"".join(chunks), stub_size(fd)
+    finally:
+        if owned:
+            os.close(fd)
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):  # fmt: skip
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else f"a file of type {stat.S_IFMT(mode):o}"
+
+
+def stub_size(path: Path | str | int) -> int | None:
+    try:
+        if isinstance(path, int):
+            return int(os.getxattr(path, SIZE))
         return int(os.getxattr(path, SIZE, follow_symlinks=False))
     except OSError:
         return None
@@ -106,7 +147,7 @@ def create_empty(tmp_dir: Path, path: Path, index: idx.Index, mode: int, uid: in
     """Create a new empty snapshot at ``path`` (fails with EEXIST if it exists)."""
     tmp = prepare(tmp_dir, index, None, mode)
     try:
-        os.chown(tmp, uid, gid)
+        os.chown(tmp, uid, gid, follow_symlinks=False)
         os.link(tmp, path)  # atomic create-if-absent, unlike rename
     finally:
         os.unlink(tmp)
@@ -142,3 +183,113 @@ def note_use(path: Path | str) -> None:
     with contextlib.suppress(OSError):
         os.setxattr(path, USE_COUNT, str(count + 1).encode(), follow_symlinks=False)
         os.setxattr(path, LAST_USE, str(time.time()).encode(), follow_symlinks=False)
+
+
+# -- walking the snapshots directory ----------------------------------------------------------------
+
+_KEEP_FD_AT = 2048  # bytes of relative path after which a directory's fd is kept as a new base
+
+
+@dataclass
+class Entry:
+    """One entry below ``snapshots/`` met by ``walk``; valid until the walk moves on.
+
+    Exactly one of: a regular file (``kind == "file"``: ``open``/``read`` it), an entry that could
+    not be handled (``error``: a directory that cannot be listed, a file that cannot be looked at),
+    or one that is skipped (``skipped``: a symlink, FIFO, socket or device is never a snapshot).
+    """
+
+    rel: str  # relative to snapshots/, "/"-separated
+    kind: str = "file"
+    error: OSError | None = None
+    skipped: str | None = None
+    _dir_fd: int | None = None  # None: _sub is a path of its own
+    _sub: str = ""  # path relative to _dir_fd
+
+    def open(self) -> int:
+        """An fd of the stub (see ``open_stub``); the caller closes it."""
+        return open_stub(self._sub, dir_fd=self._dir_fd)
+
+    def read(self) -> tuple[bytes, int | None]:
+        """(content, size xattr); OSError (FileNotFoundError if it went away meanwhile)."""
+        fd = self.open()
+        try:
+            return read_stub(fd)
+        finally:
+            os.close(fd)
+
+    def problem(self) -> str:
+        """Why this entry is not read, for reports."""
+        if self.error is not None:
+            return f"{self.rel}: cannot be read ({self.error.strerror or self.error})"
+        return f"{self.rel}: {self.skipped}; skipped"
+
+
+def entry_at(path: Path, rel: str) -> Entry:
+    """The entry of one file looked up by its path (GC reading a stub a rename created)."""
+    return Entry(rel, _sub=str(path))
+
+
+def walk(snapshots: Path) -> Iterator[Entry]:
+    """Every entry below ``snapshots`` that is not a directory, in sorted order, depth first.
+
+    Built for a tree other users shape through the mount: no symlink is followed, no FIFO is opened
+    for a blocking read, paths are resolved relative to directory fds (so a store path longer than
+    PATH_MAX is still reached), and the walk is iterative with a few fds however deep the tree is.
+    A missing ``snapshots`` raises (an empty walk would make every chunk garbage).
+    """
+    root = os.open(snapshots, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # Frames: (base fd, path of this directory relative to it, rel, names left, fd this frame owns).
+    stack: list[tuple[int, str, str, Iterator[str], int]] = []
+    try:
+        stack.append((root, "", "", iter(sorted(os.listdir(root))), root))
+        while stack:
+            base, sub, rel, names, own = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                if own >= 0:
+                    os.close(own)
+                continue
+            child_sub = f"{sub}/{name}" if sub else name
+            child_rel = f"{rel}/{name}" if rel else name
+            try:
+                mode = os.stat(child_sub, dir_fd=base, follow_symlinks=False).st_mode
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            except OSError as e:
+                yield Entry(child_rel, "error", error=e)
+                continue
+            if stat.S_ISREG(mode):
+                yield Entry(child_rel, _dir_fd=base, _sub=child_sub)
+            elif not stat.S_ISDIR(mode):
+                yield Entry(child_rel, "other", skipped=f"{file_kind(mode)}, not a snapshot")
+            else:
+                frame = _enter(base, child_sub, child_rel)
+                if isinstance(frame, Entry):
+                    yield frame
+                elif frame is not None:
+                    stack.append(frame)
+    finally:
+        for _, _, _, _, own in stack:
+            if own >= 0:
+                os.close(own)
+
+
+def _enter(base: int, sub: str, rel: str) -> tuple[int, str, str, Iterator[str], int] | Entry | None:
+    """A frame for the directory ``sub`` (relative to ``base``), an error entry, or None if it is gone."""
+    try:
+        fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # e.g. replaced by a symlink meanwhile (ELOOP, ENOTDIR)
+        return Entry(rel, "error", error=e)
+    try:
+        names = iter(sorted(os.listdir(fd)))
+    except OSError as e:
+        os.close(fd)
+        return Entry(rel, "error", error=e)
+    if len(sub) < _KEEP_FD_AT:  # children stay reachable from base within PATH_MAX
+        os.close(fd)
+        return base, sub, rel, names, -1
+    return fd, "", rel, names, fd

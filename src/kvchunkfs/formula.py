@@ -198,7 +198,7 @@ class _Compiler:
         if type(node.value) not in (int, float):
             raise FormulaError(f"unsupported constant {node.value!r} at column {_col(node)}")
         try:
-            value = float(node.value)
+            value = float(node.value)  # type: ignore[arg-type]  # int or float, checked above
         except OverflowError:
             raise FormulaError(f"number too large at column {_col(node)}") from None
         return lambda fields: value

@@ -40,7 +40,7 @@ class ByteQueue:
     """Bytes queued for the chunker, kept as the pieces FUSE handed us (no copy per write)."""
 
     def __init__(self) -> None:
-        self.pieces: list[bytes | bytearray] = []
+        self.pieces: list[bytes | bytearray | memoryview] = []
         self.size = 0
 
     def __len__(self) -> int:
@@ -68,8 +68,8 @@ class ByteQueue:
         split from the end until exactly ``keep`` bytes remain queued.
         """
         keep = max(0, min(keep, self.size))
-        taken: list[bytes | bytearray | memoryview] = self.pieces
-        kept: list[bytes | bytearray] = []
+        taken = self.pieces
+        kept: list[bytes | bytearray | memoryview] = []
         need = keep
         while need:
             last = taken.pop()

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -204,9 +204,9 @@ class Operations(pyfuse3.Operations):
             if node.content is not None:
                 size = node.content.size
             else:
-                size = stubs.stub_size(self.repo.path(node.path)) if node.path is not None else None
-                if size is None:
-                    size = 0
+                known = stubs.stub_size(self.repo.path(node.path)) if node.path is not None else None
+                size = known if known is not None else 0
+                if known is None:
                     log.warning("snapshot %s has no valid size attribute", node.path)
         else:
             size = st.st_size
@@ -237,7 +237,7 @@ class Operations(pyfuse3.Operations):
         node.nlookup += 1
         return attrs
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             node = self.nodes.get(ino)
             if node is not None:
@@ -410,7 +410,9 @@ class Operations(pyfuse3.Operations):
             node.path = new + rel[len(old) :]
             self.by_path[node.path] = node
 
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         raise pyfuse3.FUSEError(errno.EPERM)  # hard links would share one stub between names
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

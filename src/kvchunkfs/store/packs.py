@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import Layout, fsync_dir
@@ -295,7 +296,10 @@ class PackStore:
         """
         sql = "UPDATE chunks SET pack = ?, offset = ? WHERE id = ? AND pack = ?"
         with self.lock:
-            steps = [(sql, [(pack, off, cid, old_pack) for cid, pack, off in moves]), (_UPSERT_END, [new_end])]
+            steps: list[tuple[str, Sequence[tuple[Any, ...]]]] = [
+                (sql, [(pack, off, cid, old_pack) for cid, pack, off in moves]),
+                (_UPSERT_END, [new_end]),
+            ]
             return self._commit(steps, durable=True) - 1
 
     def adopt(self, pack: int, chunks: Sequence[Described], end: int, replace: Iterable[bytes] = ()) -> int:

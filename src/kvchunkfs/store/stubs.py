@@ -63,7 +63,7 @@ def open_stub(path: Path | str, dir_fd: int | None = None) -> int:
 def read_stub(path: Path | str | int) -> tuple[bytes, int | None]:
     """(content, size xattr) of a stub, by path (see ``open_stub``) or from an open fd."""
     owned = not isinstance(path, int)
-    fd = open_stub(path) if owned else path
+    fd = path if isinstance(path, int) else open_stub(path)
     try:
         chunks, offset = [], 0
         while piece := os.pread(fd, 1 << 20, offset):

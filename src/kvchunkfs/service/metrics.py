@@ -29,7 +29,7 @@ StatsFn = Callable[[], Mapping[str, int]]
 
 
 class Metrics:
-    """The registry plus the observer interface ``fsops.Operations.observer`` calls."""
+    """The registry plus the observer interface ``fuse.operations.Operations.observer`` calls."""
 
     def __init__(self, files: Files, stats: StatsFn | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

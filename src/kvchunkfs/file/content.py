@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
@@ -34,6 +34,30 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
+
+
+def _extents(fd: int) -> Iterator[bytes | int]:
+    """The file's bytes in order: data in pieces of at most BATCH, a hole as its length in zeros."""
+    size = os.fstat(fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            data = size  # only a hole up to the end
+        if data > pos:
+            yield min(data, size) - pos
+            pos = data
+            continue
+        hole = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+        while pos < hole:
+            piece = os.pread(fd, min(BATCH, hole - pos), pos)
+            if not piece:
+                return  # truncated under us: a later commit sees the change
+            yield piece
+            pos += len(piece)
 
 
 class ByteQueue:
@@ -113,6 +137,7 @@ class FileContent:
         staging_dir: Path,
         read_chunks: ReadChunks,
         keep_partial_page: bool = False,
+        max_size: int = 1 << 62,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -123,6 +148,7 @@ class FileContent:
         # once the client fills it; keeping it queued avoids a staging copy. Without it, nothing
         # rewrites bytes already sent, so the worker takes everything.
         self.keep_partial_page = keep_partial_page
+        self.max_size = max_size
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
@@ -166,7 +192,12 @@ class FileContent:
 
     # -- writing ----------------------------------------------------------------------------
 
+    def _check_size(self, size: int) -> None:
+        if size > self.max_size:
+            raise OSError(errno.EFBIG, f"file would be {size} bytes, max_file_size is {self.max_size}")
+
     def plan_write(self, offset: int, length: int) -> Action:
+        self._check_size(offset + length)
         with self.cond:
             if self.error:
                 raise self.error
@@ -259,6 +290,7 @@ class FileContent:
 
     def truncate(self, length: int) -> Action:
         """Truncate to ``length``; returns TO_STAGING if a staged copy is needed first."""
+        self._check_size(length)
         with self.cond:
             if self.error:
                 raise self.error
@@ -486,22 +518,27 @@ class FileContent:
         return index, gen
 
     def _chunk_staging(self, fd: int) -> Index:
+        """One pass over the staged copy; holes are zeros that are neither read nor cut."""
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
         stream = StreamChunker(self.chunker)
-        pos = 0
-        while True:
-            data = os.pread(fd, BATCH, pos)
-            pieces = stream.feed(data) if data else []
-            if not data and stream.tail:
-                pieces, stream.tail = [memoryview(stream.tail)], b""
-            if pieces:
-                chunks = [(chunk_id(p), p) for p in pieces]
-                self.bytes_new += self.store.put_many(chunks, self)
-                for cid, p in chunks:
-                    index.append(cid, len(p))
-            if not data:
-                return index
-            pos += len(data)
+        for part in _extents(fd):
+            if isinstance(part, int):
+                self._store_runs(index, stream.feed_zeros(part))
+            else:
+                self._store_runs(index, [(p, 1) for p in stream.feed(part)])
+        if stream.tail:
+            self._store_runs(index, [(memoryview(stream.tail), 1)])
+        return index
+
+    def _store_runs(self, index: Index, runs: list[tuple[memoryview, int]]) -> None:
+        """Store each distinct chunk once and append it ``repeat`` times (a hole: thousands)."""
+        if not runs:
+            return
+        chunks = [(chunk_id(p), p) for p, _ in runs]
+        self.bytes_new += self.store.put_many(chunks, self)
+        for (cid, p), (_, repeat) in zip(chunks, runs, strict=True):
+            for _ in range(repeat):
+                index.append(cid, len(p))
 
     def take_new_bytes(self) -> int:
         """Bytes this file added to the store since the last call (one save's new bytes)."""

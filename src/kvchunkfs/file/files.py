@@ -66,6 +66,7 @@ class Files:
             repo.staging,
             self.read_chunks,
             keep_partial_page=repo.settings.writeback_cache,
+            max_size=repo.settings.max_file_size,
         )
 
     def load(self, rel: str) -> FileContent:

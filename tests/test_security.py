@@ -607,3 +607,40 @@ def test_skipping_holes_chunks_exactly_as_plain_cdc(tmp_path: Path, seed: int) -
     assert files.read_chunks(index, 0, size) == whole
     content.close()
     files.close()
+
+
+# -- 12: a bounded number of chunker threads ----------------------------------------------------------
+
+
+def test_many_files_written_at_once_use_a_bounded_number_of_threads(fs: Mount, user: User) -> None:
+    """300 files open for writing, each with a batch queued, used to mean 300 chunker threads: now a
+    pool of chunk_workers threads takes turns, and every file still saves exactly."""
+    assert fs.proc is not None
+    d = user_dir(fs, user)
+    files = 300
+    script = f"""import os, random, sys
+fds = [os.open(f"{d}/f{{i}}", os.O_WRONLY | os.O_CREAT, 0o600) for i in range({files})]
+for i, fd in enumerate(fds):
+    os.write(fd, random.Random(i).randbytes({4 * MiB + 1000}) if i % 30 == 0 else b"x" * (i + 1))
+print("written", flush=True)
+sys.stdin.readline()
+for fd in fds:
+    os.close(fd)
+"""
+    proc = subprocess.Popen(["python3", "-c", script], user=user.uid, group=user.gid, extra_groups=[],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "written\n"
+        threads = len(os.listdir(f"/proc/{fs.proc.pid}/task"))
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert threads < 100, f"{threads} daemon threads for {files} files being written"
+    for i in range(files):
+        want = random.Random(i).randbytes(4 * MiB + 1000) if i % 30 == 0 else b"x" * (i + 1)
+        assert (d / f"f{i}").read_bytes() == want, i
+    assert alive(fs)

@@ -2,7 +2,8 @@
 
 Each cycle overwrites the file with new bytes (new chunks, new packs) and reads it back cold
 (O_DIRECT), as llama-server saves and restores a slot over and over. The bound is on the growth
-after a warm-up, not on a time.
+since the first cycle, not on a time. Before the fix (an arena per thread, a 512 MiB trim
+threshold) RSS rose 112 MiB over 300 cycles of 8 MiB (57 MiB after it), and past 1 GB with 200 MiB saves.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from helpers import rand_bytes, read_direct, wait_closed
 MiB = 1 << 20
 CYCLES = int(os.environ.get("KVCFS_SOAK_CYCLES", "300"))
 SIZE = int(os.environ.get("KVCFS_SOAK_MIB", "8")) * MiB
-WARMUP = 30  # cycles before the baseline: caches and pools fill up first
-GROWTH_LIMIT = 64 * MiB  # after the warm-up; the chunk cache is capped at 32 MiB below
+GROWTH_LIMIT = 72 * MiB  # over the first cycle's RSS: the 32 MiB chunk cache fills, plus 40 MiB of slack
 
 
 def rss(pid: int) -> int:
@@ -52,11 +52,9 @@ def test_rss_stays_bounded_over_hundreds_of_save_restore_cycles(soak_fs: Mount) 
             for off in range(0, SIZE, MiB):
                 f.write(data[off : off + MiB])
         assert read_direct(path) == data
-        if cycle == WARMUP:
-            wait_closed(m)
-            base = rss(m.proc.pid)
         if cycle % 25 == 0 or cycle == CYCLES - 1:
+            wait_closed(m)  # measured with no file open, where the daemon gives memory back
             curve.append((cycle, rss(m.proc.pid) >> 20))
-    wait_closed(m)
+            base = base or rss(m.proc.pid)
     print("RSS MiB by cycle:", curve)
     assert rss(m.proc.pid) - base < GROWTH_LIMIT, f"RSS grew: {curve}"

@@ -8,8 +8,10 @@ unprivileged user, created here if absent, through ordinary file calls and progr
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import pwd
+import random
 import shutil
 import sqlite3
 import subprocess
@@ -495,3 +497,150 @@ def test_every_malformed_parameter_is_a_400_with_a_message(fs: Mount) -> None:
             assert name in r.json()["error"], r.text[:200]
         assert api.get("/snapshots", params={"limit": "1"}).json()["count"] == 1
     assert "Traceback" not in fs.log()
+
+
+# -- 10: sparse files and the largest file ------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def test_a_sparse_file_is_saved_without_cutting_its_holes(fs: Mount, user: User) -> None:
+    """A user extends a file to 4 GiB with ftruncate and writes a little at both ends: the save stores
+    the zero chunk once instead of reading, cutting and hashing 4 GiB of zeros (which took the daemon
+    a CPU-minute per GiB while close() blocked)."""
+    d = user_dir(fs, user)
+    head, tail = random.Random(20).randbytes(300_000), random.Random(21).randbytes(200_000)
+    tail_at = 3 * GiB + 12345
+    script = f"""import os, random
+fd = os.open({str(d / "sparse")!r}, os.O_RDWR | os.O_CREAT, 0o600)
+os.write(fd, random.Random(20).randbytes(300_000))
+os.ftruncate(fd, {4 * GiB})
+os.pwrite(fd, random.Random(21).randbytes(200_000), {tail_at})
+os.close(fd)
+"""
+    r = as_user(user, f"python3 - <<'PY'\n{script}PY")
+    assert r.returncode == 0, r.stderr
+    stats = fs.stats()
+    assert stats["bytes_deduped"] < 64 * MiB, f"the holes were cut and hashed: {stats}"
+    p = d / "sparse"
+    assert p.stat().st_size == 4 * GiB
+    with open(p, "rb") as f:
+        assert f.read(len(head)) == head
+        f.seek(2 * GiB)
+        assert f.read(MiB) == bytes(MiB)
+        f.seek(tail_at - 5)
+        assert f.read(len(tail) + 10) == bytes(5) + tail + bytes(5)
+        f.seek(4 * GiB - 10)
+        assert f.read() == bytes(10)
+
+
+def test_writes_and_truncates_beyond_max_file_size_are_efbig(fs: Mount, user: User) -> None:
+    """ftruncate(fd, 2**40) then close() kept the daemon busy for 40 minutes: beyond max_file_size
+    (64 GiB by default) it is EFBIG, and a file of exactly that size saves at once."""
+    d = user_dir(fs, user)
+    limit = 64 * GiB
+    script = f"""import errno, os
+fd = os.open({str(d / "big")!r}, os.O_RDWR | os.O_CREAT, 0o600)
+os.write(fd, b"head")
+for name, call in (("truncate", lambda: os.ftruncate(fd, 1 << 40)),
+                   ("write", lambda: os.pwrite(fd, b"x", {limit})),
+                   ("truncate+1", lambda: os.ftruncate(fd, {limit + 1}))):
+    try:
+        call()
+        print(name, "ok")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+os.ftruncate(fd, {limit})
+os.pwrite(fd, b"tail", {limit - 4})
+os.close(fd)
+"""
+    r = as_user(user, f"python3 - <<'PY'\n{script}PY")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["truncate EFBIG", "write EFBIG", "truncate+1 EFBIG"], r.stdout
+    p = d / "big"
+    assert p.stat().st_size == limit
+    with open(p, "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(limit - 8)
+        assert f.read() == bytes(4) + b"tail"
+    assert fs.stats()["bytes_deduped"] < 64 * MiB
+    with pytest.raises(OSError) as e:
+        os.truncate(p, limit + PAGE_SIZE)
+    assert e.value.errno == errno.EFBIG
+    assert alive(fs)
+
+
+PAGE_SIZE = 4096
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_skipping_holes_chunks_exactly_as_plain_cdc(tmp_path: Path, seed: int) -> None:
+    """The hole shortcut (one zero chunk, repeated) against pyfastcdc over the same bytes: holes
+    shorter and longer than chunk_max, at the start and the end, data islands of every size."""
+    import hashlib
+
+    from pyfastcdc.cy import FastCDC
+
+    from kvchunkfs.file.files import Files
+    from kvchunkfs.store.repository import Repository, StoreSettings
+
+    rng = random.Random(seed)
+    repo = Repository(tmp_path / "store", StoreSettings())
+    files = Files(repo)
+    content = files.content(repo.empty_index())
+    content.to_staging()
+    size = 40 * MiB + rng.randrange(MiB)
+    whole = bytearray(size)
+    pos = rng.choice([0, rng.randrange(3 * MiB)])
+    while pos < size:
+        n = min(rng.choice([1, 100, 5000, 70_000, 300_000, 2 * MiB]), size - pos)
+        data = rand_bytes(n, rng.randrange(1 << 30))
+        content.write(pos, data)
+        whole[pos : pos + n] = data
+        pos += n + rng.choice([1, 4096, 20_000, 250_000, 262_144, 600_000, 3 * MiB + 7])
+    content.truncate(size)
+    index, _ = content.prepare_commit()
+    cdc = FastCDC(avg_size=64 << 10, min_size=16 << 10, max_size=256 << 10)
+    plain = [c.data for c in cdc.cut_buf(bytes(whole))]
+    assert list(index.ends) == list(itertools.accumulate(len(c) for c in plain))
+    assert index.ids == [hashlib.sha256(c).digest() for c in plain]
+    assert files.read_chunks(index, 0, size) == whole
+    content.close()
+    files.close()
+
+
+# -- 12: a bounded number of chunker threads ----------------------------------------------------------
+
+
+def test_many_files_written_at_once_use_a_bounded_number_of_threads(fs: Mount, user: User) -> None:
+    """300 files open for writing, each with a batch queued, used to mean 300 chunker threads: now a
+    pool of chunk_workers threads takes turns, and every file still saves exactly."""
+    assert fs.proc is not None
+    d = user_dir(fs, user)
+    files = 300
+    script = f"""import os, random, sys
+fds = [os.open(f"{d}/f{{i}}", os.O_WRONLY | os.O_CREAT, 0o600) for i in range({files})]
+for i, fd in enumerate(fds):
+    os.write(fd, random.Random(i).randbytes({4 * MiB + 1000}) if i % 30 == 0 else b"x" * (i + 1))
+print("written", flush=True)
+sys.stdin.readline()
+for fd in fds:
+    os.close(fd)
+"""
+    proc = subprocess.Popen(["python3", "-c", script], user=user.uid, group=user.gid, extra_groups=[],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "written\n"
+        threads = len(os.listdir(f"/proc/{fs.proc.pid}/task"))
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert threads < 100, f"{threads} daemon threads for {files} files being written"
+    for i in range(files):
+        want = random.Random(i).randbytes(4 * MiB + 1000) if i % 30 == 0 else b"x" * (i + 1)
+        assert (d / f"f{i}").read_bytes() == want, i
+    assert alive(fs)

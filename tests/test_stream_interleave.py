@@ -91,7 +91,7 @@ class Scheduler:
     def settle(self, content: FileContent) -> None:
         """After a client call: wait until the worker has noticed any work it made ready."""
         with content.cond:
-            ready = content._worker is not None and content._work_ready() and not content._stop
+            ready = content._active and content._work_ready() and not content._stop
         if ready:
             with self.cv:
                 assert self.cv.wait_for(lambda: self.point in PARKING, timeout=30), "worker did not wake"
@@ -122,11 +122,9 @@ def client_write(content: FileContent, off: int, data: bytes, sched: Scheduler) 
         if action is Action.START_STREAM:
             content.start_stream()
         elif action is Action.TO_STAGING:
-            worker = content._worker
             sched.run_free()  # a staging copy stops the worker; let it run to its end
             content.to_staging()
-            if worker is not None:
-                worker.join()
+            content.wait_worker()
             sched.hold()
         elif content.write(off, data):
             break

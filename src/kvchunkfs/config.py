@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchunkfs.formula import FormulaError, compile_formula
-from kvchunkfs.units import KiB, MiB, format_duration, format_size, is_int, parse_duration, parse_size
+from kvchunkfs.units import GiB, KiB, MiB, format_duration, format_size, is_int, parse_duration, parse_size
 
 ENV_PREFIX = "KV_CHUNK_FS_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -188,6 +188,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),
         Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
         Setting("cache_size", "size", 256 * MiB, "chunk cache size", lo=0),
+        Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
+        Setting("max_file_size", "size", 64 * GiB, "largest file; writes and truncates beyond it fail (EFBIG)",
+                lo=1, hi=1 << 50),
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
         Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
@@ -221,6 +224,8 @@ class Config:
     readahead: int = SETTINGS["readahead"].default
     prefetch_workers: int = SETTINGS["prefetch_workers"].default
     cache_size: int = SETTINGS["cache_size"].default
+    chunk_workers: int = SETTINGS["chunk_workers"].default
+    max_file_size: int = SETTINGS["max_file_size"].default
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default

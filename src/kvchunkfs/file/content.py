@@ -3,12 +3,16 @@
 ``FileContent`` is shared by every handle of one file and knows nothing of FUSE.
 
 * CLEAN   – the content is the stub's index; nothing to save.
-* STREAM  – bytes arrive at the end of the file. They are queued in ``buf`` and a worker thread
+* STREAM  – bytes arrive at the end of the file. They are queued in ``buf`` and the file's worker
             cuts them into chunks while the client is still writing; only chunks the store lacks
             are appended to a pack. The last chunk stays tentative (``tail``) until a commit, so
             later appends continue the chunk list exactly as chunking the whole file would.
 * STAGING – anything else (a write behind the end, a hole, a shrinking truncate) copies the
             content into a plain file under ``staging/``; it is chunked in one pass at commit.
+
+The worker is not a thread: each batch is one *turn* run by a shared ``ChunkPool`` (a bounded set
+of threads). A file has at most one turn queued or running (``_scheduled``), so its steps stay in
+order; a turn that leaves more work queues the next one behind other files' turns.
 
 Content in STREAM mode is ``index`` chunks, then ``inflight`` (bytes the worker is cutting), then
 ``tail``, then ``buf``, then ``ahead`` (writes that arrived a little early, keyed by offset).
@@ -22,7 +26,8 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
@@ -34,6 +39,44 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
+
+
+def _extents(fd: int) -> Iterator[bytes | int]:
+    """The file's bytes in order: data in pieces of at most BATCH, a hole as its length in zeros."""
+    size = os.fstat(fd).st_size
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            data = size  # only a hole up to the end
+        if data > pos:
+            yield min(data, size) - pos
+            pos = data
+            continue
+        hole = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+        while pos < hole:
+            piece = os.pread(fd, min(BATCH, hole - pos), pos)
+            if not piece:
+                return  # truncated under us: a later commit sees the change
+            yield piece
+            pos += len(piece)
+
+
+class ChunkPool:
+    """The threads that run file workers' turns: a bounded number, however many files are written."""
+
+    def __init__(self, workers: int = 0) -> None:
+        self.workers = workers or os.cpu_count() or 2
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker")
+
+    def submit(self, turn: Callable[[], None]) -> None:
+        self._executor.submit(turn)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 class ByteQueue:
@@ -112,17 +155,21 @@ class FileContent:
         index: Index,
         staging_dir: Path,
         read_chunks: ReadChunks,
+        pool: ChunkPool,
         keep_partial_page: bool = False,
+        max_size: int = 1 << 62,
     ) -> None:
         self.store = store
         self.chunker = chunker
         self.index = index
         self.staging_dir = staging_dir
         self.read_chunks = read_chunks
+        self.pool = pool
         # With the kernel's writeback cache a file's last partial page is written again, whole,
         # once the client fills it; keeping it queued avoids a staging copy. Without it, nothing
         # rewrites bytes already sent, so the worker takes everything.
         self.keep_partial_page = keep_partial_page
+        self.max_size = max_size
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
@@ -136,7 +183,8 @@ class FileContent:
         self.staging_fd = -1
         self.staging_path: Path | None = None
         self._retired_fds: list[int] = []
-        self._worker: threading.Thread | None = None
+        self._active = False  # the worker is started and has not yet seen ``_stop``
+        self._scheduled = False  # a turn of this file is queued or running in the pool
         self._stop = False
         self._drain = False
         store.pin(self, index.ids)
@@ -166,7 +214,12 @@ class FileContent:
 
     # -- writing ----------------------------------------------------------------------------
 
+    def _check_size(self, size: int) -> None:
+        if size > self.max_size:
+            raise OSError(errno.EFBIG, f"file would be {size} bytes, max_file_size is {self.max_size}")
+
     def plan_write(self, offset: int, length: int) -> Action:
+        self._check_size(offset + length)
         with self.cond:
             if self.error:
                 raise self.error
@@ -247,7 +300,7 @@ class FileContent:
             self.buf.append(piece)
             self.end += len(piece)
         if len(self.buf) >= BATCH:
-            self.cond.notify_all()
+            self._kick()
         return True
 
     def backlogged(self) -> bool:
@@ -259,6 +312,7 @@ class FileContent:
 
     def truncate(self, length: int) -> Action:
         """Truncate to ``length``; returns TO_STAGING if a staged copy is needed first."""
+        self._check_size(length)
         with self.cond:
             if self.error:
                 raise self.error
@@ -306,6 +360,7 @@ class FileContent:
             self.mode = Mode.STAGING
             self.epoch += 1
             self._stop = True
+            self._kick()
             self.cond.notify_all()
 
     def _close_staging(self, final: bool = False) -> None:
@@ -364,29 +419,51 @@ class FileContent:
     # -- the chunking worker ----------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        """Call under ``cond``. A worker that has not yet seen ``_stop`` simply carries on; one that
-        has clears ``_worker`` under the same lock, so exactly one worker runs."""
+        """Call under ``cond``. A turn that has not yet seen ``_stop`` simply carries on; one that
+        has clears ``_active`` under the same lock, so exactly one worker is active."""
         self._stop = False
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._run, name="chunker", daemon=True)
-            self._worker.start()
+        self._active = True
+        self._kick()
+
+    def _kick(self) -> None:
+        """Call under ``cond``: queue this file's next turn if it has work and none is queued."""
+        if self._active and not self._scheduled and self._work_ready():
+            self._scheduled = True
+            try:
+                self.pool.submit(self._turn)
+            except RuntimeError:  # the pool is shut down: the daemon is exiting
+                self._scheduled = self._active = False
+
+    def wait_worker(self) -> None:
+        """Until no turn of this file is queued or running (tests, after a stop)."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self._scheduled)
 
     def _step(self, point: str) -> None:
-        """Test hook: ``idle`` (about to wait for bytes), ``ready``, ``taken``, ``stored``, ``exit``."""
+        """Test hook: ``idle`` (no more work for now), ``ready``, ``taken``, ``stored``, ``exit``."""
         if self.hook is not None:
             self.hook(point)
 
-    def _run(self) -> None:
+    def _turn(self) -> None:
+        """One batch on a pool thread; then the next turn is queued if work is waiting."""
         try:
-            while self._run_once():
-                pass
+            more = self._run_once()
         except BaseException as e:  # never die silently: a commit waiting on us must see the error
             log.exception("chunker worker failed")
             with self.cond:
                 self.error = e if isinstance(e, OSError) else OSError(errno.EIO, f"chunker failed: {e!r}")
                 self.inflight = None
-                self._worker = None
-                self.cond.notify_all()
+                self._active = False
+            more = False
+        if more:
+            with self.cond:
+                idle = not self._work_ready()
+            if idle:  # before ``_scheduled`` clears, so a next turn's steps come after it
+                self._step("idle")
+        with self.cond:
+            self._scheduled = False
+            self._kick()
+            self.cond.notify_all()
 
     def _work_ready(self) -> bool:
         return self._stop or len(self.buf) >= BATCH or (self._drain and bool(self.buf))
@@ -394,22 +471,19 @@ class FileContent:
     def _run_once(self) -> bool:
         """One batch: take queued bytes, cut and store them; False when the worker should stop."""
         with self.cond:
-            idle = not self._work_ready()
-        if idle:
-            self._step("idle")
-        with self.cond:
-            self.cond.wait_for(self._work_ready)
-            stop = self._stop
+            stop, ready = self._stop, self._work_ready()
             if stop:
-                self._worker = None
+                self._active = False
         if stop:
             self._step("exit")
             return False
+        if not ready:  # a truncate emptied the queue since the turn was queued
+            return True
         self._step("ready")
         with self.cond:
             stop = self._stop
             if stop:
-                self._worker = None
+                self._active = False
             else:
                 epoch = self.epoch
                 self.buf.prepend(self.tail)
@@ -432,7 +506,7 @@ class FileContent:
             with self.cond:
                 self.error = e
                 self.inflight = None
-                self._worker = None
+                self._active = False
                 self.cond.notify_all()
             return False
         self._step("stored")
@@ -469,7 +543,7 @@ class FileContent:
             return self._chunk_staging(fd), gen
         with self.cond:
             self._drain = True
-            self.cond.notify_all()
+            self._kick()
             self.cond.wait_for(
                 lambda: self.error or (self.inflight is None and not self.buf) or self.mode is not Mode.STREAM
             )
@@ -486,22 +560,27 @@ class FileContent:
         return index, gen
 
     def _chunk_staging(self, fd: int) -> Index:
+        """One pass over the staged copy; holes are zeros that are neither read nor cut."""
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
         stream = StreamChunker(self.chunker)
-        pos = 0
-        while True:
-            data = os.pread(fd, BATCH, pos)
-            pieces = stream.feed(data) if data else []
-            if not data and stream.tail:
-                pieces, stream.tail = [memoryview(stream.tail)], b""
-            if pieces:
-                chunks = [(chunk_id(p), p) for p in pieces]
-                self.bytes_new += self.store.put_many(chunks, self)
-                for cid, p in chunks:
-                    index.append(cid, len(p))
-            if not data:
-                return index
-            pos += len(data)
+        for part in _extents(fd):
+            if isinstance(part, int):
+                self._store_runs(index, stream.feed_zeros(part))
+            else:
+                self._store_runs(index, [(p, 1) for p in stream.feed(part)])
+        if stream.tail:
+            self._store_runs(index, [(memoryview(stream.tail), 1)])
+        return index
+
+    def _store_runs(self, index: Index, runs: list[tuple[memoryview, int]]) -> None:
+        """Store each distinct chunk once and append it ``repeat`` times (a hole: thousands)."""
+        if not runs:
+            return
+        chunks = [(chunk_id(p), p) for p, _ in runs]
+        self.bytes_new += self.store.put_many(chunks, self)
+        for (cid, p), (_, repeat) in zip(chunks, runs, strict=True):
+            for _ in range(repeat):
+                index.append(cid, len(p))
 
     def take_new_bytes(self) -> int:
         """Bytes this file added to the store since the last call (one save's new bytes)."""
@@ -518,6 +597,7 @@ class FileContent:
         with self.cond:
             self._stop = True
             self.epoch += 1
+            self._kick()
             self.cond.notify_all()
             self._close_staging(final=True)
         self.store.unpin(self)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchunkfs.file.content import FileContent
+from kvchunkfs.file.content import ChunkPool, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import fsync_dir
@@ -42,6 +42,7 @@ class Files:
         s = repo.settings
         self.repo = repo
         self.cache = ChunkCache(s.cache_size)
+        self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
@@ -65,7 +66,9 @@ class Files:
             index,
             repo.staging,
             self.read_chunks,
+            self.pool,
             keep_partial_page=repo.settings.writeback_cache,
+            max_size=repo.settings.max_file_size,
         )
 
     def load(self, rel: str) -> FileContent:
@@ -122,4 +125,5 @@ class Files:
         return saved
 
     def close(self) -> None:
+        self.pool.close()
         self.fetcher.close()

@@ -24,6 +24,18 @@ class Chunker:
     def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int) -> None:
         self.min, self.avg, self.max = chunk_min, chunk_avg, chunk_max
         self._cdc = FastCDC(avg_size=chunk_avg, min_size=chunk_min, max_size=chunk_max)
+        self._zero: memoryview | None = None
+
+    @property
+    def zero_chunk(self) -> memoryview:
+        """The chunk cut at a boundary followed by at least ``max`` zero bytes.
+
+        A cut depends only on the ``max`` bytes after the chunk's start, so inside a long run of
+        zeros every chunk is this one; computed once, not per chunk.
+        """
+        if self._zero is None:
+            self._zero = self.cut(bytes(2 * self.max))[0]
+        return self._zero
 
     def cut(self, data: bytes | memoryview) -> list[memoryview]:
         """Split ``data`` into chunks; the last one may be cut by the end of ``data``."""
@@ -50,3 +62,23 @@ class StreamChunker:
         pieces = self.chunker.cut(buf)
         self.tail = bytes(pieces[-1])
         return pieces[:-1]
+
+    def feed_zeros(self, n: int) -> list[tuple[memoryview, int]]:
+        """``feed(bytes(n))`` without allocating or cutting a long run: (chunk, repeat count) pairs.
+
+        After the first ``max`` zeros the chunk that straddles the run's start has ended, so the
+        tentative chunk starts inside the run; from there, while ``max`` zeros lie ahead of a chunk
+        start, the next chunk is ``zero_chunk`` (see there). The rest is cut as usual. Equal to
+        plain CDC of the same bytes (tests/test_security.py checks it against pyfastcdc).
+        """
+        cmax = self.chunker.max
+        head = min(n, cmax)
+        runs = [(p, 1) for p in self.feed(bytes(head))]
+        rest = len(self.tail) + n - head  # zeros from the tentative chunk's start to the run's end
+        if n - head == 0 or rest < cmax:
+            return runs + [(p, 1) for p in self.feed(bytes(n - head))]
+        zero = self.chunker.zero_chunk
+        repeat = (rest - cmax) // len(zero) + 1
+        self.tail = b""
+        runs.append((zero, repeat))
+        return runs + [(p, 1) for p in self.feed(bytes(rest - repeat * len(zero)))]

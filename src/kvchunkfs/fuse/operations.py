@@ -135,6 +135,7 @@ class Operations(pyfuse3.Operations):
         self.write_requests = 0
         self.write_bytes = 0
         self.open_files = 0  # nodes with a content; kept as a number so other threads can read it
+        self.on_idle: Callable[[], None] | None = None  # blocking; run in a thread when no file is open
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -477,6 +478,8 @@ class Operations(pyfuse3.Operations):
                 if node.opens == 0 and node.content is content:
                     node.content = None
                     await self._thread(content.close)  # unpins: takes store.lock
+                    if self.open_files == 1 and self.on_idle is not None:
+                        await self._thread(self.on_idle)  # before the count: a soak test measures after it
                     self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
         self._maybe_drop(node)
 

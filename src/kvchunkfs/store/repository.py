@@ -37,6 +37,8 @@ class StoreSettings:
     readahead: int = 32 << 20
     prefetch_workers: int = 8
     cache_size: int = 256 << 20
+    chunk_workers: int = 0  # 0: one per CPU
+    max_file_size: int = 64 << 30
     verify_reads: bool = True
     durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
     writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page

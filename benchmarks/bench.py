@@ -49,7 +49,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 RSS_INTERVAL = 0.02
 READY_TIMEOUT = 60.0
 
-PLAIN, NULL, FS = "plain", "nullfs", "kv-chunk-fs"
+PLAIN, NULL, FS, BASE = "plain", "nullfs", "kv-chunk-fs", "baseline"
 SAVES = {"save": "save (new)", "save_dup": "save (stored)", "save_turn": "save (turn)"}
 RESTORES = {"cold": "restore cold", "warm": "restore warm"}
 OPS = {**SAVES, **RESTORES}
@@ -95,8 +95,10 @@ def wait_for(what: str, ready: Callable[[], bool], alive: Callable[[], bool], lo
 class Mount:
     """A FUSE daemon run as a subprocess; stop() always leaves the mountpoint unmounted."""
 
-    def __init__(self, argv: list[str], mnt: Path, log: Path, readahead_kb: int, ready_line: str | None) -> None:
-        self.argv, self.mnt, self.log = argv, mnt, log
+    def __init__(
+        self, argv: list[str], mnt: Path, log: Path, readahead_kb: int, ready_line: str | None, src: Path = ROOT / "src"
+    ) -> None:
+        self.argv, self.mnt, self.log, self.src = argv, mnt, log, src
         self.readahead_kb, self.ready_line = readahead_kb, ready_line
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -113,7 +115,7 @@ class Mount:
     def start(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
         seen = self._log_count()
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        env = dict(os.environ, PYTHONPATH=str(self.src))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         alive = self._alive
@@ -237,7 +239,7 @@ def mount_config(extra: list[str]) -> cfgmod.Config:
     return cfgmod.load(build_parser().parse_args(["mount", *extra, "MOUNTPOINT"]))
 
 
-def make_targets(work: Path, extra: list[str]) -> list[Target]:
+def make_targets(work: Path, extra: list[str], baseline_src: Path | None = None) -> list[Target]:
     cfg = mount_config(extra)
     py = sys.executable
     fs_argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", str(work / "store"), *extra, str(work / "mnt")]
@@ -258,7 +260,19 @@ def make_targets(work: Path, extra: list[str]) -> list[Target]:
         Target(
             FS, work / "mnt", Mount(fs_argv, work / "mnt", work / "daemon.log", cfg.kernel_readahead_kb, "gc finished")
         ),
+        *_baseline(work, extra, cfg.kernel_readahead_kb, baseline_src),
     ]
+
+
+def _baseline(work: Path, extra: list[str], readahead_kb: int, src: Path | None) -> list[Target]:
+    """kv-chunk-fs from another source tree (e.g. an older commit), with its own store: before/after
+    in one interleaved run."""
+    if src is None:
+        return []
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(work / "base-store"), *extra,
+            str(work / "base")]  # fmt: skip
+    return [Target(BASE, work / "base", Mount(argv, work / "base", work / "baseline.log", readahead_kb,
+                                               "gc finished", src=src))]  # fmt: skip
 
 
 @dataclass
@@ -275,7 +289,7 @@ class Results:
         return self.samples[op][target][-1].seconds
 
 
-def one_run(run_no: int, targets: list[Target], fs: Mount, res: Results) -> None:
+def one_run(run_no: int, targets: list[Target], fs: list[Mount], res: Results) -> None:
     size = res.size
     data = memoryview(make_snapshot(size))
     res.throughput.append(chunk_hash_throughput(bytes(data)))
@@ -289,7 +303,8 @@ def one_run(run_no: int, targets: list[Target], fs: Mount, res: Results) -> None
         for t in order:
             drop_caches()
             res.add(op, t.name, measure(t, lambda p=t.dir / fname, b=buf: save(p, b)))
-    fs.restart()  # empties the daemon's chunk cache for the cold restore
+    for m in fs:
+        m.restart()  # empties the daemon's chunk cache for the cold restore
     for t in order:
         drop_caches()
         res.add("cold", t.name, measure(t, lambda p=t.dir / name: restore(p, size), rss=True))
@@ -307,12 +322,11 @@ def run(args: argparse.Namespace) -> dict:
     res = Results(size)
     targets: list[Target] = []
     try:
-        targets = make_targets(work, args.mount_args.split())
+        targets = make_targets(work, args.mount_args.split(), args.baseline_src)
         for t in targets:
             if t.mount is not None:
                 t.mount.start()
-        fs = next(t.mount for t in targets if t.name == FS)
-        assert fs is not None
+        fs = [t.mount for t in targets if t.name in (FS, BASE) and t.mount is not None]
         for run_no in range(args.runs):
             one_run(run_no, targets, fs, res)
     finally:
@@ -357,6 +371,8 @@ def summarize(res: Results, runs: int) -> dict:
         entry["ratio_vs_plain"] = fs / plain
         entry["ratio_vs_floor"] = fs / null
         entry["floor_vs_plain"] = null / plain
+        if BASE in entry:
+            entry["ratio_vs_baseline"] = fs / entry[BASE]["median_s"]
         s["ops"][op] = entry
     return s
 
@@ -390,11 +406,30 @@ def _notes(s: dict) -> list[str]:
     ]
 
 
+def _baseline_rows(s: dict) -> list[str]:
+    """kv-chunk-fs against the baseline tree, when one was measured."""
+    if "ratio_vs_baseline" not in s["ops"]["cold"]:
+        return []
+    lines = [
+        "",
+        f"{'':15}{'baseline':>12}{'kv-chunk-fs':>12}{'fs/baseline':>13}{'base CPU s/GB':>15}{'fs CPU s/GB':>13}",
+    ]
+    for op, label in OPS.items():
+        e = s["ops"][op]
+        lines.append(
+            f"{label:15}{e[BASE]['median_s']:>11.3f}s{e[FS]['median_s']:>11.3f}s{e['ratio_vs_baseline']:>12.2f}x"
+            f"{e[BASE]['cpu_s_per_GB_median']:>15.2f}{e[FS]['cpu_s_per_GB_median']:>13.2f}"
+        )
+    cold = s["ops"]["cold"]
+    lines.append(f"baseline peak RSS during the cold restore: {cold[BASE]['rss_peak_bytes_median'] / MiB:.0f} MiB")
+    return lines
+
+
 def report(s: dict) -> str:
     mib = s["size_bytes"] / MiB
     title = f"{mib:.0f} MiB snapshot, {s['runs']} runs, targets interleaved (order rotated per run), medians"
     rows = [_op_row(label, s["ops"][op]) for op, label in OPS.items()]
-    return "\n".join([title, "", _row("", list(COLUMNS)), *rows, "", *_notes(s)])
+    return "\n".join([title, "", _row("", list(COLUMNS)), *rows, *_baseline_rows(s), "", *_notes(s)])
 
 
 def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -407,6 +442,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--dir", default="/var/tmp", help="where plain files and the store go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
+    p.add_argument("--baseline-src", type=Path, help="also measure kv-chunk-fs from this src/ (e.g. an older commit's)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon logs)")
     args = p.parse_args()

@@ -60,15 +60,27 @@ class ChunkCache:
         self.misses = 0
 
     def get(self, cid: bytes) -> Buffer | None:
-        entry = self.get_located(cid)
-        return None if entry is None else entry.data
-
-    def get_located(self, cid: bytes) -> Located | None:
         with self._lock:
             entry = self._data.get(cid)
-            if entry is not None:
+            if entry is None:
+                return None
+            self._data.move_to_end(cid)
+            return entry.data
+
+    def get_all(self, cids: Sequence[bytes]) -> list[Located] | None:
+        """Every chunk of a read, or None if one is missing; one lock round for all (the FUSE thread
+        calls this for every read, while the prefetch workers fill the cache). Counts the hits."""
+        out = []
+        with self._lock:
+            for cid in cids:
+                entry = self._data.get(cid)
+                if entry is None:
+                    return None
+                out.append(entry)
+            for cid in cids:
                 self._data.move_to_end(cid)
-            return entry
+            self.hits += len(out)
+        return out
 
     def count(self, hits: int = 0, misses: int = 0) -> None:
         """Counted under the lock: the FUSE thread and the workers count at the same time."""
@@ -82,16 +94,22 @@ class ChunkCache:
     def put(self, cid: bytes, data: Buffer, run: Run | None = None, start: int = -1) -> None:
         """Cache ``data``; ``start`` is its offset in ``run.buf`` when it is a view into it."""
         run = run or Run(len(data))
+        self.put_many(run, [(cid, data, start)])
+
+    def put_many(self, run: Run, chunks: Sequence[tuple[bytes, Buffer, int]]) -> None:
+        """Cache chunks of one run buffer as (id, view, offset in ``run.buf``), under one lock."""
         if run.size > self.capacity:
             return
+        shared = run.buf is not None
         with self._lock:
-            old = self._data.pop(cid, None)
-            if old is not None:
-                self._unref(old.run)
-            self._data[cid] = Located(data, run, start if run.buf is not None else -1)
-            run.refs += 1
-            if run.refs == 1:
-                self.size += run.size
+            for cid, data, start in chunks:
+                old = self._data.pop(cid, None)
+                if old is not None:
+                    self._unref(old.run)
+                self._data[cid] = Located(data, run, start if shared else -1)
+                run.refs += 1
+                if run.refs == 1:
+                    self.size += run.size
             while self.size > self.capacity and self._data:
                 _, evicted = self._data.popitem(last=False)
                 self._unref(evicted.run)
@@ -150,13 +168,9 @@ class Fetcher:
         if cursor.locations is None:
             return None  # the first read-ahead looks up the whole file: not on the FUSE thread
         first, last = index.find(offset), index.find(end - 1)
-        located = []
-        for cid in index.ids[first : last + 1]:
-            entry = self.cache.get_located(cid)
-            if entry is None:
-                return None
-            located.append(entry)
-        self.cache.count(hits=len(located))
+        located = self.cache.get_all(index.ids[first : last + 1])
+        if located is None:
+            return None
         self._advance(index, end, last, offset, cursor)
         span = _span(located, offset - index.start(first), end - offset)
         if span is not None:
@@ -278,6 +292,7 @@ class Fetcher:
             return
         view = memoryview(data)
         buffer = Run(len(data), view)
+        good: list[tuple[bytes, Buffer, int]] = []
         for cid, loc in run:
             # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
             at = loc.offset - start.offset
@@ -287,10 +302,21 @@ class Fetcher:
                 log.error("%s", err)
                 self._fail(cid, futures[cid], err)
                 continue
-            self.cache.put(cid, piece, buffer, at)
-            with self._lock:
-                self.chunks_read += 1
+            good.append((cid, piece, at))
+        self._publish(buffer, good, futures)
+
+    def _publish(
+        self, buffer: Run, good: list[tuple[bytes, Buffer, int]], futures: dict[bytes, Future[Buffer]]
+    ) -> None:
+        """A run's checked chunks: cached before they leave ``_inflight`` (a reader that finds
+        neither would read them again), then handed to the readers waiting on them. One lock
+        round each for the whole run: the FUSE thread takes the same locks for every read."""
+        self.cache.put_many(buffer, good)
+        with self._lock:
+            self.chunks_read += len(good)
+            for cid, _, _ in good:
                 self._inflight.pop(cid, None)
+        for cid, piece, _ in good:
             futures[cid].set_result(piece)
 
     def _relocate(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:

@@ -186,8 +186,9 @@ class Fetcher:
         if not (sequential and self.readahead):
             return
         start = max(last + 1, cursor.prefetched_to)
-        # Top the window up in steps of half of it, so that back-to-back chunks form long runs.
-        if start < len(index) and index.start(start) > end + self.readahead // 2:
+        # Top the window up in steps of a quarter of it: long enough that back-to-back chunks form
+        # runs of RUN_MAX, short enough that the workers never run dry while the reader catches up.
+        if start < len(index) and index.start(start) > end + self.readahead - self.readahead // 4:
             return
         self._prefetch(index, start, end + self.readahead, cursor)
 

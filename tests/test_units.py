@@ -234,3 +234,45 @@ def test_packstore_is_a_chunk_store(tmp_path: Path):
     store.unpin(owner)
     store.sync()
     repo.close()
+
+
+@pytest.mark.parametrize("sizes", [[], [5], [70_000], [1] * 40, [300_000, 1, 65_536, 200_000, 7, 250_000], [65_536] * 64])
+def test_chunk_hasher_equals_one_by_one(sizes):
+    """Ids hashed on two threads come back in order and equal chunk_id of each piece."""
+    from kvchunkfs.format.hashing import ChunkHasher, _split
+
+    buf = memoryview(rand_bytes(sum(sizes), len(sizes)))
+    pieces, pos = [], 0
+    for n in sizes:
+        pieces.append(buf[pos : pos + n])
+        pos += n
+    for helpers in (0, 1, 3):
+        assert ChunkHasher(helpers).ids(pieces) == [chunk_id(p) for p in pieces]
+        groups = _split(pieces, helpers + 1, pos)
+        assert len(groups) <= helpers + 1 and [p for g in groups for p in g] == pieces
+
+
+def test_sequential_cached_reads_are_slices_of_the_run(tmp_path: Path):
+    """A read whose chunks lie back to back in one pread buffer is answered with a slice of that
+    buffer (no copy); reads across runs or of scattered chunks are joined. Both give the same bytes."""
+    from kvchunkfs.file.fetcher import Cursor
+
+    repo = Repository(tmp_path, StoreSettings(readahead=8 * MiB, prefetch_workers=2))
+    files = Files(repo)
+    data = rand_bytes(6 * MiB, 7)
+    content = files.content(repo.empty_index())
+    content.truncate(0)
+    content.write(0, data)
+    index, _ = content.prepare_commit()
+    cursor = Cursor()
+    assert bytes(files.fetcher.read(index, 0, 1, cursor)) == data[:1]  # locates the file, starts read-ahead
+    files.fetcher.get_many(index.ids)  # wait for the read-ahead
+    kinds = set()
+    for off in range(0, len(data), 300_000):
+        got = files.fetcher.read_cached(index, off, 300_000, cursor)
+        assert got is not None and bytes(got) == data[off : off + 300_000]
+        kinds.add(type(got))
+    assert kinds == {memoryview, bytes}  # runs are at most 4 MiB: some reads span two of them
+    content.close()
+    files.close()
+    repo.close()

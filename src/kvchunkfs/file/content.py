@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
+from kvchunkfs.format.hashing import HASHER
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
 
@@ -498,7 +499,7 @@ class FileContent:
         data = memoryview(b"".join(taken))
         pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
         last = bytes(pieces.pop()) if pieces else b""
-        chunks = [(chunk_id(p), p) for p in pieces]
+        chunks = list(zip(HASHER.ids(pieces), pieces, strict=True))  # on two cores
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore
@@ -30,11 +31,20 @@ SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 class Run:
     """One pread's buffer. Cached chunks are views into it, so it lives while any of them is cached."""
 
-    __slots__ = ("size", "refs")
+    __slots__ = ("size", "refs", "buf")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, buf: memoryview | None = None) -> None:
         self.size = size
         self.refs = 0  # chunks of it in the cache
+        self.buf = buf  # the whole run: a read of back-to-back chunks is answered with one slice of it
+
+
+class Located(NamedTuple):
+    """A cached chunk with where it lies in its run buffer (``start`` -1: not in a shared buffer)."""
+
+    data: Buffer
+    run: Run
+    start: int
 
 
 class ChunkCache:
@@ -44,7 +54,7 @@ class ChunkCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0
-        self._data: OrderedDict[bytes, tuple[Buffer, Run]] = OrderedDict()
+        self._data: OrderedDict[bytes, Located] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -55,7 +65,22 @@ class ChunkCache:
             if entry is None:
                 return None
             self._data.move_to_end(cid)
-            return entry[0]
+            return entry.data
+
+    def get_all(self, cids: Sequence[bytes]) -> list[Located] | None:
+        """Every chunk of a read, or None if one is missing; one lock round for all (the FUSE thread
+        calls this for every read, while the prefetch workers fill the cache). Counts the hits."""
+        out = []
+        with self._lock:
+            for cid in cids:
+                entry = self._data.get(cid)
+                if entry is None:
+                    return None
+                out.append(entry)
+            for cid in cids:
+                self._data.move_to_end(cid)
+            self.hits += len(out)
+        return out
 
     def count(self, hits: int = 0, misses: int = 0) -> None:
         """Counted under the lock: the FUSE thread and the workers count at the same time."""
@@ -66,21 +91,28 @@ class ChunkCache:
     def __contains__(self, cid: bytes) -> bool:
         return cid in self._data
 
-    def put(self, cid: bytes, data: Buffer, run: Run | None = None) -> None:
+    def put(self, cid: bytes, data: Buffer, run: Run | None = None, start: int = -1) -> None:
+        """Cache ``data``; ``start`` is its offset in ``run.buf`` when it is a view into it."""
         run = run or Run(len(data))
+        self.put_many(run, [(cid, data, start)])
+
+    def put_many(self, run: Run, chunks: Sequence[tuple[bytes, Buffer, int]]) -> None:
+        """Cache chunks of one run buffer as (id, view, offset in ``run.buf``), under one lock."""
         if run.size > self.capacity:
             return
+        shared = run.buf is not None
         with self._lock:
-            old = self._data.pop(cid, None)
-            if old is not None:
-                self._unref(old[1])
-            self._data[cid] = (data, run)
-            run.refs += 1
-            if run.refs == 1:
-                self.size += run.size
+            for cid, data, start in chunks:
+                old = self._data.pop(cid, None)
+                if old is not None:
+                    self._unref(old.run)
+                self._data[cid] = Located(data, run, start if shared else -1)
+                run.refs += 1
+                if run.refs == 1:
+                    self.size += run.size
             while self.size > self.capacity and self._data:
-                _, (_, evicted) = self._data.popitem(last=False)
-                self._unref(evicted)
+                _, evicted = self._data.popitem(last=False)
+                self._unref(evicted.run)
 
     def _unref(self, run: Run) -> None:
         run.refs -= 1
@@ -124,10 +156,11 @@ class Fetcher:
         self._advance(index, end, last, offset, cursor)
         return _assemble(index, offset, end, first, last, self.get_many(index.ids[first : last + 1]))
 
-    def read_cached(self, index: Index, offset: int, size: int, cursor: Cursor) -> bytes | None:
+    def read_cached(self, index: Index, offset: int, size: int, cursor: Cursor) -> Buffer | None:
         """The read if every chunk it needs is cached already, else None; never blocks.
 
-        A prefetched restore is served like this on the FUSE thread, without a thread handoff.
+        A prefetched restore is served like this on the FUSE thread, without a thread handoff, and
+        when its chunks lie back to back in one run buffer, as a slice of it: no copy at all.
         """
         end = min(offset + size, index.size)
         if offset >= end:
@@ -135,15 +168,14 @@ class Fetcher:
         if cursor.locations is None:
             return None  # the first read-ahead looks up the whole file: not on the FUSE thread
         first, last = index.find(offset), index.find(end - 1)
-        datas = []
-        for cid in index.ids[first : last + 1]:
-            data = self.cache.get(cid)
-            if data is None:
-                return None
-            datas.append(data)
-        self.cache.count(hits=len(datas))
+        located = self.cache.get_all(index.ids[first : last + 1])
+        if located is None:
+            return None
         self._advance(index, end, last, offset, cursor)
-        return _assemble(index, offset, end, first, last, datas)
+        span = _span(located, offset - index.start(first), end - offset)
+        if span is not None:
+            return span
+        return _assemble(index, offset, end, first, last, [e.data for e in located])
 
     def _advance(self, index: Index, end: int, last: int, offset: int, cursor: Cursor | None) -> None:
         """Note where the handle read; on sequential access keep read-ahead ``readahead`` bytes ahead."""
@@ -154,8 +186,9 @@ class Fetcher:
         if not (sequential and self.readahead):
             return
         start = max(last + 1, cursor.prefetched_to)
-        # Top the window up in steps of half of it, so that back-to-back chunks form long runs.
-        if start < len(index) and index.start(start) > end + self.readahead // 2:
+        # Top the window up in steps of a quarter of it: long enough that back-to-back chunks form
+        # runs of RUN_MAX, short enough that the workers never run dry while the reader catches up.
+        if start < len(index) and index.start(start) > end + self.readahead - self.readahead // 4:
             return
         self._prefetch(index, start, end + self.readahead, cursor)
 
@@ -259,19 +292,32 @@ class Fetcher:
                 self._fail(cid, futures[cid], e)
             return
         view = memoryview(data)
-        buffer = Run(len(data))
+        buffer = Run(len(data), view)
+        good: list[tuple[bytes, Buffer, int]] = []
         for cid, loc in run:
             # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
-            piece = view[loc.offset - start.offset : loc.offset - start.offset + loc.length]
+            at = loc.offset - start.offset
+            piece = view[at : at + loc.length]
             if self.verify and hashlib.sha256(piece).digest() != cid:
                 err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
                 log.error("%s", err)
                 self._fail(cid, futures[cid], err)
                 continue
-            self.cache.put(cid, piece, buffer)
-            with self._lock:
-                self.chunks_read += 1
+            good.append((cid, piece, at))
+        self._publish(buffer, good, futures)
+
+    def _publish(
+        self, buffer: Run, good: list[tuple[bytes, Buffer, int]], futures: dict[bytes, Future[Buffer]]
+    ) -> None:
+        """A run's checked chunks: cached before they leave ``_inflight`` (a reader that finds
+        neither would read them again), then handed to the readers waiting on them. One lock
+        round each for the whole run: the FUSE thread takes the same locks for every read."""
+        self.cache.put_many(buffer, good)
+        with self._lock:
+            self.chunks_read += len(good)
+            for cid, _, _ in good:
                 self._inflight.pop(cid, None)
+        for cid, piece, _ in good:
             futures[cid].set_result(piece)
 
     def _relocate(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
@@ -288,6 +334,20 @@ class Fetcher:
             self._inflight.pop(cid, None)
         if not fut.done():
             fut.set_exception(err)
+
+
+def _span(located: Sequence[Located], head: int, length: int) -> memoryview | None:
+    """``length`` bytes from ``head`` into the first chunk as one slice of a run buffer, if the
+    chunks lie back to back in the same one (a file restored in the order it was saved)."""
+    run, start = located[0].run, located[0].start
+    if run.buf is None or start < 0:
+        return None
+    pos = start
+    for entry in located:
+        if entry.run is not run or entry.start != pos:
+            return None
+        pos += len(entry.data)
+    return run.buf[start + head : start + head + length]
 
 
 def _assemble(index: Index, offset: int, end: int, first: int, last: int, datas: Sequence[Buffer]) -> bytes:

@@ -596,7 +596,7 @@ class Operations(pyfuse3.Operations):
 
     # -- data -------------------------------------------------------------------------------
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self.handles[fh]
         content = handle.node.content
         assert content is not None

@@ -236,7 +236,9 @@ def test_packstore_is_a_chunk_store(tmp_path: Path):
     repo.close()
 
 
-@pytest.mark.parametrize("sizes", [[], [5], [70_000], [1] * 40, [300_000, 1, 65_536, 200_000, 7, 250_000], [65_536] * 64])
+@pytest.mark.parametrize(
+    "sizes", [[], [5], [70_000], [1] * 40, [300_000, 1, 65_536, 200_000, 7, 250_000], [65_536] * 64]
+)
 def test_chunk_hasher_equals_one_by_one(sizes):
     """Ids hashed on two threads come back in order and equal chunk_id of each piece."""
     from kvchunkfs.format.hashing import ChunkHasher, _split

@@ -596,7 +596,8 @@ class Operations(pyfuse3.Operations):
 
     # -- data -------------------------------------------------------------------------------
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    # pyfuse3 replies with any buffer; its stub says bytes. A memoryview spares a copy.
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         handle = self.handles[fh]
         content = handle.node.content
         assert content is not None

@@ -5,8 +5,9 @@
 * CLEAN   – the content is the stub's index; nothing to save.
 * STREAM  – bytes arrive at the end of the file. They are queued in ``buf`` and a worker thread
             cuts them into chunks while the client is still writing; only chunks the store lacks
-            are appended to a pack. The last chunk stays tentative (``tail``) until a commit, so
-            later appends continue the chunk list exactly as chunking the whole file would.
+            are appended to a pack. Bytes whose boundary is not final yet stay tentative (``tail``,
+            cut from ``cut_state``) until a commit, so later appends continue the chunk list
+            exactly as chunking the whole file would.
 * STAGING – anything else (a write behind the end, a hole, a shrinking truncate) copies the
             content into a plain file under ``staging/``; it is chunked in one pass at commit.
 
@@ -25,7 +26,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
+from kvchunkfs.format.chunker import BATCH, chunk_id
+from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
 
@@ -108,7 +110,7 @@ class FileContent:
     def __init__(
         self,
         store: ChunkStore,
-        chunker: Chunker,
+        chunker: Cutter,
         index: Index,
         staging_dir: Path,
         read_chunks: ReadChunks,
@@ -143,9 +145,10 @@ class FileContent:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _reset_stream(self, index: Index, tail: bytes) -> None:
+    def _reset_stream(self, index: Index, tail: bytes, cut_state: CutState | None = None) -> None:
         self.index = index
         self.tail = tail
+        self.cut_state = cut_state or self.chunker.initial()  # the cutter at the tail's first byte
         self.inflight: list[bytes | bytearray | memoryview] | None = None
         self.buf = ByteQueue()
         self.ahead: dict[int, bytes] = {}
@@ -191,20 +194,23 @@ class FileContent:
         return any(offset < o + len(d) and o < offset + length for o, d in self.ahead.items())
 
     def start_stream(self) -> None:
-        """CLEAN -> STREAM: the last chunk becomes the tentative tail (read once, not re-chunked)."""
+        """CLEAN -> STREAM: the last chunk becomes the tentative tail (read once, not re-chunked);
+        the cutter resumes at its first byte (a format-aware cutter re-reads the file's headers)."""
         with self.cond:
             if self.mode is not Mode.CLEAN:
                 return
             base = self.index.copy()
         last_chunk = b""
+        state = None
         if len(base):
-            last = len(base) - 1
+            whole, last = base.copy(), len(base) - 1
             last_chunk = self.read_chunks(base, base.start(last), base.length(last))
             base.ends.pop()
             base.ids.pop()
+            state = self.chunker.resume(lambda off, n: self.read_chunks(whole, off, n), whole.size, base.size)
         with self.cond:
             if self.mode is Mode.CLEAN:
-                self._reset_stream(base, b"")
+                self._reset_stream(base, b"", state)
                 self.buf.append(last_chunk)
                 self.end += len(last_chunk)
                 self.mode = Mode.STREAM
@@ -416,14 +422,15 @@ class FileContent:
                 keep = self.end % PAGE if self.keep_partial_page and not self._drain else 0
                 taken = self.buf.take(keep=keep)
                 self.inflight, self.tail = taken, b""
+                state = self.cut_state
         if stop:
             self._step("exit")
             return False
         self._step("taken")
         # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
         data = memoryview(b"".join(taken))
-        pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
-        last = bytes(pieces.pop()) if pieces else b""
+        pieces, state = self.chunker.cut(state, data, final=False)  # more bytes may follow
+        last = bytes(data[sum(len(p) for p in pieces) :])  # tentative: cut again with the next batch
         chunks = [(chunk_id(p), p) for p in pieces]
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
@@ -440,7 +447,7 @@ class FileContent:
             if epoch == self.epoch:
                 for cid, p in chunks:
                     self.index.append(cid, len(p))
-                self.tail = last
+                self.tail, self.cut_state = last, state
                 self.inflight = None
                 self.bytes_new += new
             self.cond.notify_all()
@@ -478,22 +485,24 @@ class FileContent:
                 raise self.error
             if self.mode is not Mode.STREAM:
                 gen = -1  # changed under us; the caller commits again later
-            index, tail = self.index.copy(), self.tail
-        if tail:
-            cid = chunk_id(tail)
-            self.bytes_new += self.store.put_many([(cid, tail)], self)
-            index.append(cid, len(tail))
+            index, tail, state = self.index.copy(), self.tail, self.cut_state
+        pieces, _ = self.chunker.cut(state, tail, final=True)  # the stream keeps its tentative tail
+        if pieces:
+            chunks = [(chunk_id(p), p) for p in pieces]
+            self.bytes_new += self.store.put_many(chunks, self)
+            for cid, p in chunks:
+                index.append(cid, len(p))
         return index, gen
 
     def _chunk_staging(self, fd: int) -> Index:
+        """One pass over the staged copy, cut exactly as the streaming path would."""
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
-        stream = StreamChunker(self.chunker)
-        pos = 0
+        state, tail, pos = self.chunker.initial(), b"", 0
         while True:
             data = os.pread(fd, BATCH, pos)
-            pieces = stream.feed(data) if data else []
-            if not data and stream.tail:
-                pieces, stream.tail = [memoryview(stream.tail)], b""
+            buf = memoryview(tail + data if tail else data)
+            pieces, state = self.chunker.cut(state, buf, final=not data)
+            tail = bytes(buf[sum(len(p) for p in pieces) :])
             if pieces:
                 chunks = [(chunk_id(p), p) for p in pieces]
                 self.bytes_new += self.store.put_many(chunks, self)

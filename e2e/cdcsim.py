@@ -22,22 +22,37 @@ def parse_size(s: str) -> int:
 
 
 class CdcSim:
-    """A set of chunk ids; ``add`` returns the bytes of the chunks it had not seen."""
+    """A set of chunk ids; ``add`` returns the bytes of the chunks it had not seen.
+
+    ``MIN:AVG:MAX`` is FastCDC; ``fmt:MIN:AVG:MAX`` is kv-chunk-fs's format-aware cutter (from this
+    repository's src, see e2e/__init__.py).
+    """
 
     def __init__(self, spec: str):
         self.spec = spec
-        mn, avg, mx = (parse_size(x) for x in spec.split(":"))
+        fmt = spec.startswith("fmt:")
+        mn, avg, mx = (parse_size(x) for x in spec.removeprefix("fmt:").split(":"))
         self.cdc = FastCDC(avg_size=avg, min_size=mn, max_size=mx)
+        self.cutter = None
+        if fmt:
+            from kvchunkfs.format.cutter import Cutter
+
+            self.cutter = Cutter(mn, avg, mx, "format")
         self.seen: set[bytes] = set()
+
+    def pieces(self, data: bytes) -> list[memoryview]:
+        if self.cutter is not None:
+            return self.cutter.cut_all(data)
+        view = memoryview(data)
+        return [view[c.offset : c.offset + c.length] for c in self.cdc.cut_buf(data)]
 
     def add(self, data: bytes) -> int:
         new = 0
-        view = memoryview(data)
-        for c in self.cdc.cut_buf(data):
-            h = hashlib.sha256(view[c.offset : c.offset + c.length]).digest()
+        for piece in self.pieces(data):
+            h = hashlib.sha256(piece).digest()
             if h not in self.seen:
                 self.seen.add(h)
-                new += c.length
+                new += len(piece)
         return new
 
     def add_file(self, path: Path) -> int:

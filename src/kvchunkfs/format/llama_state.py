@@ -401,3 +401,16 @@ _STEPS = {
     "v": _v_block,
     "rblock": _r_block,
 }
+
+
+def segments(data: bytes | memoryview) -> list[Segment]:
+    """Every segment of a whole file (for tests and analysis)."""
+    view = memoryview(data)
+    out: list[Segment] = []
+    st: State | None = START
+    while st is not None:
+        plan = step(st, view[st.pos :], True)
+        assert isinstance(plan, Plan)
+        out.extend(plan.segments)
+        st = plan.next
+    return out

@@ -2,7 +2,8 @@
 
 Boundaries depend only on content: a chunk's end is decided by the bytes from its start, so the
 last, possibly end-of-data-forced chunk can be re-chunked together with bytes appended later and
-the result equals chunking the whole stream at once. That is what makes streaming and append work.
+the result equals chunking the whole stream at once. That is what makes streaming and append work
+(cutter.py drives it, alone or for the parts of a file that are not a known format).
 """
 
 from __future__ import annotations
@@ -29,24 +30,3 @@ class Chunker:
         """Split ``data`` into chunks; the last one may be cut by the end of ``data``."""
         view = memoryview(data)  # slices of a memoryview are views, not copies
         return [c.data for c in self._cdc.cut_buf(view)]
-
-
-class StreamChunker:
-    """Feeds bytes in order; returns chunks as soon as their boundary is final (used for the
-    one-pass chunking of staged copies; the streaming writer applies the same rule to its batches).
-
-    ``tail`` holds the bytes of the last, tentative chunk; ``feed`` returns the finished chunks, and
-    at the end of the data the caller takes ``tail`` as the last chunk.
-    """
-
-    def __init__(self, chunker: Chunker, tail: bytes = b"") -> None:
-        self.chunker = chunker
-        self.tail = tail
-
-    def feed(self, data: bytes) -> list[memoryview]:
-        buf = self.tail + data if self.tail else data
-        if not buf:
-            return []
-        pieces = self.chunker.cut(buf)
-        self.tail = bytes(pieces[-1])
-        return pieces[:-1]

@@ -38,7 +38,7 @@ from .llama import LlamaServer
 from .models import ensure_model
 from .mount import Mount
 
-TARGET_RATIO = 1.3
+TARGET_RATIO = 1.10  # informational (not a check): format-aware boundaries, 100-300-token turns
 PER_TOKEN_META = 16  # cell record (pos, n_seq_id, seq_id) + token id in the header (+12 cell ext, M-RoPE)
 
 WORDS = (

@@ -38,6 +38,7 @@ TOKEN_NULL = 0xFFFFFFFF
 PACKED_BLOB_VERSION = 1
 GGML_TYPE_F16 = 1
 CELL_EXT_SIZE = 12
+BLOB_MAGIC = 0xAF143CD8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,13 +47,24 @@ CELL_EXT_SIZE = 12
 
 @dataclass(frozen=True)
 class Spec:
-    """Shape of a synthetic state file."""
+    """Shape of a synthetic state file (the defaults: a plain llama-like model, flash attention)."""
 
     n_layer: int = 4
     row_bytes: int = 512  # bytes per K (and per V) row, i.e. n_embd_kv * sizeof(f16)
     recurrent_bytes: int = 0  # a tail rewritten whole on every save (hybrid models)
     packed: bool = True  # llama-server's packed token blob
     seed: bytes = b"kv-chunk-fs"
+    version: int = VERSION  # 1: no n_stream; 2: n_stream; 3: + cell ext; 4: + n_rot_k/n_rot_v
+    v_trans: bool = False  # flash attention off: V written one dimension at a time
+    el_bytes: int = 2  # V element size (transposed layout)
+    cell_ext: int = 0  # bytes of M-RoPE cell extension per record (12 in v4, 8 before)
+    n_stream: int = 1  # streams beyond the first are empty (a per-sequence save)
+    seq_id: int = 0
+    swa_window: int = 0  # > 0: iswa, a second KV cache holding the last swa_window tokens
+    swa_layers: int = 2
+    recurrent_layers: int = 0  # > 0: hybrid, R and S blocks per recurrent layer (real layout)
+    r_row: int = 3072
+    s_row: int = 16384
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,7 +73,7 @@ class Spec:
     @property
     def bytes_per_token(self) -> int:
         """Everything a new token adds: K and V rows, a 12-byte cell record, a 4-byte token id."""
-        return self.kv_bytes_per_token + 12 + 4
+        return self.kv_bytes_per_token + 12 + self.cell_ext + 4
 
 
 def _prefix_hashes(tokens: Sequence[int], seed: bytes) -> list[bytes]:
@@ -84,29 +96,88 @@ def token_words(tokens: Sequence[int], packed: bool = True) -> list[int]:
     return [TOKEN_NULL, PACKED_BLOB_VERSION, len(tokens), *(t & 0xFFFFFFFF for t in tokens), 0]
 
 
+def _transposed(rows: list[bytes], el: int) -> bytes:
+    """Row-major (cells x n_embd elements) to dimension-major, as llama.cpp writes V^T."""
+    fmt = {1: "B", 2: "H", 4: "I"}[el]
+    n_embd = len(rows[0]) // el
+    flat = memoryview(b"".join(rows)).cast(fmt)
+    return b"".join(flat[j::n_embd].tobytes() for j in range(n_embd))
+
+
+def _kv_cache(
+    hs: list[bytes], tokens: Sequence[int], first: int, spec: Spec, n_layer: int, tag: bytes
+) -> Iterator[bytes]:
+    """``llama_kv_cache::state_write`` for cells ``first..len(hs)-1`` of one sequence."""
+    cells = range(first, len(hs))
+    if spec.version >= 2:
+        yield struct.pack("<I", spec.n_stream)
+    yield struct.pack("<I", len(cells))
+    if cells:
+        for p in cells:
+            ext = b""
+            if spec.cell_ext == 12:
+                ext = struct.pack("<iii", p, p, tokens[p])
+            elif spec.cell_ext:
+                ext = struct.pack("<ii", p, p)
+            yield struct.pack("<iI", p, 1) + ext + struct.pack("<i", spec.seq_id)
+        yield struct.pack("<II", int(spec.v_trans), n_layer)
+        if spec.version >= 4:
+            yield struct.pack("<II", 0, 0)  # n_rot_k, n_rot_v
+        for il in range(n_layer):
+            yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
+            yield b"".join(_row(hs[p], il, b"K" + tag, spec.row_bytes) for p in cells)
+        for il in range(n_layer):
+            rows = [_row(hs[p], il, b"V" + tag, spec.row_bytes) for p in cells]
+            if spec.v_trans:
+                yield struct.pack("<iII", GGML_TYPE_F16, spec.el_bytes, spec.row_bytes // spec.el_bytes)
+                yield _transposed(rows, spec.el_bytes)
+            else:
+                yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
+                yield b"".join(rows)
+    for _ in range(1, spec.n_stream):  # the other streams hold nothing of this sequence
+        yield struct.pack("<I", 0)
+
+
+def _recurrent(hs: list[bytes], spec: Spec) -> Iterator[bytes]:
+    """``llama_memory_recurrent::state_write``: one cell, rewritten whole every turn."""
+    last = hs[-1] if hs else spec.seed
+    if spec.recurrent_bytes:  # the compact form earlier tests used: one R block
+        yield struct.pack("<IiIII", 1, max(len(hs) - 1, 0), 0, 0, 1)
+        yield struct.pack("<iQ", 0, spec.recurrent_bytes)
+        yield _row(last, 0, b"R", spec.recurrent_bytes)
+        return
+    n_total = spec.n_layer + spec.recurrent_layers
+    yield struct.pack("<IiIII", 1, max(len(hs) - 1, 0), 0, 0, n_total)
+    for kind, row in ((b"R", spec.r_row), (b"S", spec.s_row)):
+        for il in range(spec.recurrent_layers):
+            yield struct.pack("<iQ", 0, row) + _row(last, il, kind, row)
+
+
 def iter_synthetic(tokens: Sequence[int], spec: Spec = Spec()) -> Iterator[bytes]:
     """The file as the sequence of write() calls llama.cpp's io would make."""
     n = len(tokens)
     words = token_words(tokens, spec.packed)
-    yield struct.pack("<III", MAGIC, VERSION, len(words))
+    yield struct.pack("<III", MAGIC, spec.version, len(words))
     yield struct.pack(f"<{len(words)}I", *words)
     hs = _prefix_hashes(tokens, spec.seed)
-    # attention KV
-    yield struct.pack("<I", 1)  # n_stream
-    yield struct.pack("<I", n)  # cell_count
-    if n:
-        yield b"".join(struct.pack("<iIi", p, 1, 0) for p in range(n))
-        yield struct.pack("<IIII", 0, spec.n_layer, 0, 0)
-        for kind in (b"K", b"V"):
-            for il in range(spec.n_layer):
-                yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
-                yield b"".join(_row(h, il, kind, spec.row_bytes) for h in hs)
-    # recurrent state: one cell, rewritten whole every turn
-    if spec.recurrent_bytes:
-        last = hs[-1] if hs else spec.seed
-        yield struct.pack("<IiIII", 1, max(n - 1, 0), 0, 0, 1)
-        yield struct.pack("<iQ", 0, spec.recurrent_bytes)
-        yield _row(last, 0, b"R", spec.recurrent_bytes)
+    yield from _kv_cache(hs, tokens, 0, spec, spec.n_layer, b"")
+    if spec.swa_window:
+        yield from _kv_cache(hs, tokens, max(0, n - spec.swa_window), spec, spec.swa_layers, b"swa")
+    if spec.recurrent_bytes or spec.recurrent_layers:
+        yield from _recurrent(hs, spec)
+
+
+def checkpoint_blob(tokens: Sequence[int], spec: Spec) -> bytes:
+    """A context checkpoint as ``llama_state_seq_get_data(..., PARTIAL_ONLY)`` returns it (what a
+    second pass appends, or a sidecar holds): magic, seq_id, then the SWA cache or the recurrent
+    state."""
+    hs = _prefix_hashes(tokens, spec.seed)
+    parts = [struct.pack("<Ii", BLOB_MAGIC, spec.seq_id)]
+    if spec.swa_window:
+        parts += _kv_cache(hs, tokens, max(0, len(tokens) - spec.swa_window), spec, spec.swa_layers, b"swa")
+    else:
+        parts += _recurrent(hs, spec)
+    return b"".join(parts)
 
 
 def synthetic_bytes(tokens: Sequence[int], spec: Spec = Spec()) -> bytes:

@@ -9,6 +9,8 @@ Models (cached as ``$CACHE/models/<name>.gguf``):
 
 - ``llama``  plain attention, 8 layers x 512 dims, 8 KV heads of 64: K+V at f16 is
   2 * 8 * 512 * 2 = 16 KiB per token.
+- ``llama12`` plain attention, 12 layers x 512 dims, 4 KV heads of 64: 12,288 B per token in
+  512-byte rows (24 insertion points per turn).
 - ``qwen35`` hybrid (Qwen3.5 layout: gated-delta-net recurrent layers, full attention every 4th
   layer): 8 layers x 512 dims, layers 3 and 7 attention (8 KV heads of 64 -> 4 KiB KV per token),
   6 recurrent layers whose whole state (~0.86 MiB) is rewritten every save.
@@ -147,8 +149,19 @@ def write_llama(
     if not path.exists():
         _write(path, "llama", build)
     return ModelInfo(
-        "llama", path, "llama", n_layer, n_layer, kv_bytes_per_token=2 * n_layer * n_head_kv * hd * 2, recurrent_bytes=0
+        path.stem.rsplit("-r", 1)[0],
+        path,
+        "llama",
+        n_layer,
+        n_layer,
+        kv_bytes_per_token=2 * n_layer * n_head_kv * hd * 2,
+        recurrent_bytes=0,
     )
+
+
+def write_llama12(path: Path, vocab_src: Path) -> ModelInfo:
+    """12 layers, 4 KV heads of 64: 12,288 B of K+V per token (512-byte rows, 24 insertion points)."""
+    return write_llama(path, vocab_src, n_layer=12, n_head_kv=4)
 
 
 def write_qwen35(
@@ -296,7 +309,7 @@ def write_lfm2(
     )
 
 
-WRITERS = {"llama": write_llama, "qwen35": write_qwen35, "lfm2": write_lfm2}
+WRITERS = {"llama": write_llama, "llama12": write_llama12, "qwen35": write_qwen35, "lfm2": write_lfm2}
 
 
 def ensure_model(name: str, cache: Path, src_tree: Path) -> ModelInfo:

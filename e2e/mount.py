@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,13 +16,11 @@ STATS_XATTR = "user.kvcfs.stats"
 
 
 def default_mount_cmd() -> list[str]:
-    """``kv-chunk-fs`` if installed, else ``python -m kvchunkfs.cli`` with the repo's src on the path."""
+    """``python -m kvchunkfs.cli`` with this checkout's src first on the path (an installed
+    ``kv-chunk-fs`` may belong to another checkout); ``$KVCFS_MOUNT_CMD`` overrides it."""
     env_cmd = os.environ.get("KVCFS_MOUNT_CMD")
     if env_cmd:
         return shlex.split(env_cmd)
-    exe = shutil.which("kv-chunk-fs")
-    if exe:
-        return [exe]
     return [sys.executable, "-m", "kvchunkfs.cli"]
 
 

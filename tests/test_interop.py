@@ -9,6 +9,8 @@ import sys
 import pytest
 from helpers import rand_bytes, write_in_pieces
 
+from e2e import ggsq
+
 MiB = 1 << 20
 
 
@@ -16,6 +18,8 @@ MiB = 1 << 20
 def test_casync_extracts_exported_store(kvfs, tmp_path):
     shared = rand_bytes(6 * MiB, 30)
     files = {"one": shared + rand_bytes(MiB + 17, 31), "two": shared + b"\0" * (2 * MiB) + b"end"}
+    # a state file: format-aware chunks, some far below chunk_min (headers, counts)
+    files["state"] = ggsq.synthetic_bytes(ggsq.synthetic_tokens(700), ggsq.Spec(n_layer=2, row_bytes=1024))
     for name, data in files.items():
         write_in_pieces(kvfs.path(name), data, MiB)
     dest = tmp_path / "castore"

@@ -158,7 +158,7 @@ def test_worker_exception_fails_the_save_instead_of_hanging(tmp_path: Path, monk
     files = Files(repo)
     content = files.content(repo.empty_index())
 
-    def broken_cut(data: object) -> list[memoryview]:
+    def broken_cut(*args: object, **kwargs: object) -> list[memoryview]:
         raise ValueError("a bug in the chunker (test)")
 
     monkeypatch.setattr(repo.chunker, "cut", broken_cut)

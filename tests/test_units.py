@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvchunkfs.file.files import Files
 from kvchunkfs.format import index as idx
-from kvchunkfs.format.chunker import Chunker, StreamChunker, chunk_id
+from kvchunkfs.format.chunker import Chunker, chunk_id
+from kvchunkfs.format.cutter import Cutter
 from kvchunkfs.store.packformat import BATCH_HEADER_SIZE, ENTRY_SIZE, PACK_HEADER_SIZE
 from kvchunkfs.store.repository import Repository, StoreSettings
 
@@ -56,14 +57,16 @@ def test_index_rejects_garbage(mangle):
 @given(st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8), st.integers(0, 2**32))
 def test_stream_chunking_equals_whole_buffer(pieces, seed):
     data = rand_bytes(sum(pieces), seed)
-    c = Chunker(16384, 65536, 262144)
-    whole = [bytes(p) for p in c.cut(data)]
-    s = StreamChunker(c)
-    out, pos = [], 0
+    c = Cutter(16384, 65536, 262144, "cdc")
+    whole = [bytes(p) for p in c.cut_all(data)]
+    assert whole == [bytes(p) for p in Chunker(16384, 65536, 262144).cut(data)]
+    state, tail, out, pos = c.initial(), b"", [], 0
     for n in pieces:
-        out += [bytes(p) for p in s.feed(data[pos : pos + n])]
-        pos += n
-    out.append(s.tail)
+        buf = tail + data[pos : pos + n]
+        done, state = c.cut(state, buf, final=False)
+        out += [bytes(p) for p in done]
+        tail, pos = buf[sum(len(p) for p in done) :], pos + n
+    out += [bytes(p) for p in c.cut(state, tail, final=True)[0]]
     assert out == whole
     assert all(16384 <= len(p) <= 262144 for p in whole[:-1])
 

@@ -184,6 +184,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("chunk_min", "size", 16 * KiB, "minimum chunk size", lo=64, hi=MiB),
         Setting("chunk_avg", "size", 64 * KiB, "average chunk size", lo=256, hi=4 * MiB),
         Setting("chunk_max", "size", 256 * KiB, "maximum chunk size", lo=KiB, hi=16 * MiB),
+        Setting(
+            "chunker",
+            "choice",
+            "format",
+            "how a new store cuts files: format (llama.cpp state files at their structure, else CDC) or cdc",
+            choices=("format", "cdc"),
+        ),
         Setting("pack_size", "size", 64 * MiB, "pack file size before a new pack is started", lo=1),
         Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),
         Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
@@ -220,6 +227,7 @@ class Config:
     chunk_min: int = SETTINGS["chunk_min"].default
     chunk_avg: int = SETTINGS["chunk_avg"].default
     chunk_max: int = SETTINGS["chunk_max"].default
+    chunker: str = SETTINGS["chunker"].default
     pack_size: int = SETTINGS["pack_size"].default
     readahead: int = SETTINGS["readahead"].default
     prefetch_workers: int = SETTINGS["prefetch_workers"].default

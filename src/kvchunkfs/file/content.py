@@ -5,8 +5,9 @@
 * CLEAN   – the content is the stub's index; nothing to save.
 * STREAM  – bytes arrive at the end of the file. They are queued in ``buf`` and the file's worker
             cuts them into chunks while the client is still writing; only chunks the store lacks
-            are appended to a pack. The last chunk stays tentative (``tail``) until a commit, so
-            later appends continue the chunk list exactly as chunking the whole file would.
+            are appended to a pack. Bytes whose boundary is not final yet stay tentative (``tail``,
+            cut from ``cut_state``) until a commit, so later appends continue the chunk list
+            exactly as chunking the whole file would.
 * STAGING – anything else (a write behind the end, a hole, a shrinking truncate) copies the
             content into a plain file under ``staging/``; it is chunked in one pass at commit.
 
@@ -28,9 +29,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
+from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
+from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.hashing import HASHER
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
@@ -64,6 +67,18 @@ def _extents(fd: int) -> Iterator[bytes | int]:
                 return  # truncated under us: a later commit sees the change
             yield piece
             pos += len(piece)
+
+
+def _plain_cdc(state: CutState) -> bool:
+    """From ``state`` on the cut is plain FastCDC from the tentative chunk's start (no format known)."""
+    segs = state.segments
+    return state.next is None and len(segs) == 1 and segs[0].end is None and segs[0].unit == 0
+
+
+def _zero_batches(n: int) -> Iterator[bytes]:
+    while n > 0:
+        yield bytes(min(n, BATCH))
+        n -= BATCH
 
 
 class ChunkPool:
@@ -152,7 +167,7 @@ class FileContent:
     def __init__(
         self,
         store: ChunkStore,
-        chunker: Chunker,
+        chunker: Cutter,
         index: Index,
         staging_dir: Path,
         read_chunks: ReadChunks,
@@ -192,9 +207,10 @@ class FileContent:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _reset_stream(self, index: Index, tail: bytes) -> None:
+    def _reset_stream(self, index: Index, tail: bytes, cut_state: CutState | None = None) -> None:
         self.index = index
         self.tail = tail
+        self.cut_state = cut_state or self.chunker.initial()  # the cutter at the tail's first byte
         self.inflight: list[bytes | bytearray | memoryview] | None = None
         self.buf = ByteQueue()
         self.ahead: dict[int, bytes] = {}
@@ -245,20 +261,23 @@ class FileContent:
         return any(offset < o + len(d) and o < offset + length for o, d in self.ahead.items())
 
     def start_stream(self) -> None:
-        """CLEAN -> STREAM: the last chunk becomes the tentative tail (read once, not re-chunked)."""
+        """CLEAN -> STREAM: the last chunk becomes the tentative tail (read once, not re-chunked);
+        the cutter resumes at its first byte (a format-aware cutter re-reads the file's headers)."""
         with self.cond:
             if self.mode is not Mode.CLEAN:
                 return
             base = self.index.copy()
         last_chunk = b""
+        state = None
         if len(base):
-            last = len(base) - 1
+            whole, last = base.copy(), len(base) - 1
             last_chunk = self.read_chunks(base, base.start(last), base.length(last))
             base.ends.pop()
             base.ids.pop()
+            state = self.chunker.resume(lambda off, n: self.read_chunks(whole, off, n), whole.size, base.size)
         with self.cond:
             if self.mode is Mode.CLEAN:
-                self._reset_stream(base, b"")
+                self._reset_stream(base, b"", state)
                 self.buf.append(last_chunk)
                 self.end += len(last_chunk)
                 self.mode = Mode.STREAM
@@ -491,14 +510,15 @@ class FileContent:
                 keep = self.end % PAGE if self.keep_partial_page and not self._drain else 0
                 taken = self.buf.take(keep=keep)
                 self.inflight, self.tail = taken, b""
+                state = self.cut_state
         if stop:
             self._step("exit")
             return False
         self._step("taken")
         # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
         data = memoryview(b"".join(taken))
-        pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
-        last = bytes(pieces.pop()) if pieces else b""
+        pieces, state = self.chunker.cut(state, data, final=False)  # more bytes may follow
+        last = bytes(data[sum(len(p) for p in pieces) :])  # tentative: cut again with the next batch
         chunks = list(zip(HASHER.ids(pieces), pieces, strict=True))  # on two cores
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
@@ -515,7 +535,7 @@ class FileContent:
             if epoch == self.epoch:
                 for cid, p in chunks:
                     self.index.append(cid, len(p))
-                self.tail = last
+                self.tail, self.cut_state = last, state
                 self.inflight = None
                 self.bytes_new += new
             self.cond.notify_all()
@@ -553,25 +573,44 @@ class FileContent:
                 raise self.error
             if self.mode is not Mode.STREAM:
                 gen = -1  # changed under us; the caller commits again later
-            index, tail = self.index.copy(), self.tail
-        if tail:
-            cid = chunk_id(tail)
-            self.bytes_new += self.store.put_many([(cid, tail)], self)
-            index.append(cid, len(tail))
+            index, tail, state = self.index.copy(), self.tail, self.cut_state
+        pieces, _ = self.chunker.cut(state, tail, final=True)  # the stream keeps its tentative tail
+        if pieces:
+            chunks = [(chunk_id(p), p) for p in pieces]
+            self.bytes_new += self.store.put_many(chunks, self)
+            for cid, p in chunks:
+                index.append(cid, len(p))
         return index, gen
 
     def _chunk_staging(self, fd: int) -> Index:
-        """One pass over the staged copy; holes are zeros that are neither read nor cut."""
+        """One pass over the staged copy, cut exactly as the streaming path would.
+
+        Holes (SEEK_HOLE) where the cut is plain CDC are not read, cut or hashed: inside a long run
+        of zeros every chunk is ``zero_chunk`` (``StreamChunker.feed_zeros``, equal to plain CDC).
+        Elsewhere a hole is cut as the zeros it reads as, a batch at a time.
+        """
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
-        stream = StreamChunker(self.chunker)
+        state, tail = self.chunker.initial(), b""
         for part in _extents(fd):
-            if isinstance(part, int):
-                self._store_runs(index, stream.feed_zeros(part))
-            else:
-                self._store_runs(index, [(p, 1) for p in stream.feed(part)])
-        if stream.tail:
-            self._store_runs(index, [(memoryview(stream.tail), 1)])
+            if isinstance(part, int) and _plain_cdc(state):
+                stream = StreamChunker(self.chunker.cdc, tail)
+                runs = stream.feed_zeros(part)
+                self._store_runs(index, runs)
+                state = replace(state, pos=state.pos + sum(len(p) * n for p, n in runs))
+                tail = stream.tail
+                continue
+            for data in _zero_batches(part) if isinstance(part, int) else (part,):
+                state, tail = self._cut_staged(index, state, tail, data, final=False)
+        self._cut_staged(index, state, tail, b"", final=True)
         return index
+
+    def _cut_staged(
+        self, index: Index, state: CutState, tail: bytes, data: bytes, final: bool
+    ) -> tuple[CutState, bytes]:
+        buf = memoryview(tail + data if tail else data)
+        pieces, state = self.chunker.cut(state, buf, final=final)
+        self._store_runs(index, [(p, 1) for p in pieces])
+        return state, bytes(buf[sum(len(p) for p in pieces) :])
 
     def _store_runs(self, index: Index, runs: list[tuple[memoryview, int]]) -> None:
         """Store each distinct chunk once and append it ``repeat`` times (a hole: thousands)."""

@@ -2,7 +2,8 @@
 
 Boundaries depend only on content: a chunk's end is decided by the bytes from its start, so the
 last, possibly end-of-data-forced chunk can be re-chunked together with bytes appended later and
-the result equals chunking the whole stream at once. That is what makes streaming and append work.
+the result equals chunking the whole stream at once. That is what makes streaming and append work
+(cutter.py drives it, alone or for the parts of a file that are not a known format).
 """
 
 from __future__ import annotations

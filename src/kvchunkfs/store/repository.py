@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvchunkfs.format.chunker import Chunker
+from kvchunkfs.format.cutter import Cutter
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, fsync_path
@@ -33,6 +33,7 @@ class StoreSettings:
     chunk_min: int = 16 << 10
     chunk_avg: int = 64 << 10
     chunk_max: int = 256 << 10
+    chunker: str = "format"  # for new stores: "format" (llama.cpp state files cut at their structure) or "cdc"
     pack_size: int = 64 << 20
     readahead: int = 32 << 20
     prefetch_workers: int = 8
@@ -68,18 +69,27 @@ class Repository:
         self.store = PackStore(root, settings.pack_size, durable=self.durable)
         self.chunker = self._chunker()
 
-    def _chunker(self) -> Chunker:
-        """Chunk sizes are fixed per store at creation, so later saves keep deduplicating."""
+    def _chunker(self) -> Cutter:
+        """Chunk sizes and the cutter are fixed per store at creation, so later saves keep
+        deduplicating. A store from before format-aware cutting has sizes but no cutter: plain CDC."""
         s = self.settings
         wanted = f"{s.chunk_min},{s.chunk_avg},{s.chunk_max}"
         stored = self.store.get_meta("chunk_params")
+        kind = self.store.get_meta("chunker")
+        if kind is None:
+            kind = s.chunker if stored is None else "cdc"
+            if kind != s.chunker:
+                log.info("store %s predates format-aware cutting: it keeps plain CDC", self.root)
+            self.store.set_meta("chunker", kind)
+        elif kind != s.chunker:
+            log.warning("store %s was created with chunker %s; ignoring configured %s", self.root, kind, s.chunker)
         if stored is None:
             self.store.set_meta("chunk_params", wanted)
             stored = wanted
         elif stored != wanted:
             log.warning("store %s was created with chunk sizes %s; ignoring configured %s", self.root, stored, wanted)
         cmin, cavg, cmax = (int(x) for x in stored.split(","))
-        return Chunker(cmin, cavg, cmax)
+        return Cutter(cmin, cavg, cmax, kind)
 
     def empty_index(self) -> Index:
         return Index(self.chunker.min, self.chunker.avg, self.chunker.max)

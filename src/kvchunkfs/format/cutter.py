@@ -1,0 +1,187 @@
+"""Where chunks end: plain content-defined chunking, or format-aware cutting of llama.cpp state files.
+
+The streaming writer feeds bytes in file order with the ``CutState`` at their first byte and gets
+back the chunks that are final plus the state at the first byte it must feed again (the tentative
+tail: bytes whose boundary later bytes may still move). ``final`` says the data ends the file.
+Boundaries are a function of the file's bytes only, so any split of the writes, a one-pass
+chunking of a staged copy and ``cut_all`` give the same chunks.
+
+``aware=False`` is FastCDC over the whole file (the cutter of stores created before format-aware
+cutting). ``aware=True`` walks the file with ``llama_state.step``:
+
+* every segment start is a boundary (file header, token ids, counts, cell records, each K and V
+  block with its small header, each recurrent block, an appended blob, the opaque rest);
+* inside a segment of units (rows) the boundaries are at a fixed stride, a whole number of units
+  near the average chunk size, counted from the first unit: a block that grew at its end keeps
+  every earlier chunk, and only its last, partial stride is stored again;
+* transposed V (one run of elements per dimension, every run growing): boundaries at each run start
+  and at strides inside long runs; short runs are grouped a whole number of runs per chunk;
+* opaque segments (unknown magic or version, anything that stops parsing) get FastCDC from their
+  start, so a file that is not a state file is chunked exactly as with ``aware=False``.
+
+Append mode resumes at the start of the file's last chunk: ``resume`` re-parses the headers from
+the start of the file through a reader (a few bytes per segment, plus the cell records), never the
+K/V bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvchunkfs.format import llama_state as ls
+from kvchunkfs.format.chunker import Chunker
+from kvchunkfs.format.llama_state import Segment
+
+KINDS = ("format", "cdc")
+LEAD = 64  # room for a segment's header in its first chunk, so a chunk never passes chunk_max
+
+ReadAt = Callable[[int, int], bytes]
+
+
+@dataclass(frozen=True)
+class CutState:
+    """The cutter at file offset ``pos`` (a chunk start): the segment holding ``pos`` and any known
+    after it, then the parser state where the last of them ends (None: the last one is open)."""
+
+    pos: int
+    segments: tuple[Segment, ...]
+    next: ls.State | None
+
+
+class Cutter:
+    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown chunker {kind!r}")
+        self.kind = kind
+        self.cdc = Chunker(chunk_min, chunk_avg, chunk_max)
+        self.min, self.avg, self.max = chunk_min, chunk_avg, chunk_max
+
+    @property
+    def aware(self) -> bool:
+        return self.kind == "format"
+
+    def initial(self) -> CutState:
+        if self.aware:
+            return CutState(0, (), ls.START)
+        return CutState(0, (Segment(0, None),), None)
+
+    # -- cutting ----------------------------------------------------------------------------
+
+    def cut(self, state: CutState, data: bytes | memoryview, final: bool) -> tuple[list[memoryview], CutState]:
+        """Chunks of ``data`` (which starts at ``state.pos``) whose end is decided, and the state at
+        the first byte not in them. With ``final`` every byte is in a chunk."""
+        view = memoryview(data)
+        base, top = state.pos, state.pos + len(view)
+        out: list[memoryview] = []
+        pos, segs, nxt = base, list(state.segments), state.next
+        while pos < top or (not segs and nxt is not None and final):
+            if not segs:
+                assert nxt is not None and nxt.pos == pos
+                plan = ls.step(nxt, view[pos - base :], final)
+                if isinstance(plan, ls.Need):
+                    if not final:
+                        break
+                    plan = ls.opaque(pos)  # never happens (steps do not ask at the end); never lose bytes
+                segs, nxt = list(plan.segments), plan.next
+                continue
+            seg = segs[0]
+            pos, done = self._cut_segment(seg, view, base, pos, final, out)
+            if done:
+                segs.pop(0)
+            elif pos < top or not final:
+                break
+        return out, CutState(pos, tuple(segs), nxt)
+
+    def _cut_segment(
+        self, seg: Segment, view: memoryview, base: int, pos: int, final: bool, out: list[memoryview]
+    ) -> tuple[int, bool]:
+        """Cut ``seg`` from ``pos`` as far as the data allows; (new pos, segment finished)."""
+        top = base + len(view)
+        end = top if seg.end is None else min(seg.end, top)
+        complete = seg.end is not None and seg.end <= top
+        if seg.unit == 0:
+            pieces = self.cdc.cut(view[pos - base : end - base]) if end > pos else []
+            if pieces and not (complete or final):
+                pieces.pop()  # its end may still move
+            for p in pieces:
+                out.append(p)
+                pos += len(p)
+            return pos, complete
+        stride, period, shift = self._grid(seg)
+        while True:
+            c = _next_cut(seg, pos, stride, period, shift)
+            if c > end:
+                break
+            out.append(view[pos - base : c - base])
+            pos = c
+            if c == seg.end:
+                return pos, True
+        if final and pos < end:  # cut off by the end of the file
+            out.append(view[pos - base : end - base])
+            pos = end
+        return pos, False
+
+    def _grid(self, seg: Segment) -> tuple[int, int, int]:
+        """(stride, period, shift): a whole number of units near the average, and where the grid
+        starts past ``origin`` so that it is counted from token position 0."""
+        stride = self._stride(seg.unit)
+        if seg.period and seg.period < stride:
+            return self._stride(seg.period), 0, 0  # short runs: a whole number of runs per chunk
+        units = stride // seg.unit if stride % seg.unit == 0 else 0
+        shift = (-seg.phase) % units * seg.unit if units else 0
+        return stride, seg.period, shift
+
+    def _stride(self, unit: int) -> int:
+        cap = self.max - LEAD
+        if unit > cap:
+            return self.avg  # rows larger than a chunk: plain byte stride, still from the first row
+        k = max(1, round(self.avg / unit))
+        while k > 1 and k * unit > cap:
+            k -= 1
+        return k * unit
+
+    def cut_all(self, data: bytes | memoryview) -> list[memoryview]:
+        """The chunks of a whole file."""
+        return self.cut(self.initial(), data, final=True)[0]
+
+    # -- append -----------------------------------------------------------------------------
+
+    def resume(self, read: ReadAt, size: int, pos: int) -> CutState:
+        """The state at ``pos`` (a chunk start) of a closed file of ``size`` bytes, re-parsed from
+        its headers through ``read(offset, n)``. The file's end counts as the end of the data, as it
+        did when the file was cut, so the chunks before ``pos`` are the ones it has."""
+        if not self.aware:
+            return CutState(pos, (Segment(pos, None),), None)
+        nxt: ls.State | None = ls.START
+        while nxt is not None:
+            plan = _plan_at(nxt, read, size)
+            for i, seg in enumerate(plan.segments):
+                if seg.end is None or pos < seg.end:
+                    return CutState(pos, plan.segments[i:], plan.next)
+            nxt = plan.next
+        raise AssertionError("unreachable: the last segment is open")
+
+
+def _plan_at(state: ls.State, read: ReadAt, size: int) -> ls.Plan:
+    n = 64
+    while True:
+        view = memoryview(read(state.pos, min(n, size - state.pos)))
+        plan = ls.step(state, view, state.pos + len(view) >= size)
+        if isinstance(plan, ls.Plan):
+            return plan
+        n = max(plan.n, 2 * n)
+
+
+def _next_cut(seg: Segment, pos: int, stride: int, period: int, shift: int) -> int:
+    """The first boundary of ``seg`` after ``pos`` (its end at the latest): ``origin + shift`` plus
+    multiples of ``stride``, restarting at every run start when ``period``; never at ``origin``
+    itself (a header leads the first chunk)."""
+    rel = pos - seg.origin
+    run, inside = divmod(rel, period) if period and rel >= 0 else (0, rel)
+    first = shift or stride
+    off = first if inside < first else shift + ((inside - shift) // stride + 1) * stride
+    if period and off >= period:
+        off = period  # the next run's start
+    c = seg.origin + run * period + off
+    return c if seg.end is None else min(c, seg.end)

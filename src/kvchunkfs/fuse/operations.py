@@ -506,6 +506,7 @@ class Operations(pyfuse3.Operations):
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
             await self._thread(stubs.note_use, self.repo.path(node.path))
+            self.repo.touched(node.path)  # the catalog re-reads use_count/last_use
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
@@ -517,6 +518,7 @@ class Operations(pyfuse3.Operations):
             stubs.create_empty(self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = self._new_handle(node, flags)
@@ -633,6 +635,11 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes ----------------------------------------------------------------
 
+    def _touched(self, inode: int) -> None:
+        path = self._node(inode).path
+        if path is not None:
+            self.repo.touched(path)
+
     def _xattr_path(self, inode: int) -> str:
         node = self._node(inode)
         if node.path is None:
@@ -660,6 +667,7 @@ class Operations(pyfuse3.Operations):
             os.setxattr(self._xattr_path(inode), sname, value, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self._touched(inode)
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         try:
@@ -676,6 +684,7 @@ class Operations(pyfuse3.Operations):
             os.removexattr(self._xattr_path(inode), sname, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self._touched(inode)
 
     # -- introspection ----------------------------------------------------------------------
 

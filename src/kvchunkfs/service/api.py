@@ -51,6 +51,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, logbuffer, prefixtree
 from kvchunkfs.service.apiclient import daemon_listening, short_path, socket_path
+from kvchunkfs.service.live import LiveCatalog, direct_reader
 from kvchunkfs.service.metrics import CONTENT_TYPE, Metrics
 from kvchunkfs.service.openapi import spec
 from kvchunkfs.store.repository import Repository
@@ -103,6 +104,10 @@ class Service:
 
     def __post_init__(self) -> None:
         self.formula = compile_formula(self.config.score)  # already validated by config.load
+        repo = self.files.repo
+        self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
+        repo.watchers.append(self.live.changed)
+        self.live.start()
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
 
@@ -116,12 +121,34 @@ class Service:
         return dict(source()) if source is not None else {}
 
     def snapshots(self) -> list[catalog.Snapshot]:
-        return catalog.snapshots(self.repo.snapshots, self.formula)
+        return self.live.rows(self.formula)
+
+    def snapshot(self, rel: str) -> catalog.Snapshot | None:
+        rows = self.live.rows(self.formula, [rel])
+        return rows[0] if rows else None
+
+    def listing(self, params: Mapping[str, str]) -> dict[str, Any]:
+        """Rows for ``GET /snapshots``: a page in path order straight from the catalog, else every row
+        filtered and sorted; ``next`` is the ``after`` of the next page when this one is full."""
+        page = catalog.page_params(params)
+        if page is not None:
+            after, limit, prefix, descending = page
+            rows, _ = self.live.page(self.formula, after, limit, prefix, descending)
+        else:
+            rows = catalog.select(self.snapshots(), params)
+        out: dict[str, Any] = {"count": len(rows), "snapshots": [r.to_dict() for r in rows]}
+        if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
+            out["next"] = rows[-1].path
+        return out
 
     def totals(self) -> dict[str, Any]:
-        infos = catalog.scan(self.repo.snapshots)
-        packs = [self.repo.store.pack_path(p) for p in self.repo.store.pack_ids()]
-        out = catalog.totals(infos, self.repo.store.stats(), packs).to_dict()
+        n, logical, referenced, broken = self.live.totals()
+        store = self.repo.store
+        chunks, stored = store.stats()
+        packs = [store.pack_path(p) for p in store.pack_ids()]
+        out = catalog.totals([], (chunks, stored), packs).to_dict()
+        out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
+        out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         last = getattr(self.collector, "last", None)
         out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
@@ -146,7 +173,7 @@ class Service:
         collector.observers.append(observe)
 
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
-        return catalog.token_tree(self.repo.snapshots, self.files.fetcher.read, prefix)
+        return self.live.token_tree(prefix)
 
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
@@ -238,21 +265,18 @@ def create_app(service: Service) -> Starlette:
 
     async def list_snapshots(request: Request) -> Response:
         params = _params(request)
-        rows = await run_in_threadpool(service.snapshots)
         try:
-            rows = catalog.select(rows, params)
+            return JSONResponse(await run_in_threadpool(service.listing, params))
         except catalog.QueryError as e:
             raise HTTPException(400, str(e)) from None
-        return JSONResponse({"count": len(rows), "snapshots": [r.to_dict() for r in rows]})
 
     async def get_snapshot(request: Request) -> Response:
         _params(request, frozenset())
         rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
-        rows = await run_in_threadpool(service.snapshots)
-        for row in rows:
-            if row.path == rel:
-                return JSONResponse(row.to_dict())
-        raise HTTPException(404, f"no snapshot {rel!r}")
+        row = await run_in_threadpool(service.snapshot, rel)
+        if row is None:
+            raise HTTPException(404, f"no snapshot {rel!r}")
+        return JSONResponse(row.to_dict())
 
     async def delete_snapshot(request: Request) -> Response:
         _params(request, frozenset())

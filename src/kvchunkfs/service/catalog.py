@@ -303,7 +303,8 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     """Filter, sort and limit rows by query parameters; QueryError for anything unknown or malformed.
 
     ``sort=FIELD`` (``-FIELD`` or ``order=desc`` for descending), ``prefix=PATH``, ``label.KEY=VALUE``,
-    ``has_label=KEY``, ``min_FIELD=N`` / ``max_FIELD=N`` for numeric fields, ``limit=N``.
+    ``has_label=KEY``, ``min_FIELD=N`` / ``max_FIELD=N`` for numeric fields, ``limit=N``, and
+    ``after=PATH`` (sort by path only): the rows past that path, for paging through a big store.
     """
     out = list(rows)
     for name, value in params.items():
@@ -315,17 +316,40 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     if order not in ("asc", "desc"):
         raise QueryError(f"order={order!r}: use asc or desc")
     out.sort(key=_sort_key_fn(sort), reverse=order == "desc")
+    if "after" in params:
+        if sort != "path":
+            raise QueryError("after= pages through the listing sorted by path only")
+        after = params["after"]
+        out = [r for r in out if (r.path < after if order == "desc" else r.path > after)]
     if "limit" in params:
-        limit = params["limit"]
-        # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
-        if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
-            raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
-        out = out[: int(limit)]
+        out = out[: parse_limit(params["limit"])]
     return out
 
 
+def parse_limit(limit: str) -> int:
+    # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+    if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
+        raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
+    return int(limit)
+
+
+def page_params(params: Mapping[str, str]) -> tuple[str, int, str, bool] | None:
+    """(after, limit, prefix, descending) when ``params`` ask only for a page in path order (which
+    the daemon answers without building every row), else None."""
+    if not set(params) <= {"after", "limit", "prefix", "sort", "order"}:
+        return None
+    sort = params.get("sort", "path")
+    if sort.lstrip("-") != "path":
+        return None
+    order = params.get("order", "desc" if sort.startswith("-") else "asc").lower()
+    if order not in ("asc", "desc"):
+        return None  # select() says what is wrong
+    limit = parse_limit(params["limit"]) if "limit" in params else 1 << 62
+    return params.get("after", ""), limit, params.get("prefix", "").lstrip("/"), order == "desc"
+
+
 def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]:
-    if name in ("sort", "order", "limit"):
+    if name in ("sort", "order", "limit", "after"):
         return rows
     if name == "prefix":
         return [r for r in rows if r.path.startswith(value.lstrip("/"))]
@@ -341,7 +365,7 @@ def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]
             return [r for r in rows if r.number(field_name) >= limit]
         return [r for r in rows if r.number(field_name) <= limit]
     raise QueryError(
-        f"unknown query parameter {name!r} (known: sort, order, limit, prefix, label.<key>, has_label, "
+        f"unknown query parameter {name!r} (known: sort, order, limit, after, prefix, label.<key>, has_label, "
         "min_<field>, max_<field>)"
     )
 

@@ -107,7 +107,7 @@ class Service:
         repo = self.files.repo
         self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
         repo.watchers.append(self.live.changed)
-        self.live.start()
+        self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
 

@@ -90,15 +90,17 @@ class LiveCatalog:
 
     # -- loading and refreshing ----------------------------------------------------------------
 
-    def start(self) -> threading.Thread:
-        """Read every stub in a background thread; requests wait for it (``wait``)."""
-        thread = threading.Thread(target=self.load, name="kvcfs-catalog", daemon=True)
+    def start(self, first: Callable[[], object] | None = None) -> threading.Thread:
+        """Read every stub in a background thread (after ``first``); requests wait for it (``wait``)."""
+        thread = threading.Thread(target=self.load, args=(first,), name="kvcfs-catalog", daemon=True)
         thread.start()
         return thread
 
-    def load(self) -> None:
+    def load(self, first: Callable[[], object] | None = None) -> None:
         start = time.monotonic()
         try:
+            if first is not None:
+                first()
             with self._lock:
                 self._refresh_dir("")
         except Exception:  # noqa: BLE001 - a listing then loads what it can on its own

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -42,12 +43,26 @@ def tune_process() -> None:
     answer while a chunker thread is busy.
     """
     sys.setswitchinterval(0.001)
+    raise_fd_limit()
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
     except OSError:
         pass  # not glibc
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open fds to the hard one: pack fds are an LRU, but every open
+    snapshot, client connection and worker holds fds too. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open file limit from %d to %d: %s", soft, hard, e)
+    return soft
 
 
 def mount_options(allow_other: bool) -> set[str]:

@@ -63,6 +63,7 @@ class RecoveryReport:
     chunks_rescued: int = 0  # chunks snapshots name that the map had lost, found in a pack's records
     legacy_unknown: int = 0  # packs without records the map does not know: kept untouched
     map_moved_aside: str = ""  # where an unreadable chunks.db went
+    clean: bool = False  # the last daemon unmounted cleanly: the snapshots were not checked again
     snapshots: int = 0
     unreadable: list[str] = field(default_factory=list)  # stubs that are not a valid index
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
@@ -74,8 +75,9 @@ class RecoveryReport:
         return asdict(self)
 
     def summary(self) -> str:
+        clean = " after a clean unmount" if self.clean else ""
         return (
-            f"recovery: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
+            f"recovery{clean}: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
             f"{self.packs_truncated} pack tails cut ({self.tail_bytes_cut} bytes), {self.packs_removed} unused packs "
             f"removed, {self.rows_dropped} map rows dropped, {self.packs_scanned} packs scanned "
             f"({self.chunks_added} chunks added to the map, {self.chunks_rescued} rescued), "
@@ -132,12 +134,23 @@ def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     """Undo what a crash left behind; call with the store lock held, before serving."""
     start = time.monotonic()
     report = RecoveryReport(map_moved_aside=moved_aside)
+    # Taken (cleared, durably) before anything else: a crash from here on is not a clean unmount.
+    report.clean = repo.store.take_clean_mark() and not moved_aside
     report.temp_files_removed = clean_temp_dirs(repo)
     repair_packs(repo.store, report)
-    check_snapshots(repo, report)
+    if report.clean and _packs_changed(report):
+        report.clean = False  # the packs were damaged or changed while unmounted: check after all
+    if not report.clean:  # after a clean unmount every stub names chunks the map has: no walk
+        check_snapshots(repo, report)
     report.duration_s = time.monotonic() - start
     log.info("%s", report.summary())
     return report
+
+
+def _packs_changed(report: RecoveryReport) -> bool:
+    r = report
+    return bool(r.rows_dropped or r.packs_truncated or r.packs_removed or r.packs_scanned or r.chunks_added
+                or r.legacy_unknown)  # fmt: skip
 
 
 def clean_temp_dirs(repo: Repository) -> int:
@@ -179,7 +192,7 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
 
 def _rows_outside(store: PackStore, sizes: dict[int, int]) -> dict[int, list[bytes]]:
     """pack -> ids of rows that point into it although it is missing or too short."""
-    out = {pack: store.rows_outside(pack, -1) for pack in set(store.pack_usage()) - set(sizes)}
+    out = {pack: store.rows_outside(pack, -1) for pack in set(store.mapped_packs()) - set(sizes)}
     for pack, size in sizes.items():
         past = store.rows_outside(pack, size)
         if past:

@@ -55,6 +55,7 @@ CREATE INDEX IF NOT EXISTS chunks_by_pack_len ON chunks (pack, offset, length);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS packs (pack INTEGER PRIMARY KEY, end INTEGER NOT NULL);
 """
+_CLEAN = "clean_unmount"
 # A pack's committed end only grows (a commit of an older batch must not move it back).
 _UPSERT_END = (
     "INSERT INTO packs (pack, end) VALUES (?, ?) ON CONFLICT (pack) DO UPDATE SET end = max(end, excluded.end)"
@@ -250,6 +251,27 @@ class PackStore:
         q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
         with self._db_lock:
             return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
+
+    def mapped_packs(self) -> list[int]:
+        """Packs some row points into: one index seek per pack, not a walk of every row."""
+        out: list[int] = []
+        q = "SELECT pack FROM chunks WHERE pack > ? ORDER BY pack LIMIT 1"
+        with self._db_lock:
+            while (row := self.db.execute(q, (out[-1] if out else -(1 << 62),)).fetchone()) is not None:
+                out.append(row[0])
+        return out
+
+    def set_clean_mark(self) -> None:
+        """At a clean unmount (every save finished, nothing in flight): the next mount may skip
+        checking every snapshot against the map. Durable, like its removal."""
+        self._commit([("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(_CLEAN, "1")])], durable=True)
+
+    def take_clean_mark(self) -> bool:
+        """Whether the last daemon unmounted cleanly; removes the mark (durably) before serving."""
+        clean = self.get_meta(_CLEAN) == "1"
+        if clean:
+            self._commit([("DELETE FROM meta WHERE key = ?", [(_CLEAN,)])], durable=True)
+        return clean
 
     def pack_ends(self) -> dict[int, int]:
         """pack -> committed end: the map knows every batch before it (table ``packs``)."""

@@ -40,7 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSONResponse
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -74,7 +74,10 @@ class JSONResponse(_StarletteJSONResponse):
     bytes in ``path_b64`` (``catalog.path_fields``)."""
 
     def render(self, content: Any) -> bytes:
-        return super().render(_displayable(content))
+        try:  # almost always: no name with bytes that are not UTF-8, and no walk of a big answer
+            return super().render(content)
+        except UnicodeEncodeError:
+            return super().render(_displayable(content))
 
 
 def _displayable(value: Any) -> Any:
@@ -107,6 +110,8 @@ class Service:
         repo = self.files.repo
         self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
         repo.watchers.append(self.live.changed)
+        self._tree_lock = threading.Lock()
+        self._tree_cache: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
@@ -174,6 +179,30 @@ class Service:
 
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
         return self.live.token_tree(prefix)
+
+    def prefix_tree_body(self, prefix: str, fmt: str) -> bytes:
+        """The rendered tree, kept until the catalog changes: scrapes of an idle store cost nothing."""
+        gen = self.live.current_generation()
+        key = (prefix, fmt)
+        with self._tree_lock:
+            cached = self._tree_cache.get(key)
+            if cached is not None and cached[0] == gen:
+                return cached[1]
+            root, skipped = self.prefix_tree(prefix)
+            if fmt == "text":
+                body = prefixtree.render_text(root, skipped).encode()
+            else:
+                body = JSONResponse(
+                    {
+                        "snapshots": len(root.snapshots),
+                        "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
+                        "tree": prefixtree.to_json(root),
+                    }
+                ).body
+            if len(self._tree_cache) >= 8:
+                self._tree_cache.clear()
+            self._tree_cache[key] = (gen, body)
+            return body
 
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
@@ -323,16 +352,10 @@ def create_app(service: Service) -> Starlette:
         fmt = params.get("format", "json")
         if fmt not in ("json", "text"):
             raise HTTPException(400, f"format={fmt!r}: use json or text")
-        root, skipped = await run_in_threadpool(service.prefix_tree, params.get("prefix", ""))
+        body = await run_in_threadpool(service.prefix_tree_body, params.get("prefix", ""), fmt)
         if fmt == "text":
-            return PlainTextResponse(prefixtree.render_text(root, skipped))
-        return JSONResponse(
-            {
-                "snapshots": len(root.snapshots),
-                "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
-                "tree": prefixtree.to_json(root),
-            }
-        )
+            return Response(body, media_type="text/plain; charset=utf-8")
+        return Response(body, media_type="application/json")
 
     async def get_openapi(request: Request) -> Response:
         return JSONResponse(spec())

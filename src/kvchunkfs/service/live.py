@@ -80,6 +80,7 @@ class LiveCatalog:
         self.logical_bytes = 0
         self.referenced_bytes = 0
         self.load_seconds = 0.0
+        self.generation = 0  # bumped by every row added or dropped
 
     # -- events (any thread, cheap) ----------------------------------------------------------
 
@@ -214,6 +215,7 @@ class LiveCatalog:
         self.logical_bytes += info.size
         self._count_dirs(info.path, 1)
         self._sorted = None
+        self.generation += 1
 
     def _drop(self, rel: str) -> None:
         entry = self.entries.pop(rel, None)
@@ -234,12 +236,19 @@ class LiveCatalog:
         self.logical_bytes -= entry.info.size
         self._count_dirs(rel, -1)
         self._sorted = None
+        self.generation += 1
 
     # -- queries (each takes the catalog lock and applies pending changes first) ------------------
 
     def _current(self) -> None:
         self._ready.wait()
         self.refresh()
+
+    def current_generation(self) -> int:
+        """The generation after applying pending changes (equal generations: the same rows)."""
+        with self._lock:
+            self._current()
+            return self.generation
 
     def sorted_paths(self) -> list[str]:
         if self._sorted is None:
@@ -268,7 +277,7 @@ class LiveCatalog:
                 chosen = paths[max(lo, end - limit) : end][::-1]
             else:
                 begin = bisect.bisect_right(paths, after, lo, hi) if after else lo
-                chosen = paths[begin : begin + limit]
+                chosen = paths[begin : min(hi, begin + limit)]
             now = time.time()
             return [self._row(self.entries[p], formula, now) for p in chosen], hi - lo
 

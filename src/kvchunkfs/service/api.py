@@ -140,10 +140,10 @@ class Service:
             after, limit, prefix, descending = page
             rows, _ = self.live.page(self.formula, after, limit, prefix, descending)
         else:
-            rows = catalog.select(self.snapshots(), params)
-        out: dict[str, Any] = {"count": len(rows), "snapshots": [r.to_dict() for r in rows]}
+            rows = [r.to_dict() for r in catalog.select(self.snapshots(), params)]
+        out: dict[str, Any] = {"count": len(rows), "snapshots": rows}
         if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
-            out["next"] = rows[-1].path
+            out["next"] = rows[-1]["path"]  # display form: names that are not UTF-8 page by path_b64
         return out
 
     def totals(self) -> dict[str, Any]:

@@ -163,6 +163,11 @@ def _int_attr(attrs: Mapping[str, bytes], name: str) -> int:
 
 def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
     """Read one stub; an unreadable index gives a row with ``error`` set instead of an exception."""
+    return read_stub_index(snapshots_dir, rel)[0]
+
+
+def read_stub_index(snapshots_dir: Path, rel: str) -> tuple[StubInfo, Index | None]:
+    """``read_stub`` and the index it read (None for a row with ``error``)."""
     path = snapshots_dir / rel
     st = os.lstat(path)
     attrs = stubs.user_xattrs(path)
@@ -188,13 +193,13 @@ def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
         raise  # deleted meanwhile: no row at all
     except OSError as e:  # StubError is an OSError
         info.error = str(e)
-        return info
+        return info, None
     info.size, info.chunks = index.size, len(index)
     start = 0
     for end, cid in zip(index.ends, index.ids, strict=True):
         info.lengths[cid] = end - start
         start = end
-    return info
+    return info, index
 
 
 def scan(snapshots_dir: Path) -> list[StubInfo]:
@@ -439,7 +444,7 @@ def store_totals(root: Path) -> StoreTotals:
 ReadChunks = Callable[[Index, int, int], bytes]
 
 
-class _ChunkReader:
+class ChunkReader:
     """A snapshot's content as a file, read through its chunks: ``read_tokens`` reads just the header.
 
     Reading the chunks directly (not the file on the mount) keeps a listing from counting as a restore.
@@ -467,7 +472,7 @@ def snapshot_tokens(
     for rel in paths:
         try:
             index = stubs.read_index(snapshots_dir / rel)
-            tokens[rel] = prefixtree.read_tokens(_ChunkReader(index, read_chunks))  # type: ignore[arg-type]
+            tokens[rel] = prefixtree.read_tokens(ChunkReader(index, read_chunks))  # type: ignore[arg-type]
         except FileNotFoundError:
             continue  # deleted meanwhile
         except (OSError, ValueError, LookupError) as e:  # bad stub, not a ggsq file, missing/corrupt chunk

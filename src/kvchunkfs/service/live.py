@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import array
 import bisect
+import contextlib
 import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,8 @@ _COUNT_BITS = 32
 _SID_BITS = 32
 _MASK = (1 << 32) - 1
 ReadChunks = Callable[[Index, int, int], bytes]
+# catalog.formula_fields, taken from a row dict (last_use: 0 for never used)
+_FORMULA_ROW = ("size", "unique_bytes", "shared_bytes", "chunks", "use_count", "age_hours", "idle_hours", "created")
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Entry:
     unique: int = 0
     tokens: array.array | None = None
     token_error: str | None = None
+    static: dict | None = None  # the row's fields that change only with the stub (built on first use)
 
     def cids(self) -> Iterable[tuple[bytes, int]]:
         ids = self.ids
@@ -171,24 +175,26 @@ class LiveCatalog:
             self._dirs[d] = self._dirs.get(d, 0) + step
 
     def _read(self, rel: str) -> None:
+        index = None
         try:
-            info = catalog.read_stub(self.snapshots_dir, rel)
+            info, index = catalog.read_stub_index(self.snapshots_dir, rel)
         except FileNotFoundError:
             self._drop(rel)
             return
         except OSError as e:
             info = catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e))
-        tokens, why = self._tokens(rel) if info.error is None else (None, info.error)
+        tokens, why = self._tokens(index) if index is not None else (None, info.error)
         self._drop(rel)
         self._add(info, tokens, why)
 
-    def _tokens(self, rel: str) -> tuple[array.array | None, str | None]:
+    def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
+        """The token prefix, read once per change of the stub (later trees need no pack reads)."""
         if self.read_chunks is None:
             return None, "no chunk reader"
-        found, skipped = catalog.snapshot_tokens(self.snapshots_dir, self.read_chunks, [rel])
-        if rel in found:
-            return array.array("i", found[rel]), None
-        return None, skipped.get(rel, "deleted meanwhile")
+        try:
+            return array.array("i", prefixtree.read_tokens(catalog.ChunkReader(index, self.read_chunks))), None  # type: ignore[arg-type]
+        except (OSError, ValueError, LookupError) as e:  # not a ggsq file, a missing or corrupt chunk
+            return None, str(e) or type(e).__name__
 
     # -- reference counts --------------------------------------------------------------------
 
@@ -240,14 +246,18 @@ class LiveCatalog:
 
     # -- queries (each takes the catalog lock and applies pending changes first) ------------------
 
-    def _current(self) -> None:
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The catalog, loaded and with every reported change applied. Waits for the load *before*
+        taking the lock: the loading thread holds it until it is done."""
         self._ready.wait()
-        self.refresh()
+        with self._lock:
+            self.refresh()
+            yield
 
     def current_generation(self) -> int:
         """The generation after applying pending changes (equal generations: the same rows)."""
-        with self._lock:
-            self._current()
+        with self._reading():
             return self.generation
 
     def sorted_paths(self) -> list[str]:
@@ -258,17 +268,16 @@ class LiveCatalog:
     def rows(self, formula: Formula | None, paths: Iterable[str] | None = None, now: float | None = None
              ) -> list[catalog.Snapshot]:  # fmt: skip
         """Listing rows of ``paths`` (default: all, in path order)."""
-        with self._lock:
-            self._current()
+        with self._reading():
             now = time.time() if now is None else now
             chosen = self.sorted_paths() if paths is None else paths
             return [self._row(self.entries[p], formula, now) for p in chosen if p in self.entries]
 
     def page(self, formula: Formula | None, after: str, limit: int, prefix: str = "", descending: bool = False
-             ) -> tuple[list[catalog.Snapshot], int]:  # fmt: skip
-        """(up to ``limit`` rows after ``after`` in path order under ``prefix``, rows under ``prefix``)."""
-        with self._lock:
-            self._current()
+             ) -> tuple[list[dict], int]:  # fmt: skip
+        """(up to ``limit`` rows (``Snapshot.to_dict`` form) after ``after`` in path order under ``prefix``,
+        rows under ``prefix``)."""
+        with self._reading():
             paths = self.sorted_paths()
             lo = bisect.bisect_left(paths, prefix) if prefix else 0
             hi = bisect.bisect_left(paths, prefix + "\U0010ffff") if prefix else len(paths)
@@ -279,7 +288,23 @@ class LiveCatalog:
                 begin = bisect.bisect_right(paths, after, lo, hi) if after else lo
                 chosen = paths[begin : min(hi, begin + limit)]
             now = time.time()
-            return [self._row(self.entries[p], formula, now) for p in chosen], hi - lo
+            return [self._row_dict(self.entries[p], formula, now) for p in chosen], hi - lo
+
+    def _row_dict(self, entry: Entry, formula: Formula | None, now: float) -> dict:
+        """``_row(...).to_dict()`` without building the row: the stub's own fields are kept per entry."""
+        if entry.static is None:
+            entry.static = self._row(entry, None, now).to_dict()
+        info = entry.info
+        out = dict(entry.static)
+        out["unique_bytes"] = entry.unique
+        out["shared_bytes"] = entry.distinct_bytes - entry.unique
+        out["age_hours"] = max(0.0, (now - info.created) / catalog.HOUR)
+        out["idle_hours"] = max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR)
+        if formula is not None:
+            fields = {name: out[name] for name in _FORMULA_ROW}
+            fields["last_use"] = info.last_use or 0.0
+            out["score"] = catalog.json_float(formula.evaluate(fields))
+        return out
 
     def _row(self, entry: Entry, formula: Formula | None, now: float) -> catalog.Snapshot:
         info = entry.info
@@ -304,16 +329,14 @@ class LiveCatalog:
 
     def totals(self) -> tuple[int, int, int, int]:
         """(snapshots, logical bytes, referenced bytes, broken snapshots)."""
-        with self._lock:
-            self._current()
+        with self._reading():
             broken = sum(1 for e in self.entries.values() if e.info.error is not None)
             return len(self.entries), self.logical_bytes, self.referenced_bytes, broken
 
     def tokens(self, prefix: str = "") -> tuple[dict[str, list[int]], dict[str, str]]:
         """(path -> tokens, path -> why it has none) of the snapshots under ``prefix``."""
         prefix = prefix.lstrip("/")
-        with self._lock:
-            self._current()
+        with self._reading():
             chosen = [e for p, e in self.entries.items() if p.startswith(prefix)]
             found = {e.info.path: e.tokens.tolist() for e in chosen if e.tokens is not None}
             skipped = {e.info.path: e.token_error or "" for e in chosen if e.tokens is None}
@@ -327,8 +350,7 @@ class LiveCatalog:
 
     def recount(self) -> dict[str, tuple[int, int]]:
         """path -> (unique, shared) recounted from scratch, for checks (``verify``)."""
-        with self._lock:
-            self._current()
+        with self._reading():
             counts: dict[bytes, int] = {}
             for entry in self.entries.values():
                 for cid, _ in entry.cids():

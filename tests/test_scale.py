@@ -13,6 +13,7 @@ import random
 import resource
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -217,24 +218,37 @@ def test_metrics_scrape_does_not_wait_for_the_map_lock(service: Service) -> None
         assert done.wait(30)
 
 
-def test_clean_unmount_mark_skips_the_snapshot_walk(tmp_path: Path) -> None:
+def _reopen(root: Path, clean_at: float | None, checked_at: float | None) -> Repository:
+    """The store as a daemon left it: unmounted cleanly at ``clean_at`` (None: killed), its stubs
+    last checked at ``checked_at``. (ctime cannot be set back: the times are moved instead.)"""
+    repo = Repository(root, SETTINGS)
+    meta = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
+    repo.store._commit([("DELETE FROM meta WHERE key IN ('clean_unmount', 'snapshots_checked_at')", [()])])
+    rows = [(k, repr(t)) for k, t in (("clean_unmount", clean_at), ("snapshots_checked_at", checked_at)) if t]
+    repo.store._commit([(meta, rows)])
+    repo.close()
+    return Repository(root, SETTINGS)
+
+
+def test_recovery_checks_only_stubs_changed_since_the_last_check(tmp_path: Path) -> None:
     root = tmp_path / "store"
     repo = Repository(root, SETTINGS)
     _save(repo, "a", ["x"])
     repo.store.set_clean_mark()
     repo.close()
+    later = time.time() + 3600
     repo = Repository(root, SETTINGS)
     report = recover(repo)
-    assert report.clean and report.snapshots == 0
+    assert report.clean and report.snapshots == 1  # changed within the clock slack: checked
     repo.close()
-    repo = Repository(root, SETTINGS)  # the mark was taken: as after kill -9
-    report = recover(repo)
-    assert not report.clean and report.snapshots == 1
-    repo.store.set_clean_mark()
-    repo.close()
-    for pack in (root / "packs").iterdir():  # damage while unmounted
+    for clean_at, checked_at, expected in ((later, None, 0), (None, later, 0), (None, None, 1)):
+        repo = _reopen(root, clean_at, checked_at)
+        report = recover(repo)
+        assert (report.clean, report.snapshots) == (clean_at is not None, expected)
+        repo.close()
+    for pack in (root / "packs").iterdir():  # damage while unmounted: every stub is checked
         pack.unlink()
-    repo = Repository(root, SETTINGS)
+    repo = _reopen(root, later, later)
     report = recover(repo)
     assert not report.clean and report.missing == {"a": 1}
     repo.close()

@@ -25,6 +25,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -262,16 +263,21 @@ class PackStore:
         return out
 
     def set_clean_mark(self) -> None:
-        """At a clean unmount (every save finished, nothing in flight): the next mount may skip
-        checking every snapshot against the map. Durable, like its removal."""
-        self._commit([("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(_CLEAN, "1")])], durable=True)
+        """At a clean unmount (every save finished, nothing in flight): the time, so the next mount
+        checks only the stubs changed since. Durable, like its removal."""
+        row = (_CLEAN, repr(time.time()))
+        self._commit([("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [row])], durable=True)
 
-    def take_clean_mark(self) -> bool:
-        """Whether the last daemon unmounted cleanly; removes the mark (durably) before serving."""
-        clean = self.get_meta(_CLEAN) == "1"
-        if clean:
-            self._commit([("DELETE FROM meta WHERE key = ?", [(_CLEAN,)])], durable=True)
-        return clean
+    def take_clean_mark(self) -> float | None:
+        """When the last daemon unmounted cleanly (None: it did not); removes the mark (durably)."""
+        value = self.get_meta(_CLEAN)
+        if value is None:
+            return None
+        self._commit([("DELETE FROM meta WHERE key = ?", [(_CLEAN,)])], durable=True)
+        try:
+            return float(value)
+        except ValueError:
+            return None
 
     def pack_ends(self) -> dict[int, int]:
         """pack -> committed end: the map knows every batch before it (table ``packs``)."""

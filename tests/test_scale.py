@@ -156,6 +156,20 @@ def test_catalog_loaded_at_start_sees_existing_snapshots(tmp_path: Path) -> None
         repo.close()
 
 
+def test_catalog_notices_stubs_changed_behind_its_back(service: Service) -> None:
+    """Files planted in or removed from snapshots/ directly (not through the mount) are noticed by
+    their directory's mtime."""
+    _save(service.repo, "d/a", ["x"])
+    service.repo.path("d/e").mkdir()
+    _assert_matches_full_scan(service)
+    (service.repo.snapshots / "junk").write_bytes(b"not an index")
+    (service.repo.snapshots / "d" / "e" / "junk2").write_bytes(b"nor this")
+    _assert_matches_full_scan(service)
+    (service.repo.snapshots / "junk").unlink()
+    os.rename(service.repo.path("d/a"), service.repo.path("d/e/a"))
+    _assert_matches_full_scan(service)
+
+
 def test_prefix_tree_follows_saves(service: Service) -> None:
     _save(service.repo, "a", ["x"], [5, 6])
     first = service.prefix_tree_body("", "json")

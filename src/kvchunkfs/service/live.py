@@ -81,6 +81,8 @@ class LiveCatalog:
         self._next_sid = 1
         self._sorted: list[str] | None = None
         self._dirs: dict[str, int] = {}
+        self._children: dict[str, set[str]] = {}  # directory -> names of its rows
+        self._dir_mtimes: dict[str, int] = {}  # directories seen -> their mtime when listed
         self.logical_bytes = 0
         self.referenced_bytes = 0
         self.load_seconds = 0.0
@@ -120,6 +122,7 @@ class LiveCatalog:
 
     def refresh(self) -> None:
         """Apply the reported changes (callers hold ``_lock``)."""
+        self._watch_dirs()
         while True:
             with self._queue_lock:
                 paths, self._queue = self._queue, []
@@ -136,6 +139,9 @@ class LiveCatalog:
         if stat.S_ISREG(mode):
             self._drop_below(rel)
             self._read(rel)
+            parent = rel.rpartition("/")[0]
+            if parent not in self._dir_mtimes:  # e.g. made by mkdir through the mount: watch it too
+                self._register_dirs(parent)
         elif stat.S_ISDIR(mode):
             self._drop(rel)
             self._refresh_dir(rel)
@@ -143,8 +149,44 @@ class LiveCatalog:
             self._drop(rel)
             self._drop_below(rel)
 
+    def _register_dirs(self, rel: str) -> None:
+        """Note the mtime of ``rel`` and every directory below it, each taken before it is listed."""
+        stack = [rel]
+        while stack:
+            d = stack.pop()
+            try:
+                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
+                with os.scandir(self.snapshots_dir / d) as it:
+                    subdirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            self._dir_mtimes[d] = mtime
+            stack += [f"{d}/{name}" if d else name for name in subdirs]
+
+    def _watch_dirs(self) -> None:
+        """Notice entries made or removed behind the daemon's back (in ``snapshots/`` itself, not
+        through the mount): a directory whose mtime moved is listed again and the names that differ
+        from its rows are refreshed. One ``lstat`` per directory, not per stub."""
+        for d, seen in list(self._dir_mtimes.items()):
+            try:
+                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
+                names = set(os.listdir(self.snapshots_dir / d)) if mtime != seen else None
+            except OSError:
+                del self._dir_mtimes[d]
+                self.changed(d)
+                continue
+            if names is None:
+                continue
+            self._dir_mtimes[d] = mtime
+            base = f"{d}/" if d else ""
+            subdirs = {p[len(base) :] for p in self._dir_mtimes if p != d and p.startswith(base)}
+            subdirs = {p for p in subdirs if "/" not in p}
+            known = self._children.get(d, set()) | subdirs
+            self.changed(*(base + name for name in names ^ known))
+
     def _refresh_dir(self, rel: str) -> None:
         """Re-read every stub under directory ``rel`` and forget rows of files no longer there."""
+        self._register_dirs(rel)
         seen: set[str] = set()
         base = f"{rel}/" if rel else ""
         for entry in stubs.walk(self.snapshots_dir / rel):
@@ -169,6 +211,12 @@ class LiveCatalog:
 
     def _count_dirs(self, rel: str, step: int) -> None:
         """Rows below each ancestor directory of ``rel``, so a file event need not scan for them."""
+        parent, _, name = rel.rpartition("/")
+        children = self._children.setdefault(parent, set())
+        if step > 0:
+            children.add(name)
+        else:
+            children.discard(name)
         parts = rel.split("/")[:-1]
         for i in range(1, len(parts) + 1):
             d = "/".join(parts[:i])

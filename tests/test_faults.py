@@ -22,6 +22,8 @@ from conftest import Mount, is_mounted
 from helpers import rand_bytes, sha, wait_closed, wait_for_log, write_in_pieces
 
 from kvchunkfs.maint import fsck
+from kvchunkfs.service import catalog
+from kvchunkfs.service.apiclient import DaemonClient
 from kvchunkfs.store import stubs
 
 MiB = 1 << 20
@@ -167,6 +169,16 @@ def check_store_clean(store: Path, context: str) -> fsck.FsckReport:
     return report
 
 
+_COUNTED = ("path", "size", "chunks", "distinct_chunks", "unique_bytes", "shared_bytes", "use_count", "labels")
+
+
+def check_counts(m: Mount, context: str) -> None:
+    """The daemon's kept rows and reference counts equal a full recount from the stubs."""
+    served = DaemonClient(m.store).json("GET", "/snapshots")["snapshots"]
+    full = [r.to_dict() for r in catalog.snapshots(m.store / "snapshots")]
+    assert [[r[k] for k in _COUNTED] for r in served] == [[r[k] for k in _COUNTED] for r in full], context
+
+
 def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
     iterations = int(os.environ.get("KVCFS_KILL_ITERATIONS", "50"))
     seed = int(os.environ.get("KVCFS_KILL_SEED", str(random.randrange(1 << 32))))
@@ -182,6 +194,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             durability = "fsync" if i % 4 == 3 else "close"
             m.start_settled([*base, "--durability", durability])
             verified += verify_and_check(m, work, context)
+            check_counts(m, context)
             work.killed.clear()
             delay = rng.uniform(0.0, 1.5)
             proc = m.proc
@@ -199,6 +212,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             m.kill()
         m.start_settled()
         verified += verify_and_check(m, work, f"seed {seed}, final")
+        check_counts(m, f"seed {seed}, final")
     finally:
         if m.proc is not None:
             m.stop()

@@ -18,6 +18,7 @@ from kvchunkfs.cli import ops as cliops
 from kvchunkfs.cli.common import open_repo
 from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
+from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger("kvchunkfs")
 
@@ -49,6 +50,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     repo = open_repo(cfg)
     files = Files(repo)
+    clean = False
     try:
         recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
@@ -62,11 +64,22 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task])
         finally:
             api.close()
+        clean = True  # serve returned: unmounted, every save finished
     finally:
         files.close()
+        if clean:
+            _mark_clean(repo)
         repo.close()
         os.close(lock_fd)
     return 0
+
+
+def _mark_clean(repo: Repository) -> None:
+    try:
+        repo.sync()
+        repo.store.set_clean_mark()
+    except OSError as e:  # the next mount checks every snapshot: slower, not wrong
+        log.warning("could not mark the store cleanly unmounted: %s", e)
 
 
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def tune_process() -> None:
     are few, trimming starts at 64 MiB, and ``trim_memory`` runs whenever no file is open.
     """
     sys.setswitchinterval(0.001)
+    raise_fd_limit()
     libc = _libc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
@@ -68,6 +70,19 @@ def trim_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open fds to the hard one: pack fds are an LRU, but every open
+    snapshot, client connection and worker holds fds too. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open file limit from %d to %d: %s", soft, hard, e)
+    return soft
 
 
 def mount_options(allow_other: bool) -> set[str]:

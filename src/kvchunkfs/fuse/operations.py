@@ -511,6 +511,7 @@ class Operations(pyfuse3.Operations):
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
             await self._thread(stubs.note_use, self.repo.path(node.path))
+            self.repo.touched(node.path)  # the catalog re-reads use_count/last_use
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
@@ -522,6 +523,7 @@ class Operations(pyfuse3.Operations):
             stubs.create_empty(self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = self._new_handle(node, flags)
@@ -639,6 +641,11 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes ----------------------------------------------------------------
 
+    def _touched(self, inode: int) -> None:
+        path = self._node(inode).path
+        if path is not None:
+            self.repo.touched(path)
+
     def _xattr_path(self, inode: int) -> str:
         node = self._node(inode)
         if node.path is None:
@@ -666,6 +673,7 @@ class Operations(pyfuse3.Operations):
             os.setxattr(self._xattr_path(inode), sname, value, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self._touched(inode)
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         try:
@@ -682,6 +690,7 @@ class Operations(pyfuse3.Operations):
             os.removexattr(self._xattr_path(inode), sname, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        self._touched(inode)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ class RecoveryReport:
     chunks_rescued: int = 0  # chunks snapshots name that the map had lost, found in a pack's records
     legacy_unknown: int = 0  # packs without records the map does not know: kept untouched
     map_moved_aside: str = ""  # where an unreadable chunks.db went
+    clean: bool = False  # the last daemon unmounted cleanly: only stubs changed since were checked
     snapshots: int = 0
     unreadable: list[str] = field(default_factory=list)  # stubs that are not a valid index
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
@@ -74,8 +75,9 @@ class RecoveryReport:
         return asdict(self)
 
     def summary(self) -> str:
+        clean = " after a clean unmount" if self.clean else ""
         return (
-            f"recovery: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
+            f"recovery{clean}: {self.snapshots} snapshots checked, {self.temp_files_removed} temp files removed, "
             f"{self.packs_truncated} pack tails cut ({self.tail_bytes_cut} bytes), {self.packs_removed} unused packs "
             f"removed, {self.rows_dropped} map rows dropped, {self.packs_scanned} packs scanned "
             f"({self.chunks_added} chunks added to the map, {self.chunks_rescued} rescued), "
@@ -132,12 +134,33 @@ def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     """Undo what a crash left behind; call with the store lock held, before serving."""
     start = time.monotonic()
     report = RecoveryReport(map_moved_aside=moved_aside)
+    # Taken (cleared, durably) before anything else: a crash from here on is not a clean unmount.
+    unmounted = repo.store.take_clean_mark()
+    checked_at = repo.store.get_meta(_CHECKED_AT)
+    report.clean = unmounted is not None
+    now = time.time()
     report.temp_files_removed = clean_temp_dirs(repo)
     repair_packs(repo.store, report)
-    check_snapshots(repo, report)
+    # Stubs changed since the clean unmount (or since the last check, after a crash) are checked;
+    # every stub if the packs were damaged or the map is older or new.
+    since = unmounted if unmounted is not None else float(checked_at) if checked_at else None
+    if moved_aside or _packs_changed(report):
+        report.clean, since = False, None
+    check_snapshots(repo, report, since=None if since is None else since - _CLOCK_SLACK)
+    repo.store.set_meta(_CHECKED_AT, repr(now))  # every stub changed before now is checked
     report.duration_s = time.monotonic() - start
     log.info("%s", report.summary())
     return report
+
+
+_CHECKED_AT = "snapshots_checked_at"
+_CLOCK_SLACK = 5.0  # seconds: ctime comes from the kernel's coarse clock
+
+
+def _packs_changed(report: RecoveryReport) -> bool:
+    r = report
+    return bool(r.rows_dropped or r.packs_truncated or r.packs_removed or r.packs_scanned or r.chunks_added
+                or r.legacy_unknown)  # fmt: skip
 
 
 def clean_temp_dirs(repo: Repository) -> int:
@@ -179,7 +202,7 @@ def repair_packs(store: PackStore, report: RecoveryReport) -> None:
 
 def _rows_outside(store: PackStore, sizes: dict[int, int]) -> dict[int, list[bytes]]:
     """pack -> ids of rows that point into it although it is missing or too short."""
-    out = {pack: store.rows_outside(pack, -1) for pack in set(store.pack_usage()) - set(sizes)}
+    out = {pack: store.rows_outside(pack, -1) for pack in set(store.mapped_packs()) - set(sizes)}
     for pack, size in sizes.items():
         past = store.rows_outside(pack, size)
         if past:
@@ -257,13 +280,20 @@ def _legacy(pack: int, end: int | None, report: RecoveryReport) -> None:
         )
 
 
-def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: bool = False) -> None:
+def check_snapshots(
+    repo: Repository, report: RecoveryReport, rescue_marked: bool = False, since: float | None = None
+) -> None:
     """Report every snapshot that cannot be read in full (never served as zeros: reads fail).
+
+    ``since``: only stubs changed (ctime) since then; older ones were checked by an earlier recovery,
+    and a crash changes no map row an older stub names (rows are committed before the stub's rename
+    and only GC deletes them).
 
     Chunks a snapshot names that the map lacks are first looked for in the packs' records (not
     for snapshots fsck already marked broken, unless ``rescue_marked``: it looked for them then).
     """
-    mapped = repo.store.chunk_lengths()
+    # A few changed stubs: look up their chunks; all of them: read the whole map once.
+    mapped = repo.store.chunk_lengths() if since is None else {}
     missing: dict[str, set[bytes]] = {}
     wanted: set[bytes] = set()
     for entry in stubs.walk(repo.snapshots):
@@ -271,6 +301,8 @@ def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: boo
         if entry.skipped is not None:  # named, never opened: a FIFO would block, a symlink lead out
             report.skipped.append(entry.problem())
             log.warning("not a snapshot, skipped: %s", entry.problem())
+            continue
+        if since is not None and entry.ctime_ns < since * 1e9:
             continue
         report.snapshots += 1
         try:
@@ -288,6 +320,8 @@ def check_snapshots(repo: Repository, report: RecoveryReport, rescue_marked: boo
             report.unreadable.append(rel)
             log.error("snapshot %s is unreadable: %s", rel, e)
             continue
+        if since is not None:
+            mapped.update((cid, loc.length) for cid, loc in repo.store.locate_many(index.ids).items())
         _check_lengths(rel, index, mapped, report)
         lacking = {cid for cid in index.ids if cid not in mapped}
         if lacking:

@@ -40,7 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSONResponse
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -51,6 +51,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, logbuffer, prefixtree
 from kvchunkfs.service.apiclient import daemon_listening, short_path, socket_path
+from kvchunkfs.service.live import LiveCatalog, direct_reader
 from kvchunkfs.service.metrics import CONTENT_TYPE, Metrics
 from kvchunkfs.service.openapi import spec
 from kvchunkfs.store.repository import Repository
@@ -75,7 +76,10 @@ class JSONResponse(_StarletteJSONResponse):
     bytes in ``path_b64`` (``catalog.path_fields``)."""
 
     def render(self, content: Any) -> bytes:
-        return super().render(_displayable(content))
+        try:  # almost always: no name with bytes that are not UTF-8, and no walk of a big answer
+            return super().render(content)
+        except UnicodeEncodeError:
+            return super().render(_displayable(content))
 
 
 def _displayable(value: Any) -> Any:
@@ -105,6 +109,12 @@ class Service:
 
     def __post_init__(self) -> None:
         self.formula = compile_formula(self.config.score)  # already validated by config.load
+        repo = self.files.repo
+        self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
+        repo.watchers.append(self.live.changed)
+        self._tree_lock = threading.Lock()
+        self._tree_cache: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
 
@@ -118,12 +128,34 @@ class Service:
         return dict(source()) if source is not None else {}
 
     def snapshots(self) -> list[catalog.Snapshot]:
-        return catalog.snapshots(self.repo.snapshots, self.formula)
+        return self.live.rows(self.formula)
+
+    def snapshot(self, rel: str) -> catalog.Snapshot | None:
+        rows = self.live.rows(self.formula, [rel])
+        return rows[0] if rows else None
+
+    def listing(self, params: Mapping[str, str]) -> dict[str, Any]:
+        """Rows for ``GET /snapshots``: a page in path order straight from the catalog, else every row
+        filtered and sorted; ``next`` is the ``after`` of the next page when this one is full."""
+        page = catalog.page_params(params)
+        if page is not None:
+            after, limit, prefix, descending = page
+            rows, _ = self.live.page(self.formula, after, limit, prefix, descending)
+        else:
+            rows = [r.to_dict() for r in catalog.select(self.snapshots(), params)]
+        out: dict[str, Any] = {"count": len(rows), "snapshots": rows}
+        if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
+            out["next"] = rows[-1]["path"]  # display form: names that are not UTF-8 page by path_b64
+        return out
 
     def totals(self) -> dict[str, Any]:
-        infos = catalog.scan(self.repo.snapshots)
-        packs = [self.repo.store.pack_path(p) for p in self.repo.store.pack_ids()]
-        out = catalog.totals(infos, self.repo.store.stats(), packs).to_dict()
+        n, logical, referenced, broken = self.live.totals()
+        store = self.repo.store
+        chunks, stored = store.stats()
+        packs = [store.pack_path(p) for p in store.pack_ids()]
+        out = catalog.totals([], (chunks, stored), packs).to_dict()
+        out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
+        out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         last = getattr(self.collector, "last", None)
         out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
@@ -148,7 +180,33 @@ class Service:
         collector.observers.append(observe)
 
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
-        return catalog.token_tree(self.repo.snapshots, self.files.fetcher.read, prefix)
+        return self.live.token_tree(prefix)
+
+    def prefix_tree_body(self, prefix: str, fmt: str) -> bytes:
+        """The rendered tree, kept until the catalog changes: scrapes of an idle store cost nothing."""
+        gen = self.live.current_generation()
+        key = (prefix, fmt)
+        with self._tree_lock:
+            cached = self._tree_cache.get(key)
+            if cached is not None and cached[0] == gen:
+                return cached[1]
+            root, skipped = self.prefix_tree(prefix)
+            if fmt == "text":
+                body = prefixtree.render_text(root, skipped).encode()
+            else:
+                body = bytes(
+                    JSONResponse(
+                        {
+                            "snapshots": len(root.snapshots),
+                            "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
+                            "tree": prefixtree.to_json(root),
+                        }
+                    ).body
+                )
+            if len(self._tree_cache) >= 8:
+                self._tree_cache.clear()
+            self._tree_cache[key] = (gen, body)
+            return body
 
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
@@ -240,21 +298,18 @@ def create_app(service: Service) -> Starlette:
 
     async def list_snapshots(request: Request) -> Response:
         params = _params(request)
-        rows = await run_in_threadpool(service.snapshots)
         try:
-            rows = catalog.select(rows, params)
+            return JSONResponse(await run_in_threadpool(service.listing, params))
         except catalog.QueryError as e:
             raise HTTPException(400, str(e)) from None
-        return JSONResponse({"count": len(rows), "snapshots": [r.to_dict() for r in rows]})
 
     async def get_snapshot(request: Request) -> Response:
         _params(request, frozenset())
         rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
-        rows = await run_in_threadpool(service.snapshots)
-        for row in rows:
-            if row.path == rel:
-                return JSONResponse(row.to_dict())
-        raise HTTPException(404, f"no snapshot {rel!r}")
+        row = await run_in_threadpool(service.snapshot, rel)
+        if row is None:
+            raise HTTPException(404, f"no snapshot {rel!r}")
+        return JSONResponse(row.to_dict())
 
     async def delete_snapshot(request: Request) -> Response:
         _params(request, frozenset())
@@ -301,16 +356,10 @@ def create_app(service: Service) -> Starlette:
         fmt = params.get("format", "json")
         if fmt not in ("json", "text"):
             raise HTTPException(400, f"format={fmt!r}: use json or text")
-        root, skipped = await run_in_threadpool(service.prefix_tree, params.get("prefix", ""))
+        body = await run_in_threadpool(service.prefix_tree_body, params.get("prefix", ""), fmt)
         if fmt == "text":
-            return PlainTextResponse(prefixtree.render_text(root, skipped))
-        return JSONResponse(
-            {
-                "snapshots": len(root.snapshots),
-                "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
-                "tree": prefixtree.to_json(root),
-            }
-        )
+            return Response(body, media_type="text/plain; charset=utf-8")
+        return Response(body, media_type="application/json")
 
     async def get_openapi(request: Request) -> Response:
         return JSONResponse(spec())
@@ -470,9 +519,7 @@ def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
 class ApiServer:
     """uvicorn servers for the unix socket and, optionally, TCP, in one background thread."""
 
-    def __init__(
-        self, app: ASGIApp, unix_path: Path, tmp_dir: Path, tcp_address: str = "", token: str = ""
-    ) -> None:
+    def __init__(self, app: ASGIApp, unix_path: Path, tmp_dir: Path, tcp_address: str = "", token: str = "") -> None:
         self.unix_path = unix_path
         self._listeners: list[tuple[socket.socket, ASGIApp]] = [(bind_unix(unix_path, tmp_dir), app)]
         if tcp_address:
@@ -523,9 +570,7 @@ class ApiServer:
 class MountApi:
     """The API of one mount: create before mounting (binds now), pass ``task`` to daemon.serve."""
 
-    def __init__(
-        self, cfg: Config, files: Files, mountpoint: Path, collector: Collector | None = None
-    ) -> None:
+    def __init__(self, cfg: Config, files: Files, mountpoint: Path, collector: Collector | None = None) -> None:
         repo = files.repo
         self.logs = logbuffer.install()
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not "Started server process" per listener

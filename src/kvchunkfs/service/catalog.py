@@ -163,6 +163,11 @@ def _int_attr(attrs: Mapping[str, bytes], name: str) -> int:
 
 def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
     """Read one stub; an unreadable index gives a row with ``error`` set instead of an exception."""
+    return read_stub_index(snapshots_dir, rel)[0]
+
+
+def read_stub_index(snapshots_dir: Path, rel: str) -> tuple[StubInfo, Index | None]:
+    """``read_stub`` and the index it read (None for a row with ``error``)."""
     path = snapshots_dir / rel
     st = os.lstat(path)
     attrs = stubs.user_xattrs(path)
@@ -188,13 +193,13 @@ def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
         raise  # deleted meanwhile: no row at all
     except OSError as e:  # StubError is an OSError
         info.error = str(e)
-        return info
+        return info, None
     info.size, info.chunks = index.size, len(index)
     start = 0
     for end, cid in zip(index.ends, index.ids, strict=True):
         info.lengths[cid] = end - start
         start = end
-    return info
+    return info, index
 
 
 def scan(snapshots_dir: Path) -> list[StubInfo]:
@@ -303,7 +308,8 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     """Filter, sort and limit rows by query parameters; QueryError for anything unknown or malformed.
 
     ``sort=FIELD`` (``-FIELD`` or ``order=desc`` for descending), ``prefix=PATH``, ``label.KEY=VALUE``,
-    ``has_label=KEY``, ``min_FIELD=N`` / ``max_FIELD=N`` for numeric fields, ``limit=N``.
+    ``has_label=KEY``, ``min_FIELD=N`` / ``max_FIELD=N`` for numeric fields, ``limit=N``, and
+    ``after=PATH`` (sort by path only): the rows past that path, for paging through a big store.
     """
     out = list(rows)
     for name, value in params.items():
@@ -315,17 +321,40 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     if order not in ("asc", "desc"):
         raise QueryError(f"order={order!r}: use asc or desc")
     out.sort(key=_sort_key_fn(sort), reverse=order == "desc")
+    if "after" in params:
+        if sort != "path":
+            raise QueryError("after= pages through the listing sorted by path only")
+        after = params["after"]
+        out = [r for r in out if (r.path < after if order == "desc" else r.path > after)]
     if "limit" in params:
-        limit = params["limit"]
-        # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
-        if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
-            raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
-        out = out[: int(limit)]
+        out = out[: parse_limit(params["limit"])]
     return out
 
 
+def parse_limit(limit: str) -> int:
+    # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
+    if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
+        raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
+    return int(limit)
+
+
+def page_params(params: Mapping[str, str]) -> tuple[str, int, str, bool] | None:
+    """(after, limit, prefix, descending) when ``params`` ask only for a page in path order (which
+    the daemon answers without building every row), else None."""
+    if not set(params) <= {"after", "limit", "prefix", "sort", "order"}:
+        return None
+    sort = params.get("sort", "path")
+    if sort.lstrip("-") != "path":
+        return None
+    order = params.get("order", "desc" if sort.startswith("-") else "asc").lower()
+    if order not in ("asc", "desc"):
+        return None  # select() says what is wrong
+    limit = parse_limit(params["limit"]) if "limit" in params else 1 << 62
+    return params.get("after", ""), limit, params.get("prefix", "").lstrip("/"), order == "desc"
+
+
 def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]:
-    if name in ("sort", "order", "limit"):
+    if name in ("sort", "order", "limit", "after"):
         return rows
     if name == "prefix":
         return [r for r in rows if r.path.startswith(value.lstrip("/"))]
@@ -341,7 +370,7 @@ def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]
             return [r for r in rows if r.number(field_name) >= limit]
         return [r for r in rows if r.number(field_name) <= limit]
     raise QueryError(
-        f"unknown query parameter {name!r} (known: sort, order, limit, prefix, label.<key>, has_label, "
+        f"unknown query parameter {name!r} (known: sort, order, limit, after, prefix, label.<key>, has_label, "
         "min_<field>, max_<field>)"
     )
 
@@ -415,7 +444,7 @@ def store_totals(root: Path) -> StoreTotals:
 ReadChunks = Callable[[Index, int, int], bytes]
 
 
-class _ChunkReader:
+class ChunkReader:
     """A snapshot's content as a file, read through its chunks: ``read_tokens`` reads just the header.
 
     Reading the chunks directly (not the file on the mount) keeps a listing from counting as a restore.
@@ -443,7 +472,7 @@ def snapshot_tokens(
     for rel in paths:
         try:
             index = stubs.read_index(snapshots_dir / rel)
-            tokens[rel] = prefixtree.read_tokens(_ChunkReader(index, read_chunks))  # type: ignore[arg-type]
+            tokens[rel] = prefixtree.read_tokens(ChunkReader(index, read_chunks))  # type: ignore[arg-type]
         except FileNotFoundError:
             continue  # deleted meanwhile
         except (OSError, ValueError, LookupError) as e:  # bad stub, not a ggsq file, missing/corrupt chunk

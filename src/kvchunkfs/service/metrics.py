@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.service.catalog import chunk_map_stats
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,10 @@ class StoreCollector(Collector):
             yield _gauge("kvcfs_open_files", "Snapshots open", stats["open_files"])
 
     def _store(self) -> Iterator[Metric]:
-        chunk_stats = _safe(self.repo.store.stats)
+        # Never the map itself: a scrape must not wait for its lock (saves hold it) nor count its rows.
+        chunk_stats = self.repo.store.cached_stats()
+        if chunk_stats is None:  # not counted yet (just mounted): a read-only connection, no lock
+            chunk_stats = _safe(lambda: chunk_map_stats(self.repo.root))
         if chunk_stats is not None:
             yield _gauge("kvcfs_store_chunks", "Chunks in the chunk map", chunk_stats[0])
             yield _gauge("kvcfs_store_bytes", "Chunk bytes in the chunk map", chunk_stats[1])

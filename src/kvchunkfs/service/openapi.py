@@ -63,10 +63,12 @@ _PATHS: dict[str, Any] = {
                 _query("min_{field}", "lower bound of a numeric field; sizes take units (1MiB)"),
                 _query("max_{field}", "upper bound of a numeric field"),
                 _query("limit", "at most this many rows", {"type": "integer", "minimum": 0}),
+                _query("after", "only rows after this path (sort by path only): the next page"),
             ],
             "responses": {
                 "200": _json({"type": "object", "properties": {
                     "count": {"type": "integer"},
+                    "next": {"type": "string", "description": "after= of the next page (a full page only)"},
                     "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
                 }}),  # fmt: skip
                 "400": _ERROR,

@@ -25,6 +25,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,10 +52,12 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
     id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS chunks_by_pack ON chunks (pack, offset);
+DROP INDEX IF EXISTS chunks_by_pack;
+CREATE INDEX IF NOT EXISTS chunks_by_pack_len ON chunks (pack, offset, length);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS packs (pack INTEGER PRIMARY KEY, end INTEGER NOT NULL);
 """
+_CLEAN = "clean_unmount"
 # A pack's committed end only grows (a commit of an older batch must not move it back).
 _UPSERT_END = (
     "INSERT INTO packs (pack, end) VALUES (?, ?) ON CONFLICT (pack) DO UPDATE SET end = max(end, excluded.end)"
@@ -132,6 +135,9 @@ class PackStore:
         self._unsynced: set[int] = set()  # packs written since the last sync()
         self.pins: dict[object, set[bytes]] = {}
         self.counters = StoreCounters()
+        # (rows, bytes) of the map, counted once and then kept up to date by every write; None:
+        # count again. Read without a lock (metrics), written under _db_lock.
+        self._map_stats: tuple[int, int] | None = None
 
     def _migrate(self) -> None:
         """Create the schema; a map without the ``packs`` table is a new or a legacy one.
@@ -215,10 +221,26 @@ class PackStore:
         return self.layout.pack_path(pack)
 
     def stats(self) -> tuple[int, int]:
-        """(chunk count, stored chunk bytes) according to the map."""
+        """(chunk count, stored chunk bytes) according to the map: counted once, then kept."""
+        known = self._map_stats
+        if known is not None:
+            return known
         with self._db_lock:
-            n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
-        return n, total
+            if self._map_stats is None:
+                q = "SELECT count(*), coalesce(sum(length), 0) FROM chunks"
+                n, total = self.db.execute(q).fetchone()
+                self._map_stats = (n, total)
+            return self._map_stats
+
+    def cached_stats(self) -> tuple[int, int] | None:
+        """``stats`` if known, without waiting for any lock (a scrape must not queue behind saves)."""
+        return self._map_stats
+
+    def _count_rows(self, rows: int, length: int) -> None:
+        """Under ``_db_lock``, after a commit that added (or, negative, removed) rows."""
+        if self._map_stats is not None:
+            n, total = self._map_stats
+            self._map_stats = (n + rows, total + length)
 
     # -- maintenance: GC, recovery, fsck ----------------------------------------------------
 
@@ -232,6 +254,32 @@ class PackStore:
         q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
         with self._db_lock:
             return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
+
+    def mapped_packs(self) -> list[int]:
+        """Packs some row points into: one index seek per pack, not a walk of every row."""
+        out: list[int] = []
+        q = "SELECT pack FROM chunks WHERE pack > ? ORDER BY pack LIMIT 1"
+        with self._db_lock:
+            while (row := self.db.execute(q, (out[-1] if out else -(1 << 62),)).fetchone()) is not None:
+                out.append(row[0])
+        return out
+
+    def set_clean_mark(self) -> None:
+        """At a clean unmount (every save finished, nothing in flight): the time, so the next mount
+        checks only the stubs changed since. Durable, like its removal."""
+        row = (_CLEAN, repr(time.time()))
+        self._commit([("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [row])], durable=True)
+
+    def take_clean_mark(self) -> float | None:
+        """When the last daemon unmounted cleanly (None: it did not); removes the mark (durably)."""
+        value = self.get_meta(_CLEAN)
+        if value is None:
+            return None
+        self._commit([("DELETE FROM meta WHERE key = ?", [(_CLEAN,)])], durable=True)
+        try:
+            return float(value)
+        except ValueError:
+            return None
 
     def pack_ends(self) -> dict[int, int]:
         """pack -> committed end: the map knows every batch before it (table ``packs``)."""
@@ -285,7 +333,19 @@ class PackStore:
 
     def delete_chunks(self, ids: Iterable[bytes]) -> int:
         """Drop map rows (GC's sweep: call under ``lock``); the pack bytes become dead space."""
-        return self._commit([("DELETE FROM chunks WHERE id = ?", [(cid,) for cid in ids])])
+        with self._db_lock:
+            self._check_db()
+            self.db.execute("BEGIN")
+            try:
+                sql = "DELETE FROM chunks WHERE id = ? RETURNING length"
+                lengths = [n for cid in ids for (n,) in self.db.execute(sql, (cid,))]
+                self.db.execute("COMMIT")
+            except sqlite3.Error:
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("ROLLBACK")
+                raise
+            self._count_rows(-len(lengths), -sum(lengths))
+        return len(lengths)
 
     def move_chunks(self, old_pack: int, moves: Sequence[tuple[bytes, int, int]], new_end: tuple[int, int]) -> int:
         """Point rows at copies (id, new pack, new offset), each only if it is still in ``old_pack``.
@@ -313,7 +373,9 @@ class PackStore:
             (sql.format("IGNORE"), [r for r in rows if r[0] not in bad]),
         ]
         with self.lock:
-            return self._commit([*steps, (_UPSERT_END, [(pack, end)])]) - 1
+            added = self._commit([*steps, (_UPSERT_END, [(pack, end)])]) - 1
+            self._map_stats = None  # replaced rows change lengths: count again when asked
+            return added
 
     def forget_pack(self, pack: int) -> None:
         """Drop the committed end of a pack that is gone."""
@@ -477,6 +539,8 @@ class PackStore:
                 with contextlib.suppress(sqlite3.Error):
                     self.db.execute("ROLLBACK")
                 raise
+            # add_chunks found none of these ids in the map under ``lock``: every row is new.
+            self._count_rows(len(rows), sum(r[3] for r in rows))
 
     def _open_pack(self) -> tuple[int, int, int]:
         if self._pack_id is None:

@@ -13,6 +13,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class Repository:
         self._ns_log: list[str | None] = []
         self._ns_base = 0
         self.ns_gen = 0
+        # Called with the paths a change touched, after it (service/live.py): must not block.
+        self.watchers: list[Callable[..., None]] = []
         self.store = PackStore(root, settings.pack_size, durable=self.durable)
         self.chunker = self._chunker()
 
@@ -117,6 +120,7 @@ class Repository:
         """The commit point of a save: the complete new stub replaces the old one."""
         os.rename(tmp, self.path(rel))
         self._bump(rel)
+        self.touched(rel)
 
     def sync(self) -> None:
         """Make every chunk written so far durable (before a stub that names them is renamed)."""
@@ -130,14 +134,21 @@ class Repository:
             stubs.carry_metadata(dst, src)
         os.rename(src, dst)
         self._bump(new)
+        self.touched(old, new)
 
     def unlink(self, rel: str) -> None:
         os.unlink(self.path(rel))
         self._bump(None)
+        self.touched(rel)
 
     def rmdir(self, rel: str) -> None:
         os.rmdir(self.path(rel))
         self._bump(None)
+
+    def touched(self, *rels: str) -> None:
+        """Tell the watchers that ``rels`` changed (also for metadata and creates made elsewhere)."""
+        for watch in self.watchers:
+            watch(*rels)
 
     def _bump(self, created: str | None) -> None:
         with self._ns_lock:

@@ -203,6 +203,7 @@ class Entry:
     kind: str = "file"
     error: OSError | None = None
     skipped: str | None = None
+    ctime_ns: int = 0  # of a file met by ``walk`` (renames, saves and xattr changes move it on)
     _dir_fd: int | None = None  # None: _sub is a path of its own
     _sub: str = ""  # path relative to _dir_fd
 
@@ -254,14 +255,15 @@ def walk(snapshots: Path) -> Iterator[Entry]:
             child_sub = f"{sub}/{name}" if sub else name
             child_rel = f"{rel}/{name}" if rel else name
             try:
-                mode = os.stat(child_sub, dir_fd=base, follow_symlinks=False).st_mode
+                st = os.stat(child_sub, dir_fd=base, follow_symlinks=False)
             except FileNotFoundError:  # removed meanwhile
                 continue
             except OSError as e:
                 yield Entry(child_rel, "error", error=e)
                 continue
+            mode = st.st_mode
             if stat.S_ISREG(mode):
-                yield Entry(child_rel, _dir_fd=base, _sub=child_sub)
+                yield Entry(child_rel, ctime_ns=st.st_ctime_ns, _dir_fd=base, _sub=child_sub)
             elif not stat.S_ISDIR(mode):
                 yield Entry(child_rel, "other", skipped=f"{file_kind(mode)}, not a snapshot")
             else:

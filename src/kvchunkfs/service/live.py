@@ -1,0 +1,426 @@
+"""The daemon's catalog: every snapshot's row and token prefix, kept up to date by change events.
+
+``catalog.snapshots`` reads every stub per call; a daemon serving tens of thousands of snapshots
+cannot. ``LiveCatalog`` reads all stubs once (in the background, after mounting) and afterwards
+only the paths the repository reports as changed (``Repository.watch``): saves, renames, unlinks,
+metadata updates. Listings, totals and the prefix tree are then answered from memory.
+
+Why it stays right: every change to ``snapshots/`` made while the daemon runs goes through the
+repository (or ``Operations``, which reports xattr updates and creates), and each change is reported
+*after* it happened. Refreshing a path reads its state at refresh time, which is at least as new as
+the event, so once the queue of reported paths is drained every path equals what a full scan would
+read. The events only go into a list under a lock that is never held across I/O, so the FUSE thread
+never waits for a listing.
+
+Unique and shared bytes are kept per snapshot by a reference count over distinct chunk ids: each
+chunk's value packs (length, xor of the ids of the snapshots naming it, count), so when a count
+falls to one the xor names the last holder, whose unique bytes grow by the chunk's length. Nothing
+here decides what GC may delete (GC marks from the stubs and the pins); these counts are only shown.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import contextlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchunkfs.format.index import Index
+from kvchunkfs.formula import Formula
+from kvchunkfs.service import catalog, prefixtree
+from kvchunkfs.store import stubs
+
+log = logging.getLogger(__name__)
+
+_COUNT_BITS = 32
+_SID_BITS = 32
+_MASK = (1 << 32) - 1
+ReadChunks = Callable[[Index, int, int], bytes]
+# catalog.formula_fields, taken from a row dict (last_use: 0 for never used)
+_FORMULA_ROW = ("size", "unique_bytes", "shared_bytes", "chunks", "use_count", "age_hours", "idle_hours", "created")
+
+
+@dataclass
+class Entry:
+    """One snapshot: its listing fields, its distinct chunks and its token prefix."""
+
+    sid: int
+    info: catalog.StubInfo  # ``lengths`` emptied: the chunks live in ``ids``/``lens``
+    ids: bytes  # distinct chunk ids, 32 bytes each
+    lens: array.array  # their lengths
+    distinct: int
+    distinct_bytes: int
+    unique: int = 0
+    tokens: array.array | None = None
+    token_error: str | None = None
+    static: dict | None = None  # the row's fields that change only with the stub (built on first use)
+
+    def cids(self) -> Iterable[tuple[bytes, int]]:
+        ids = self.ids
+        return ((ids[i * 32 : i * 32 + 32], n) for i, n in enumerate(self.lens))
+
+
+class LiveCatalog:
+    def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None) -> None:
+        self.snapshots_dir = snapshots_dir
+        self.read_chunks = read_chunks
+        self._lock = threading.Lock()  # the catalog itself; held across stub reads, never by FUSE
+        self._queue_lock = threading.Lock()  # only list operations under it
+        self._queue: list[str] = []
+        self._ready = threading.Event()
+        self.entries: dict[str, Entry] = {}
+        self._refs: dict[bytes, int] = {}  # chunk id -> length << 64 | xor of sids << 32 | count
+        self._by_sid: dict[int, Entry] = {}
+        self._next_sid = 1
+        self._sorted: list[str] | None = None
+        self._dirs: dict[str, int] = {}
+        self._children: dict[str, set[str]] = {}  # directory -> names of its rows
+        self._dir_mtimes: dict[str, int] = {}  # directories seen -> their mtime when listed
+        self.logical_bytes = 0
+        self.referenced_bytes = 0
+        self.load_seconds = 0.0
+        self.generation = 0  # bumped by every row added or dropped
+
+    # -- events (any thread, cheap) ----------------------------------------------------------
+
+    def changed(self, *paths: str) -> None:
+        """``paths`` (files or directories, relative to snapshots/) may have changed."""
+        with self._queue_lock:
+            self._queue.extend(paths)
+
+    # -- loading and refreshing ----------------------------------------------------------------
+
+    def start(self, first: Callable[[], object] | None = None) -> threading.Thread:
+        """Read every stub in a background thread (after ``first``); requests wait for it (``wait``)."""
+        thread = threading.Thread(target=self.load, args=(first,), name="kvcfs-catalog", daemon=True)
+        thread.start()
+        return thread
+
+    def load(self, first: Callable[[], object] | None = None) -> None:
+        start = time.monotonic()
+        try:
+            if first is not None:
+                first()
+            with self._lock:
+                self._refresh_dir("")
+        except Exception:  # noqa: BLE001 - a listing then loads what it can on its own
+            log.exception("loading the snapshot catalog failed")
+        finally:
+            self.load_seconds = time.monotonic() - start
+            self._ready.set()
+        log.info("catalog: %d snapshots read in %.2fs", len(self.entries), self.load_seconds)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def refresh(self) -> None:
+        """Apply the reported changes (callers hold ``_lock``)."""
+        self._watch_dirs()
+        while True:
+            with self._queue_lock:
+                paths, self._queue = self._queue, []
+            if not paths:
+                return
+            for rel in dict.fromkeys(paths):
+                self._refresh_path(rel)
+
+    def _refresh_path(self, rel: str) -> None:
+        try:
+            mode = os.lstat(self.snapshots_dir / rel).st_mode
+        except OSError:
+            mode = 0  # gone (or unreachable): no rows at or below it
+        if stat.S_ISREG(mode):
+            self._drop_below(rel)
+            self._read(rel)
+            parent = rel.rpartition("/")[0]
+            if parent not in self._dir_mtimes:  # e.g. made by mkdir through the mount: watch it too
+                self._register_dirs(parent)
+        elif stat.S_ISDIR(mode):
+            self._drop(rel)
+            self._refresh_dir(rel)
+        else:
+            self._drop(rel)
+            self._drop_below(rel)
+
+    def _register_dirs(self, rel: str) -> None:
+        """Note the mtime of ``rel`` and every directory below it, each taken before it is listed."""
+        stack = [rel]
+        while stack:
+            d = stack.pop()
+            try:
+                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
+                with os.scandir(self.snapshots_dir / d) as it:
+                    subdirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            self._dir_mtimes[d] = mtime
+            stack += [f"{d}/{name}" if d else name for name in subdirs]
+
+    def _watch_dirs(self) -> None:
+        """Notice entries made or removed behind the daemon's back (in ``snapshots/`` itself, not
+        through the mount): a directory whose mtime moved is listed again and the names that differ
+        from its rows are refreshed. One ``lstat`` per directory, not per stub."""
+        for d, seen in list(self._dir_mtimes.items()):
+            try:
+                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
+                names = set(os.listdir(self.snapshots_dir / d)) if mtime != seen else None
+            except OSError:
+                del self._dir_mtimes[d]
+                self.changed(d)
+                continue
+            if names is None:
+                continue
+            self._dir_mtimes[d] = mtime
+            base = f"{d}/" if d else ""
+            subdirs = {p[len(base) :] for p in self._dir_mtimes if p != d and p.startswith(base)}
+            subdirs = {p for p in subdirs if "/" not in p}
+            known = self._children.get(d, set()) | subdirs
+            self.changed(*(base + name for name in names ^ known))
+
+    def _refresh_dir(self, rel: str) -> None:
+        """Re-read every stub under directory ``rel`` and forget rows of files no longer there."""
+        self._register_dirs(rel)
+        seen: set[str] = set()
+        base = f"{rel}/" if rel else ""
+        for entry in stubs.walk(self.snapshots_dir / rel):
+            if entry.kind == "file":
+                seen.add(base + entry.rel)
+                self._read(base + entry.rel)
+        for path in [p for p in self._paths_below(rel) if p not in seen]:
+            self._drop(path)
+
+    def _paths_below(self, rel: str) -> list[str]:
+        if not rel:
+            return list(self.entries)
+        if not self._dirs.get(rel):  # no row below: skip the scan (a save is not a directory change)
+            return []
+        prefix = rel + "/"
+        return [p for p in self.entries if p.startswith(prefix)]
+
+    def _drop_below(self, rel: str) -> None:
+        if rel:
+            for path in self._paths_below(rel):
+                self._drop(path)
+
+    def _count_dirs(self, rel: str, step: int) -> None:
+        """Rows below each ancestor directory of ``rel``, so a file event need not scan for them."""
+        parent, _, name = rel.rpartition("/")
+        children = self._children.setdefault(parent, set())
+        if step > 0:
+            children.add(name)
+        else:
+            children.discard(name)
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = "/".join(parts[:i])
+            self._dirs[d] = self._dirs.get(d, 0) + step
+
+    def _read(self, rel: str) -> None:
+        index = None
+        try:
+            info, index = catalog.read_stub_index(self.snapshots_dir, rel)
+        except FileNotFoundError:
+            self._drop(rel)
+            return
+        except OSError as e:
+            info = catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e))
+        tokens, why = self._tokens(index) if index is not None else (None, info.error)
+        self._drop(rel)
+        self._add(info, tokens, why)
+
+    def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
+        """The token prefix, read once per change of the stub (later trees need no pack reads)."""
+        if self.read_chunks is None:
+            return None, "no chunk reader"
+        try:
+            return array.array("i", prefixtree.read_tokens(catalog.ChunkReader(index, self.read_chunks))), None  # type: ignore[arg-type]
+        except (OSError, ValueError, LookupError) as e:  # not a ggsq file, a missing or corrupt chunk
+            return None, str(e) or type(e).__name__
+
+    # -- reference counts --------------------------------------------------------------------
+
+    def _add(self, info: catalog.StubInfo, tokens: array.array | None, why: str | None) -> None:
+        sid = self._next_sid
+        self._next_sid += 1
+        lens = array.array("Q", info.lengths.values())
+        entry = Entry(sid, info, b"".join(info.lengths), lens, len(lens), sum(lens), tokens=tokens, token_error=why)
+        info.lengths = {}
+        refs, by_sid = self._refs, self._by_sid
+        for cid, n in entry.cids():
+            v = refs.get(cid)
+            if v is None:
+                refs[cid] = n << 64 | sid << _COUNT_BITS | 1
+                entry.unique += n
+                self.referenced_bytes += n
+                continue
+            count, xor = v & _MASK, (v >> _COUNT_BITS) & _MASK
+            if count == 1:
+                by_sid[xor].unique -= n
+            refs[cid] = n << 64 | (xor ^ sid) << _COUNT_BITS | (count + 1)
+        self.entries[info.path] = entry
+        by_sid[sid] = entry
+        self.logical_bytes += info.size
+        self._count_dirs(info.path, 1)
+        self._sorted = None
+        self.generation += 1
+
+    def _drop(self, rel: str) -> None:
+        entry = self.entries.pop(rel, None)
+        if entry is None:
+            return
+        del self._by_sid[entry.sid]
+        refs, by_sid, sid = self._refs, self._by_sid, entry.sid
+        for cid, n in entry.cids():
+            v = refs[cid]
+            count, xor = (v & _MASK) - 1, ((v >> _COUNT_BITS) & _MASK) ^ sid
+            if count == 0:
+                del refs[cid]
+                self.referenced_bytes -= n
+                continue
+            if count == 1:
+                by_sid[xor].unique += n
+            refs[cid] = n << 64 | xor << _COUNT_BITS | count
+        self.logical_bytes -= entry.info.size
+        self._count_dirs(rel, -1)
+        self._sorted = None
+        self.generation += 1
+
+    # -- queries (each takes the catalog lock and applies pending changes first) ------------------
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """The catalog, loaded and with every reported change applied. Waits for the load *before*
+        taking the lock: the loading thread holds it until it is done."""
+        self._ready.wait()
+        with self._lock:
+            self.refresh()
+            yield
+
+    def current_generation(self) -> int:
+        """The generation after applying pending changes (equal generations: the same rows)."""
+        with self._reading():
+            return self.generation
+
+    def sorted_paths(self) -> list[str]:
+        if self._sorted is None:
+            self._sorted = sorted(self.entries)
+        return self._sorted
+
+    def rows(self, formula: Formula | None, paths: Iterable[str] | None = None, now: float | None = None
+             ) -> list[catalog.Snapshot]:  # fmt: skip
+        """Listing rows of ``paths`` (default: all, in path order)."""
+        with self._reading():
+            now = time.time() if now is None else now
+            chosen = self.sorted_paths() if paths is None else paths
+            return [self._row(self.entries[p], formula, now) for p in chosen if p in self.entries]
+
+    def page(self, formula: Formula | None, after: str, limit: int, prefix: str = "", descending: bool = False
+             ) -> tuple[list[dict], int]:  # fmt: skip
+        """(up to ``limit`` rows (``Snapshot.to_dict`` form) after ``after`` in path order under ``prefix``,
+        rows under ``prefix``)."""
+        with self._reading():
+            paths = self.sorted_paths()
+            lo = bisect.bisect_left(paths, prefix) if prefix else 0
+            hi = bisect.bisect_left(paths, prefix + "\U0010ffff") if prefix else len(paths)
+            if descending:
+                end = bisect.bisect_left(paths, after, lo, hi) if after else hi
+                chosen = paths[max(lo, end - limit) : end][::-1]
+            else:
+                begin = bisect.bisect_right(paths, after, lo, hi) if after else lo
+                chosen = paths[begin : min(hi, begin + limit)]
+            now = time.time()
+            return [self._row_dict(self.entries[p], formula, now) for p in chosen], hi - lo
+
+    def _row_dict(self, entry: Entry, formula: Formula | None, now: float) -> dict:
+        """``_row(...).to_dict()`` without building the row: the stub's own fields are kept per entry."""
+        if entry.static is None:
+            entry.static = self._row(entry, None, now).to_dict()
+        info = entry.info
+        out = dict(entry.static)
+        out["unique_bytes"] = entry.unique
+        out["shared_bytes"] = entry.distinct_bytes - entry.unique
+        out["age_hours"] = max(0.0, (now - info.created) / catalog.HOUR)
+        out["idle_hours"] = max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR)
+        if formula is not None:
+            fields = {name: out[name] for name in _FORMULA_ROW}
+            fields["last_use"] = info.last_use or 0.0
+            out["score"] = catalog.json_float(formula.evaluate(fields))
+        return out
+
+    def _row(self, entry: Entry, formula: Formula | None, now: float) -> catalog.Snapshot:
+        info = entry.info
+        row = catalog.Snapshot(
+            path=info.path,
+            size=info.size,
+            chunks=info.chunks,
+            distinct_chunks=entry.distinct,
+            unique_bytes=entry.unique,
+            shared_bytes=entry.distinct_bytes - entry.unique,
+            use_count=info.use_count,
+            last_use=info.last_use,
+            created=info.created,
+            age_hours=max(0.0, (now - info.created) / catalog.HOUR),
+            idle_hours=max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR),
+            labels=info.labels,
+            error=info.error,
+        )
+        if formula is not None:
+            row.score = formula.evaluate(catalog.formula_fields(row))
+        return row
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """(snapshots, logical bytes, referenced bytes, broken snapshots)."""
+        with self._reading():
+            broken = sum(1 for e in self.entries.values() if e.info.error is not None)
+            return len(self.entries), self.logical_bytes, self.referenced_bytes, broken
+
+    def tokens(self, prefix: str = "") -> tuple[dict[str, list[int]], dict[str, str]]:
+        """(path -> tokens, path -> why it has none) of the snapshots under ``prefix``."""
+        prefix = prefix.lstrip("/")
+        with self._reading():
+            chosen = [e for p, e in self.entries.items() if p.startswith(prefix)]
+            found = {e.info.path: e.tokens.tolist() for e in chosen if e.tokens is not None}
+            skipped = {e.info.path: e.token_error or "" for e in chosen if e.tokens is None}
+        return found, skipped
+
+    def token_tree(self, prefix: str = "") -> tuple[prefixtree.Node, dict[str, str]]:
+        found, skipped = self.tokens(prefix)
+        names = catalog.display_name
+        tree = prefixtree.build_tree({names(p): t for p, t in found.items()})
+        return tree, {names(p): names(why) for p, why in skipped.items()}
+
+    def recount(self) -> dict[str, tuple[int, int]]:
+        """path -> (unique, shared) recounted from scratch, for checks (``verify``)."""
+        with self._reading():
+            counts: dict[bytes, int] = {}
+            for entry in self.entries.values():
+                for cid, _ in entry.cids():
+                    counts[cid] = counts.get(cid, 0) + 1
+            out = {}
+            for path, entry in self.entries.items():
+                unique = sum(n for cid, n in entry.cids() if counts[cid] == 1)
+                out[path] = (unique, entry.distinct_bytes - unique)
+            return out
+
+
+def direct_reader(get_many: Callable[[list[bytes]], list[bytes]]) -> ReadChunks:
+    """Read a byte range of a snapshot straight from the store, past the read-ahead cache (a
+    catalog refresh must neither evict what restores read nor count as one)."""
+
+    def read_chunks(index: Index, offset: int, size: int) -> bytes:
+        end = min(index.size, offset + size)
+        if offset >= end:
+            return b""
+        first, last = index.find(offset), index.find(end - 1)
+        data = b"".join(get_many(index.ids[first : last + 1]))
+        start = index.start(first)
+        return data[offset - start : end - start]
+
+    return read_chunks

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvchunkfs.format.chunker import BATCH, Chunker, StreamChunker, chunk_id
-from kvchunkfs.format.hashing import HASHER
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
 
@@ -425,7 +424,7 @@ class FileContent:
         data = memoryview(b"".join(taken))
         pieces = self.chunker.cut(data)  # the last piece stays tentative: more bytes may follow
         last = bytes(pieces.pop()) if pieces else b""
-        chunks = list(zip(HASHER.ids(pieces), pieces, strict=True))  # on two cores
+        chunks = [(chunk_id(p), p) for p in pieces]
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:

@@ -239,24 +239,6 @@ def test_packstore_is_a_chunk_store(tmp_path: Path):
     repo.close()
 
 
-@pytest.mark.parametrize(
-    "sizes", [[], [5], [70_000], [1] * 40, [300_000, 1, 65_536, 200_000, 7, 250_000], [65_536] * 64]
-)
-def test_chunk_hasher_equals_one_by_one(sizes):
-    """Ids hashed on two threads come back in order and equal chunk_id of each piece."""
-    from kvchunkfs.format.hashing import ChunkHasher, _split
-
-    buf = memoryview(rand_bytes(sum(sizes), len(sizes)))
-    pieces, pos = [], 0
-    for n in sizes:
-        pieces.append(buf[pos : pos + n])
-        pos += n
-    for helpers in (0, 1, 3):
-        assert ChunkHasher(helpers).ids(pieces) == [chunk_id(p) for p in pieces]
-        groups = _split(pieces, helpers + 1, pos)
-        assert len(groups) <= helpers + 1 and [p for g in groups for p in g] == pieces
-
-
 def test_sequential_cached_reads_are_slices_of_the_run(tmp_path: Path):
     """A read whose chunks lie back to back in one pread buffer is answered with a slice of that
     buffer (no copy); reads across runs or of scattered chunks are joined. Both give the same bytes."""

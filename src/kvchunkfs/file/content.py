@@ -34,7 +34,6 @@ from pathlib import Path
 
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
-from kvchunkfs.format.hashing import HASHER
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
 
@@ -519,7 +518,7 @@ class FileContent:
         data = memoryview(b"".join(taken))
         pieces, state = self.chunker.cut(state, data, final=False)  # more bytes may follow
         last = bytes(data[sum(len(p) for p in pieces) :])  # tentative: cut again with the next batch
-        chunks = list(zip(HASHER.ids(pieces), pieces, strict=True))  # on two cores
+        chunks = [(chunk_id(p), p) for p in pieces]
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:

@@ -36,6 +36,7 @@ from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
+from kvchunkfs.store.packs import Location
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class FileContent:
         self.keep_partial_page = keep_partial_page
         self.max_size = max_size
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
+        # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
+        self.locations: dict[bytes, Location] | None = None
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
         self.gen = 0  # bumped by every change; a commit clears ``dirty`` only if unchanged

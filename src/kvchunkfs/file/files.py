@@ -79,10 +79,13 @@ class Files:
         """
         with self.repo.store.lock:
             index = self.repo.read_index(rel)
-            bad = self.repo.store.length_mismatch(index)
+            found = self.repo.store.locate_many(index.ids)
+            bad = self.repo.store.length_mismatch(index, found)
             if bad is not None:
                 raise StubError(f"{rel}: {bad}")
-            return self.content(index)
+            content = self.content(index)
+        content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
+        return content
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

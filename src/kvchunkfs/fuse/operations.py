@@ -488,7 +488,9 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         writer = flags & os.O_ACCMODE != os.O_RDONLY
-        self.handles[fh] = Handle(node, writer=writer)
+        handle = self.handles[fh] = Handle(node, writer=writer)
+        if node.content is not None and node.content.mode is Mode.CLEAN:
+            handle.cursor.locations = node.content.locations  # looked up once, at load
         node.writers += writer
         return fh
 

@@ -51,6 +51,7 @@ from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class RecoveryReport:
     temp_files_removed: int = 0

@@ -196,12 +196,10 @@ class PackStore:
             raise ChunkMissing(cid.hex())
         return loc
 
-    def length_mismatch(self, index: Index) -> str | None:
-        """How ``index`` disagrees with the map about a chunk's length, or None.
-
-        Chunks the map lacks are not judged here (reading them fails with EIO anyway).
-        """
-        found = self.locate_many(index.ids)
+    @staticmethod
+    def length_mismatch(index: Index, found: dict[bytes, Location]) -> str | None:
+        """How ``index`` disagrees with the map (``found``: its chunks located) about a chunk's
+        length, or None. Chunks the map lacks are not judged here (reading them fails with EIO)."""
         for i, cid in enumerate(index.ids):
             loc = found.get(cid)
             if loc is not None and loc.length != index.length(i):

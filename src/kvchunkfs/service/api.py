@@ -158,7 +158,11 @@ class Service:
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         last = getattr(self.collector, "last", None)
-        out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
+        out["gc"] = {
+            "runs": getattr(self.collector, "runs", 0),
+            "idle_skips": getattr(self.collector, "idle_skips", 0),
+            "last": _report_dict(last) if last else None,
+        }
         return out
 
     def run_gc(self) -> dict[str, Any]:

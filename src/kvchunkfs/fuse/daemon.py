@@ -109,7 +109,7 @@ def serve(
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
-        trio.run(_main, ops, mountpoint, kernel_readahead_kb, background or [])
+        trio.run(_main, ops, mountpoint, kernel_readahead_kb, [trim_when_idle, *(background or [])])
     finally:
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", mountpoint)
@@ -137,7 +137,6 @@ async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_on_signals)
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
-        nursery.start_soon(trim_when_idle, ops)
         for task in background:
             nursery.start_soon(task, ops)
         await pyfuse3.main(min_tasks=4, max_tasks=64)

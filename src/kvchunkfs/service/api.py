@@ -151,10 +151,11 @@ class Service:
             rows, total = self.live.page(self.formula, after, limit, prefix, descending)
         else:
             # ``total``: the rows the filters match, for paging by offset (the dashboard's table).
-            paging = {k: v for k, v in params.items() if k in ("limit", "offset")}
-            matched = catalog.select(self.snapshots(), {k: v for k, v in params.items() if k not in paging})
+            matched = catalog.select(self.snapshots(), {k: v for k, v in params.items() if k not in ("limit", "offset")})
             total = len(matched)
-            rows = [r.to_dict() for r in catalog.select(matched, paging)] if paging else [r.to_dict() for r in matched]
+            offset = catalog.parse_limit(params["offset"], "offset") if "offset" in params else 0
+            end = offset + catalog.parse_limit(params["limit"]) if "limit" in params else total
+            rows = [r.to_dict() for r in matched[offset:end]]
         out: dict[str, Any] = {"count": len(rows), "total": total, "snapshots": rows}
         if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
             out["next"] = rows[-1]["path"]  # display form: names that are not UTF-8 page by path_b64

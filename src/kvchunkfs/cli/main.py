@@ -210,6 +210,20 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from kvchunkfs.cli import systemd
+
+    try:
+        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+    except OSError as e:
+        print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    print("now: systemctl daemon-reload && systemctl enable --now kv-chunk-fs")
+    return 0
+
+
 Command = Callable[[cfgmod.Config, argparse.Namespace], int]
 
 
@@ -237,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ui", cmd_ui, "web dashboard of the running daemon (through its unix socket)")
     p.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8765; other than loopback needs a token)")  # fmt: skip
+    from kvchunkfs.cli import systemd
+
+    systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
+                              "settings drop-in"))  # fmt: skip
     p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
     p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
     p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")

@@ -151,7 +151,8 @@ class Service:
             rows, total = self.live.page(self.formula, after, limit, prefix, descending)
         else:
             # ``total``: the rows the filters match, for paging by offset (the dashboard's table).
-            matched = catalog.select(self.snapshots(), {k: v for k, v in params.items() if k not in ("limit", "offset")})
+            filters = {k: v for k, v in params.items() if k not in ("limit", "offset")}
+            matched = catalog.select(self.snapshots(), filters)
             total = len(matched)
             offset = catalog.parse_limit(params["offset"], "offset") if "offset" in params else 0
             end = offset + catalog.parse_limit(params["limit"]) if "limit" in params else total

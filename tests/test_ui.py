@@ -193,6 +193,8 @@ OVERVIEW = {  # element id -> how to read the same figure from GET /stats
     "ov-dedup": lambda s: s["dedup_ratio"],
     "ov-packs": lambda s: s["packs"],
     "ov-pack-bytes": lambda s: s["pack_bytes"],
+    "ov-dead": lambda s: max(0, s["pack_bytes"] - s["stored_bytes"]),
+    "ov-garbage": lambda s: max(0, s["stored_bytes"] - s["referenced_bytes"]),
     "ov-saves": lambda s: s["counters"]["saves"],
     "ov-restores": lambda s: s["counters"]["restores"],
 }
@@ -421,6 +423,8 @@ def test_page_load_at_10000_snapshots(tmp_path: Path) -> None:
         print(f"\nstore of {LOAD_N} snapshots built in {built:.1f}s; page loads in headless Chromium:")
         for name, seconds in results.items():
             print(f"  {name:55s} {seconds * 1000:7.0f} ms")
+        for path in ("/stats", "/snapshots?limit=50&offset=0&sort=path", "/prefix-tree", "/history"):
+            print(f"  GET {path}: {len(client.request('GET', path)[2]) / 1024:.0f} KiB")
     finally:
         if driver is not None:
             driver.quit()

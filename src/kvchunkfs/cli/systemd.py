@@ -30,7 +30,8 @@ Before=llama-server.service
 Type=notify
 NotifyAccess=main
 Environment=KVCFS_MOUNTPOINT={mountpoint}
-ExecStartPre=/bin/mkdir -p ${{KVCFS_MOUNTPOINT}}
+# "-": after a crash the mountpoint is a dead FUSE mount that mkdir cannot stat; the daemon clears it.
+ExecStartPre=-/bin/mkdir -p ${{KVCFS_MOUNTPOINT}}
 ExecStart={exe} mount ${{KVCFS_MOUNTPOINT}}
 # SIGTERM: finish the saves in flight, then unmount (what `fusermount3 -u` would do).
 KillSignal=SIGTERM

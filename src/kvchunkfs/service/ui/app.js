@@ -139,6 +139,8 @@ function renderOverview(s) {
   setVal("ov-pack-bytes", s.pack_bytes, bytes(s.pack_bytes) + " on disk");
   const dead = Math.max(0, s.pack_bytes - s.stored_bytes);
   setVal("ov-dead", dead, bytes(dead));
+  const garbage = Math.max(0, s.stored_bytes - s.referenced_bytes);
+  setVal("ov-garbage", garbage, "in packs, + " + bytes(garbage) + " collectable");
   const c = s.counters || {};
   setVal("ov-saves", c.saves, num(c.saves));
   setVal("ov-restores", c.restores, num(c.restores));
@@ -149,7 +151,7 @@ function renderOverview(s) {
   const gc = s.gc || {};
   const last = gc.last;
   const parts = [
-    num(gc.runs) + " runs since start",
+    num(gc.runs) + (gc.runs === 1 ? " run" : " runs") + " since start",
     "last: " + (gc.last_finished ? ago(gc.last_finished) : "never"),
     "next: " + (gc.next_due ? ago(gc.next_due) : "–"),
   ];
@@ -221,8 +223,13 @@ function draw(id, opts, data) {
 const bytesAxis = { values: (u, vals) => vals.map((v) => bytes(v)), size: 80 };
 const secsAxis = { values: (u, vals) => vals.map((v) => secs(v)), size: 70 };
 
+window.addEventListener("resize", () => {
+  for (const c of Object.values(charts)) c.setSize({ width: chartWidth(), height: 220 });
+});
+
 function drawCharts(h) {
   const sv = h.saves;
+  $("#charts-empty").hidden = sv.time.length + h.restores.time.length + h.gc.time.length > 0;
   const dedup = sv.size.map((n, i) => Math.max(0, n - sv.new_bytes[i]));
   const bars = uPlot.paths && uPlot.paths.bars ? uPlot.paths.bars({ size: [0.6, 40] }) : undefined;
   draw("chart-bytes", {

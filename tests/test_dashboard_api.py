@@ -4,9 +4,9 @@ server's guard and proxy, in process (no FUSE, no browser: tests/test_ui.py driv
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 from test_scale import _save, service  # noqa: F401 - the fixture
@@ -131,12 +131,11 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
     thread.start()
     try:
         client = TestClient(dashboard.create_ui_app(service.repo.root), base_url="http://localhost:9000")
-        for _ in range(100):
-            try:
-                r = client.get("/api/snapshots", params={"prefix": "d0/", "limit": "2", "offset": "1"})
+        for _ in range(200):  # 502 until the server listens
+            r = client.get("/api/snapshots", params={"prefix": "d0/", "limit": "2", "offset": "1"})
+            if r.status_code != 502:
                 break
-            except httpx.HTTPError:
-                pass
+            time.sleep(0.05)
         assert r.status_code == 200 and r.json()["total"] == 9 and r.json()["count"] == 2
         preview = client.post("/api/deletion-preview", json={"paths": ["d0/conv0-t0"]}, headers={"X-KVCFS-UI": "1"})
         assert preview.status_code == 200 and preview.json()["snapshots"] == 1

@@ -258,6 +258,14 @@ def test_labels_edited_and_filtered(env: Env) -> None:
     env.driver.find_element(By.ID, "f-label").send_keys("model=qwen")
     env.driver.find_element(By.ID, "f-apply").click()
     wait(env.driver, lambda d: env.rows() == ["misc/solo"], what="label filter")
+    # removing a label in the dialog removes the xattr
+    env.driver.find_element(By.CSS_SELECTOR, "tr[data-path='misc/solo'] button[title='edit labels']").click()
+    box = wait(env.driver, lambda d: d.find_element(By.ID, "labels-input"), what="label dialog")
+    box.clear()
+    box.send_keys("model=qwen")
+    env.driver.find_element(By.ID, "dlg-ok").click()
+    wait(env.driver, lambda d: "team=ops" not in d.find_element(By.CSS_SELECTOR, "tr[data-path='misc/solo']").text)
+    assert "user.kvcfs.label.team" not in os.listxattr(env.mnt / "misc/solo")
     env.driver.find_element(By.ID, "f-label").clear()
     env.driver.find_element(By.ID, "f-apply").click()
 

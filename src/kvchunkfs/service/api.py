@@ -330,6 +330,8 @@ def snapshot_path_param(request: Request) -> str:
 
 
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
+# setxattr: a value the filesystem cannot hold is the request's fault, a full disk is 507
+_XATTR_STATUS = {**_UNLINK_STATUS, errno.E2BIG: 400, errno.ERANGE: 400, errno.ENOSPC: 507, errno.ENOTSUP: 400}
 
 
 # -- handlers --------------------------------------------------------------------------------------
@@ -377,12 +379,13 @@ def create_app(service: Service) -> Starlette:
         for key, value in changes.items():
             if not key or "\0" in key or len(key) > 200 or not (value is None or isinstance(value, str)):
                 raise HTTPException(400, f"label {key[:40]!r}: a non-empty key and a string (or null to remove)")
-            if value is not None and ("\0" in value or len(value) > 4096):
+            if value is not None and ("\0" in value or len(value) > 1024):  # xattrs share one 4 KiB block
                 raise HTTPException(400, f"label {key[:40]!r}: value too long or has a NUL byte")
         try:
             await run_in_threadpool(service.set_labels, rel, changes)
         except OSError as e:
-            status = _UNLINK_STATUS.get(e.errno or 0, 500)
+            status = _XATTR_STATUS.get(e.errno or 0, 500)
+            log.log(logging.ERROR if status == 500 else logging.INFO, "API labels of %s failed: %s", rel, e)
             raise HTTPException(status, f"cannot label {rel!r}: {e.strerror or e}") from None
         log.info("API set labels of %s to %s (by %s)", rel, changes, caller(request))
         row = await run_in_threadpool(service.snapshot, rel)

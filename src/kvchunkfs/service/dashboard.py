@@ -124,6 +124,8 @@ def create_ui_app(store: Path, token: str = "", listen_host: str = "127.0.0.1") 
         except OSError as e:
             message = f"the daemon does not answer on {client.path}: {e.strerror or e}. Is the store mounted?"
             return JSONResponse({"error": message}, 502)
+        except ValueError as e:  # http.client refuses control characters in the URL
+            return JSONResponse({"error": f"bad request: {e}"}, 400)
         return Response(data, status, media_type=ctype or "application/octet-stream")
 
     routes = [

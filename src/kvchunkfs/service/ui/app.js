@@ -251,6 +251,7 @@ function drawCharts(h) {
   const gc = h.gc;
   const store = [...sv.time.map((t, i) => [t, sv.store_bytes[i]]), ...gc.time.map((t, i) => [t, gc.store_bytes[i]])]
     .filter((r) => r[1] !== null).sort((a, b) => a[0] - b[0]);
+  if (lastStats) store.push([Date.now() / 1000, lastStats.stored_bytes]);  // now, also when nothing happened yet
   draw("chart-store", {
     series: [{}, { label: "chunk bytes", stroke: "#6f42c1", fill: "rgba(111,66,193,0.15)", value: (u, v) => bytes(v) }],
     axes: [{}, bytesAxis],

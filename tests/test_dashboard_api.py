@@ -66,6 +66,8 @@ def test_label_patch_rejects_bad_requests(service: Service) -> None:  # noqa: F8
     assert client.patch(url, json={"labels": {"k": 3}}).status_code == 400
     assert client.patch(url, json={"labels": {"k": "a\0b"}}).status_code == 400
     assert client.patch(url, json={"other": 1}).status_code == 400
+    assert client.patch(url, content=b'{"labels": {"k": "\\ud800"}}').status_code == 400
+    assert client.patch(url, json={"labels": {"k": "v" * 1025}}).status_code == 400
     assert client.patch("/snapshots/nope", json={"labels": {"k": "v"}}).status_code == 404
 
 

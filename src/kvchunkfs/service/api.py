@@ -381,6 +381,10 @@ def create_app(service: Service) -> Starlette:
                 raise HTTPException(400, f"label {key[:40]!r}: a non-empty key and a string (or null to remove)")
             if value is not None and ("\0" in value or len(value) > 1024):  # xattrs share one 4 KiB block
                 raise HTTPException(400, f"label {key[:40]!r}: value too long or has a NUL byte")
+            try:
+                (key + (value or "")).encode()
+            except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") is no UTF-8
+                raise HTTPException(400, f"label {key[:40]!r}: not valid Unicode") from None
         try:
             await run_in_threadpool(service.set_labels, rel, changes)
         except OSError as e:

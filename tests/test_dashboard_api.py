@@ -153,3 +153,11 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
 )
 def test_host_name(header: str, name: str) -> None:
     assert dashboard.host_name(header) == name
+
+
+def test_next_gc_due_counts_whole_intervals_past_skipped_timer_runs() -> None:
+    from kvchunkfs.service.api import _next_due
+
+    assert _next_due(None, 3600, 100.0) is None and _next_due(100.0, 0, 100.0) is None
+    assert _next_due(1000.0, 3600, 2000.0) == 4600.0
+    assert _next_due(1000.0, 3600, 4600.5) == 8200.0  # the timer run at 4600 was skipped

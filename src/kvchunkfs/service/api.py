@@ -21,6 +21,7 @@ import errno
 import hmac
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -176,10 +177,11 @@ class Service:
         finished = self.gc_finished
         out["gc"] = {
             "runs": getattr(self.collector, "runs", 0),
+            "idle_skips": getattr(self.collector, "idle_skips", 0),
             "last": _report_dict(last) if last else None,
             "interval_s": interval,
             "last_finished": finished,
-            "next_due": finished + interval if finished is not None and interval else None,
+            "next_due": _next_due(finished, interval, time.time()),
         }
         return out
 
@@ -253,6 +255,17 @@ class Service:
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
         os.unlink(self.mountpoint / rel)
+
+
+def _next_due(finished: float | None, interval: int, now: float) -> float | None:
+    """When the periodic GC fires next: every ``interval`` after the last run (a timer run skipped on
+    an unchanged store restarts the timer without running, so count whole intervals forward)."""
+    if finished is None or not interval:
+        return None
+    due = finished + interval
+    if due < now:
+        due += math.ceil((now - due) / interval) * interval
+    return due
 
 
 def _report_dict(report: Any) -> dict[str, Any]:

@@ -147,6 +147,7 @@ _PATHS: dict[str, Any] = {
                 "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "gc": {"type": "object", "properties": {
                     "runs": {"type": "integer"}, "last": {"type": ["object", "null"]},
+                    "idle_skips": {"type": "integer", "description": "timer runs skipped: the store was unchanged"},
                     "interval_s": {"type": "integer"},
                     "last_finished": {"type": ["number", "null"], "description": "epoch seconds"},
                     "next_due": {"type": ["number", "null"], "description": "epoch seconds of the next periodic run"},

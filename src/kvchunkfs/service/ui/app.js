@@ -151,7 +151,7 @@ function renderOverview(s) {
   const gc = s.gc || {};
   const last = gc.last;
   const parts = [
-    num(gc.runs) + (gc.runs === 1 ? " run" : " runs") + " since start",
+    num(gc.runs) + (gc.runs === 1 ? " run" : " runs") + " since start" + (gc.idle_skips ? " (+" + num(gc.idle_skips) + " skipped: store unchanged)" : ""),
     "last: " + (gc.last_finished ? ago(gc.last_finished) : "never"),
     "next: " + (gc.next_due ? ago(gc.next_due) : "–"),
   ];

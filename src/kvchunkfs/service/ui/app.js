@@ -410,6 +410,7 @@ $("#sel-delete").addEventListener("click", () => confirmDelete([...table.selecte
 let treeKey = "";
 pages.tree = {
   async load() {
+    if (!$("#tree").childElementCount) $("#tree").textContent = "reading the snapshots' token prefixes…";
     const t = await api("GET", "/prefix-tree");
     const key = JSON.stringify([t.snapshots, lastChange]);
     if (key === treeKey && $("#tree").childElementCount) return;  // keep what is expanded

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Install what kv-chunk-fs needs on a fresh Debian 12 machine (run as root): FUSE 3 and its
-# headers (pyfuse3 builds from source), casync for the interop test, then the package itself.
+# headers (pyfuse3 builds from source), casync for the interop test, chromium + its driver for the
+# dashboard's browser tests, then the package itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config casync attr; do
+for pkg in fuse3 libfuse3-dev pkg-config casync attr chromium chromium-driver; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

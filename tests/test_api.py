@@ -230,7 +230,7 @@ def test_token_required_on_tcp_not_on_the_root_only_socket(api: Api) -> None:
     st = os.stat(sock)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
     with api.unix() as unix:
-        assert unix.get("/snapshots").json() == {"count": 0, "snapshots": []}
+        assert unix.get("/snapshots").json() == {"count": 0, "total": 0, "snapshots": []}
 
 
 def test_socket_removed_on_unmount_and_stale_socket_replaced(api: Api) -> None:

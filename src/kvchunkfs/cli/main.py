@@ -190,6 +190,40 @@ def cmd_export_store(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    """The dashboard, in this process: a separate server, so the daemon never serves a browser."""
+    from kvchunkfs.service import dashboard
+    from kvchunkfs.service.api import split_address
+
+    try:
+        host, port = split_address(args.listen if ":" in args.listen else f"127.0.0.1:{args.listen}")
+        token = cfgmod.api_token(cfg)
+    except (ValueError, cfgmod.ConfigError) as e:
+        print(f"kv-chunk-fs: ui: {e}", file=sys.stderr)
+        return 2
+    if not dashboard.loopback(host) and not token and not cfg.api_insecure_no_token:
+        print(f"kv-chunk-fs: ui: refusing to listen on {host} without a token: set api_token_file (or use an SSH "
+              "tunnel to the default 127.0.0.1)", file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"kv-chunk-fs: dashboard on http://{'[' + host + ']' if ':' in host else host}:{port}/", file=sys.stderr)
+    dashboard.serve(Path(cfg.store), host, port, token)
+    return 0
+
+
+def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from kvchunkfs.cli import systemd
+
+    try:
+        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+    except OSError as e:
+        print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    print("now: systemctl daemon-reload && systemctl enable --now kv-chunk-fs")
+    return 0
+
+
 Command = Callable[[cfgmod.Config, argparse.Namespace], int]
 
 
@@ -214,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     cliops.add_tree_arguments(add("tree", cliops.cmd_tree, "token-prefix tree of the snapshots"))
     p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = add("ui", cmd_ui, "web dashboard of the running daemon (through its unix socket)")
+    p.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
+                   help="address to serve on (default 127.0.0.1:8765; other than loopback needs a token)")  # fmt: skip
+    from kvchunkfs.cli import systemd
+
+    systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
+                              "settings drop-in"))  # fmt: skip
     p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
     p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
     p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")

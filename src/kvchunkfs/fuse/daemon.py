@@ -18,6 +18,7 @@ import trio
 
 from kvchunkfs.file.files import Files
 from kvchunkfs.fuse.operations import Operations
+from kvchunkfs.fuse.sdnotify import notify
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_on_signals)
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
+        nursery.start_soon(_ready, mountpoint)
         for task in background:
             nursery.start_soon(task, ops)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -147,8 +149,16 @@ async def _on_signals() -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
+            notify("STOPPING=1")
             pyfuse3.terminate()
             return
+
+
+async def _ready(mountpoint: Path) -> None:
+    """Tell systemd we are ready once the mount answers: a statvfs served by this very loop (so
+    ``systemctl start`` returns only when llama-server can use the directory)."""
+    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
 
 
 DIRTY_LIMIT = 32 << 20  # dirty page-cache bytes the kernel may hold for the mount

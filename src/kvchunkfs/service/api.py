@@ -1,8 +1,8 @@
 """HTTP API of a running daemon (Starlette app, served by uvicorn in a background thread).
 
-Endpoints (see ``docs/api.md`` and ``GET /openapi.json``): ``GET /snapshots``, ``GET|DELETE
-/snapshots/{path}``, ``GET /stats``, ``POST /gc``, ``GET /logs``, ``GET /metrics``, ``GET /prefix-tree``,
-``GET /health``, ``GET /openapi.json``.
+Endpoints (see ``docs/api.md`` and ``GET /openapi.json``): ``GET /snapshots``, ``GET|PATCH|DELETE
+/snapshots/{path}``, ``POST /deletion-preview``, ``GET /stats``, ``GET /history``, ``POST /gc``,
+``GET /logs``, ``GET /metrics``, ``GET /prefix-tree``, ``GET /health``, ``GET /openapi.json``.
 
 Threads: the FUSE loop is trio on the main thread; uvicorn runs its own asyncio loop in the thread
 ``kvcfs-api``; handlers do blocking work in the anyio worker pool. Nothing here runs on the trio
@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -27,6 +29,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +54,17 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, logbuffer, prefixtree
 from kvchunkfs.service.apiclient import daemon_listening, short_path, socket_path
+from kvchunkfs.service.history import History
 from kvchunkfs.service.live import LiveCatalog, direct_reader
 from kvchunkfs.service.metrics import CONTENT_TYPE, Metrics
 from kvchunkfs.service.openapi import spec
+from kvchunkfs.store import stubs
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LOG_LIMIT = 200
+MAX_BODY = 4 << 20  # request bodies (a deletion preview of 10,000 paths is ~0.5 MB)
 OPEN_PATHS = frozenset({"/health"})  # answered without a token (no data in them)
 
 
@@ -117,6 +123,9 @@ class Service:
         self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
+        self.history = History(repo.store.cached_stats)
+        self.metrics.history = self.history
+        self.gc_finished: float | None = None  # wall clock of the last GC run's end
 
     @property
     def repo(self) -> Repository:
@@ -140,10 +149,16 @@ class Service:
         page = catalog.page_params(params)
         if page is not None:
             after, limit, prefix, descending = page
-            rows, _ = self.live.page(self.formula, after, limit, prefix, descending)
+            rows, total = self.live.page(self.formula, after, limit, prefix, descending)
         else:
-            rows = [r.to_dict() for r in catalog.select(self.snapshots(), params)]
-        out: dict[str, Any] = {"count": len(rows), "snapshots": rows}
+            # ``total``: the rows the filters match, for paging by offset (the dashboard's table).
+            filters = {k: v for k, v in params.items() if k not in ("limit", "offset")}
+            matched = catalog.select(self.snapshots(), filters)
+            total = len(matched)
+            offset = catalog.parse_limit(params["offset"], "offset") if "offset" in params else 0
+            end = offset + catalog.parse_limit(params["limit"]) if "limit" in params else total
+            rows = [r.to_dict() for r in matched[offset:end]]
+        out: dict[str, Any] = {"count": len(rows), "total": total, "snapshots": rows}
         if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
             out["next"] = rows[-1]["path"]  # display form: names that are not UTF-8 page by path_b64
         return out
@@ -158,12 +173,36 @@ class Service:
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         last = getattr(self.collector, "last", None)
+        interval = getattr(self.collector, "interval", 0)
+        finished = self.gc_finished
         out["gc"] = {
             "runs": getattr(self.collector, "runs", 0),
             "idle_skips": getattr(self.collector, "idle_skips", 0),
             "last": _report_dict(last) if last else None,
+            "interval_s": interval,
+            "last_finished": finished,
+            "next_due": _next_due(finished, interval, time.time()),
         }
         return out
+
+    def deletion_preview(self, paths: list[str]) -> dict[str, Any]:
+        freed, chunks, missing = self.live.freed_together(paths)
+        return {"snapshots": len(paths) - len(missing), "freed_bytes": freed, "freed_chunks": chunks,
+                "missing": missing}  # fmt: skip
+
+    def set_labels(self, rel: str, changes: Mapping[str, str | None]) -> None:
+        """Set (or, for None, remove) labels through the mount, so FUSE reports the change."""
+        target = self.mountpoint / rel
+        for key, value in changes.items():
+            name = stubs.LABEL_PREFIX + key
+            if value is None:
+                try:
+                    os.removexattr(target, name, follow_symlinks=False)
+                except OSError as e:
+                    if e.errno != errno.ENODATA:
+                        raise
+            else:
+                os.setxattr(target, name, value.encode(), follow_symlinks=False)
 
     def run_gc(self) -> dict[str, Any]:
         """One collection now; the collector serializes it with periodic runs."""
@@ -178,6 +217,7 @@ class Service:
             return
 
         def observe(report: Any) -> None:
+            self.gc_finished = time.time()
             result = _report_dict(report)
             metrics.on_gc(float(result.get("duration_s", 0.0)), result)
 
@@ -215,6 +255,17 @@ class Service:
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
         os.unlink(self.mountpoint / rel)
+
+
+def _next_due(finished: float | None, interval: int, now: float) -> float | None:
+    """When the periodic GC fires next: every ``interval`` after the last run (a timer run skipped on
+    an unchanged store restarts the timer without running, so count whole intervals forward)."""
+    if finished is None or not interval:
+        return None
+    due = finished + interval
+    if due < now:
+        due += math.ceil((now - due) / interval) * interval
+    return due
 
 
 def _report_dict(report: Any) -> dict[str, Any]:
@@ -292,6 +343,8 @@ def snapshot_path_param(request: Request) -> str:
 
 
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
+# setxattr: a value the filesystem cannot hold is the request's fault, a full disk is 507
+_XATTR_STATUS = {**_UNLINK_STATUS, errno.E2BIG: 400, errno.ERANGE: 400, errno.ENOSPC: 507, errno.ENOTSUP: 400}
 
 
 # -- handlers --------------------------------------------------------------------------------------
@@ -327,6 +380,51 @@ def create_app(service: Service) -> Starlette:
             raise HTTPException(status, f"cannot delete {rel!r}: {e.strerror or e}") from None
         log.info("API deleted snapshot %s (by %s)", rel, caller(request))
         return JSONResponse({"deleted": rel, **_b64(rel)})
+
+    async def patch_snapshot(request: Request) -> Response:
+        _params(request, frozenset())
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
+        body = await _json_body(request)
+        labels = body.get("labels") if isinstance(body, dict) else None
+        if not isinstance(labels, dict) or set(body) != {"labels"}:
+            raise HTTPException(400, 'expected {"labels": {"KEY": "VALUE" or null, ...}}')
+        changes = {str(k): v for k, v in labels.items()}
+        for key, value in changes.items():
+            if not key or "\0" in key or len(key) > 200 or not (value is None or isinstance(value, str)):
+                raise HTTPException(400, f"label {key[:40]!r}: a non-empty key and a string (or null to remove)")
+            if value is not None and ("\0" in value or len(value) > 1024):  # xattrs share one 4 KiB block
+                raise HTTPException(400, f"label {key[:40]!r}: value too long or has a NUL byte")
+            try:
+                (key + (value or "")).encode()
+            except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") is no UTF-8
+                raise HTTPException(400, f"label {key[:40]!r}: not valid Unicode") from None
+        try:
+            await run_in_threadpool(service.set_labels, rel, changes)
+        except OSError as e:
+            status = _XATTR_STATUS.get(e.errno or 0, 500)
+            log.log(logging.ERROR if status == 500 else logging.INFO, "API labels of %s failed: %s", rel, e)
+            raise HTTPException(status, f"cannot label {rel!r}: {e.strerror or e}") from None
+        log.info("API set labels of %s to %s (by %s)", rel, changes, caller(request))
+        row = await run_in_threadpool(service.snapshot, rel)
+        if row is None:
+            raise HTTPException(404, f"no snapshot {rel!r}")
+        return JSONResponse(row.to_dict())
+
+    async def deletion_preview(request: Request) -> Response:
+        _params(request, frozenset())
+        body = await _json_body(request)
+        paths = body.get("paths") if isinstance(body, dict) else None
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise HTTPException(400, 'expected {"paths": ["PATH", ...]}')
+        return JSONResponse(await run_in_threadpool(service.deletion_preview, paths))
+
+    async def get_history(request: Request) -> Response:
+        params = _params(request, frozenset({"since"}))
+        try:
+            since = float(params.get("since", "0"))
+        except ValueError:
+            raise HTTPException(400, f"since={params['since'][:40]!r}: not a number (epoch seconds)") from None
+        return JSONResponse(service.history.to_dict(since))
 
     async def get_stats(request: Request) -> Response:
         _params(request, frozenset())
@@ -375,7 +473,10 @@ def create_app(service: Service) -> Starlette:
         Route("/snapshots", list_snapshots, methods=["GET"]),
         Route("/snapshots/{path:path}", get_snapshot, methods=["GET"]),
         Route("/snapshots/{path:path}", delete_snapshot, methods=["DELETE"]),
+        Route("/snapshots/{path:path}", patch_snapshot, methods=["PATCH"]),
+        Route("/deletion-preview", deletion_preview, methods=["POST"]),
         Route("/stats", get_stats, methods=["GET"]),
+        Route("/history", get_history, methods=["GET"]),
         Route("/gc", post_gc, methods=["POST"]),
         Route("/logs", get_logs, methods=["GET"]),
         Route("/metrics", get_metrics, methods=["GET"]),
@@ -385,6 +486,20 @@ def create_app(service: Service) -> Starlette:
     ]
     handlers = {HTTPException: _http_error, Exception: _server_error}
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON body, at most MAX_BODY bytes; 400/413 otherwise."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise HTTPException(413, f"request body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise HTTPException(400, f"request body is not JSON: {e}") from None
 
 
 def _b64(rel: str) -> dict[str, str]:

@@ -103,6 +103,17 @@ class DaemonClient:
         finally:
             conn.close()
 
+    def forward(self, method: str, url: str, body: bytes = b"", content_type: str = "") -> tuple[int, str, bytes]:
+        """Send a request as given (``url``: path and query, already encoded): the dashboard's proxy."""
+        conn = _UnixConnection(self.path, self.timeout)
+        headers = {"Content-Type": content_type} if content_type else {}
+        try:
+            conn.request(method, url, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("content-type", ""), resp.read()
+        finally:
+            conn.close()
+
     def json(self, method: str, path: str, params: dict[str, str] | None = None) -> Any:
         status, _, body = self.request(method, path, params)
         if status >= 400:

@@ -326,15 +326,16 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
             raise QueryError("after= pages through the listing sorted by path only")
         after = params["after"]
         out = [r for r in out if (r.path < after if order == "desc" else r.path > after)]
+    offset = parse_limit(params["offset"], "offset") if "offset" in params else 0
     if "limit" in params:
-        out = out[: parse_limit(params["limit"])]
-    return out
+        return out[offset : offset + parse_limit(params["limit"])]
+    return out[offset:]
 
 
-def parse_limit(limit: str) -> int:
+def parse_limit(limit: str, name: str = "limit") -> int:
     # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
     if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
-        raise QueryError(f"limit={limit[:40]!r}: not a non-negative integer of at most 18 digits")
+        raise QueryError(f"{name}={limit[:40]!r}: not a non-negative integer of at most 18 digits")
     return int(limit)
 
 
@@ -354,7 +355,7 @@ def page_params(params: Mapping[str, str]) -> tuple[str, int, str, bool] | None:
 
 
 def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]:
-    if name in ("sort", "order", "limit", "after"):
+    if name in ("sort", "order", "limit", "after", "offset"):
         return rows
     if name == "prefix":
         return [r for r in rows if r.path.startswith(value.lstrip("/"))]
@@ -370,7 +371,7 @@ def _apply_filter(rows: list[Snapshot], name: str, value: str) -> list[Snapshot]
             return [r for r in rows if r.number(field_name) >= limit]
         return [r for r in rows if r.number(field_name) <= limit]
     raise QueryError(
-        f"unknown query parameter {name!r} (known: sort, order, limit, after, prefix, label.<key>, has_label, "
+        f"unknown query parameter {name!r} (known: sort, order, limit, offset, after, prefix, label.<key>, has_label, "
         "min_<field>, max_<field>)"
     )
 

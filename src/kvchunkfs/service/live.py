@@ -396,6 +396,27 @@ class LiveCatalog:
         tree = prefixtree.build_tree({names(p): t for p, t in found.items()})
         return tree, {names(p): names(why) for p, why in skipped.items()}
 
+    def freed_together(self, paths: Iterable[str]) -> tuple[int, int, list[str]]:
+        """(bytes, chunks) that deleting all of ``paths`` together would free, and the paths not found.
+
+        A chunk is freed when every snapshot naming it is among ``paths``: its reference count equals
+        the number of chosen snapshots naming it. More than the sum of their ``unique_bytes`` when
+        they share chunks only with each other (turns of one conversation)."""
+        with self._reading():
+            chosen = [self.entries[p] for p in dict.fromkeys(paths) if p in self.entries]
+            missing = [p for p in dict.fromkeys(paths) if p not in self.entries]
+            seen: dict[bytes, int] = {}
+            for entry in chosen:
+                for cid, _ in entry.cids():
+                    seen[cid] = seen.get(cid, 0) + 1
+            freed = chunks = 0
+            for cid, times in seen.items():
+                v = self._refs[cid]
+                if v & _MASK == times:
+                    freed += v >> 64
+                    chunks += 1
+            return freed, chunks, missing
+
     def recount(self) -> dict[str, tuple[int, int]]:
         """path -> (unique, shared) recounted from scratch, for checks (``verify``)."""
         with self._reading():

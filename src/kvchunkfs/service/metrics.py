@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvchunkfs.file.files import Files
 from kvchunkfs.service.catalog import chunk_map_stats
+from kvchunkfs.service.history import History
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Metrics:
             "kvcfs_gc_duration_seconds", "Time of a garbage collection run", buckets=DURATION_BUCKETS, registry=r
         )
         r.register(StoreCollector(files, stats or dict))
+        self.history: History | None = None  # the dashboard's event log, fed by the same hooks
 
     # -- observer hooks (called from the FUSE thread: keep them cheap) ------------------------
 
@@ -66,10 +68,14 @@ class Metrics:
         self.save_seconds.observe(seconds)
         self.saved_bytes.inc(size)
         self.saved_new_bytes.inc(max(0, new_bytes))
+        if self.history is not None:
+            self.history.on_save(seconds, size, new_bytes)
 
     def on_restore(self, seconds: float, size: int) -> None:
         self.restore_seconds.observe(seconds)
         self.restored_bytes.inc(size)
+        if self.history is not None:
+            self.history.on_restore(seconds, size)
 
     def on_gc(self, seconds: float, report: Mapping[str, Any]) -> None:
         """A finished GC run; ``report`` is ``GCReport.to_dict()``."""
@@ -77,6 +83,8 @@ class Metrics:
         self.gc_seconds.observe(seconds)
         self.gc_freed.inc(max(0, int(report.get("bytes_freed", 0))))
         self.gc_disk_freed.inc(max(0, int(report.get("disk_bytes_freed", 0))))
+        if self.history is not None:
+            self.history.on_gc(seconds, max(0, int(report.get("bytes_freed", 0))))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

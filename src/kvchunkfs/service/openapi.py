@@ -63,11 +63,14 @@ _PATHS: dict[str, Any] = {
                 _query("min_{field}", "lower bound of a numeric field; sizes take units (1MiB)"),
                 _query("max_{field}", "upper bound of a numeric field"),
                 _query("limit", "at most this many rows", {"type": "integer", "minimum": 0}),
+                _query("offset", "skip this many rows (after filtering and sorting): a page of any order",
+                       {"type": "integer", "minimum": 0}),
                 _query("after", "only rows after this path (sort by path only): the next page"),
             ],
             "responses": {
                 "200": _json({"type": "object", "properties": {
                     "count": {"type": "integer"},
+                    "total": {"type": "integer", "description": "rows the filters match, before limit/offset"},
                     "next": {"type": "string", "description": "after= of the next page (a full page only)"},
                     "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
                 }}),  # fmt: skip
@@ -91,6 +94,42 @@ _PATHS: dict[str, Any] = {
                 "400": _ERROR, "403": _ERROR, "404": _ERROR,
             },  # fmt: skip
         },
+        "patch": {
+            "summary": "Set or remove labels (xattrs user.kvcfs.label.KEY, set through the mount)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["labels"], "properties": {"labels": {
+                    "type": "object", "additionalProperties": {"type": ["string", "null"]},
+                    "description": "KEY: VALUE sets a label, KEY: null removes it"}}}}}},
+            "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR},
+        },  # fmt: skip
+    },
+    "/deletion-preview": {
+        "post": {
+            "summary": "What deleting these snapshots together would free (at the next GC)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["paths"],
+                "properties": {"paths": {"type": "array", "items": {"type": "string"}}}}}}},
+            "responses": {"200": _json({"type": "object", "properties": {
+                "snapshots": {"type": "integer", "description": "paths found"},
+                "freed_bytes": {"type": "integer", "description": "bytes of chunks only these snapshots name"},
+                "freed_chunks": {"type": "integer"},
+                "missing": {"type": "array", "items": {"type": "string"}},
+            }}), "400": _ERROR, "413": _ERROR},
+        }  # fmt: skip
+    },
+    "/history": {
+        "get": {
+            "summary": "Saves, restores and GC runs since the daemon started (bounded, in memory), as columns",
+            "parameters": [_query("since", "only events after this time (epoch seconds)", {"type": "number"})],
+            "responses": {"200": _json({"type": "object", "properties": {
+                "started": {"type": "number"},
+                "capacity": {"type": "integer", "description": "events kept per kind"},
+                "saves": {"type": "object", "description": "time, seconds, size, new_bytes, store_bytes: lists"},
+                "restores": {"type": "object", "description": "time, seconds, size: lists"},
+                "gc": {"type": "object", "description": "time, seconds, bytes_freed, store_bytes: lists"},
+                "latency": {"type": "object", "description": "save / restore: count, p50, p90, p99 (seconds)"},
+            }}), "400": _ERROR},
+        }  # fmt: skip
     },
     "/stats": {
         "get": {
@@ -108,6 +147,10 @@ _PATHS: dict[str, Any] = {
                 "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "gc": {"type": "object", "properties": {
                     "runs": {"type": "integer"}, "last": {"type": ["object", "null"]},
+                    "idle_skips": {"type": "integer", "description": "timer runs skipped: the store was unchanged"},
+                    "interval_s": {"type": "integer"},
+                    "last_finished": {"type": ["number", "null"], "description": "epoch seconds"},
+                    "next_due": {"type": ["number", "null"], "description": "epoch seconds of the next periodic run"},
                 }},
             }})},  # fmt: skip
         }

@@ -1,0 +1,95 @@
+"""The systemd unit and its settings drop-in (``kv-chunk-fs install-systemd``; ``deploy/systemd/``).
+
+``Type=notify``: the daemon sends ``READY=1`` once the mount answers (``fuse.sdnotify``), so units
+ordered after it (llama-server) start on a working directory. Stop is SIGTERM, on which the daemon
+finishes the saves in flight and unmounts; ``Restart=on-failure`` brings a crashed daemon back, and
+mount-time recovery repairs what the crash left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+UNIT_NAME = "kv-chunk-fs.service"
+DROPIN_NAME = "settings.conf"
+DEFAULT_MOUNTPOINT = "/srv/kv-slots"
+
+UNIT = """\
+# kv-chunk-fs: deduplicating FUSE filesystem for llama-server's --slot-save-path.
+# Installed by `kv-chunk-fs install-systemd`; settings go in {unit}.d/{dropin}
+# (or /etc/kv-chunk-fs/config.toml), not here.
+[Unit]
+Description=kv-chunk-fs (KV-cache snapshot store for llama-server)
+After=local-fs.target
+Before=llama-server.service
+
+[Service]
+Type=notify
+NotifyAccess=main
+Environment=KVCFS_MOUNTPOINT={mountpoint}
+# "-": after a crash the mountpoint is a dead FUSE mount that mkdir cannot stat; the daemon clears it.
+ExecStartPre=-/bin/mkdir -p ${{KVCFS_MOUNTPOINT}}
+ExecStart={exe} mount ${{KVCFS_MOUNTPOINT}}
+# SIGTERM: finish the saves in flight, then unmount (what `fusermount3 -u` would do).
+KillSignal=SIGTERM
+KillMode=mixed
+TimeoutStartSec=15min
+TimeoutStopSec=5min
+Restart=on-failure
+RestartSec=2s
+LimitNOFILE=1048576
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+DROPIN = """\
+# Settings of kv-chunk-fs.service (`systemctl edit kv-chunk-fs` opens a file like this one).
+# Every setting is an environment variable KV_CHUNK_FS_<NAME> (see `kv-chunk-fs config --help`);
+# a TOML file at /etc/kv-chunk-fs/config.toml works as well. After a change:
+#   systemctl daemon-reload && systemctl restart kv-chunk-fs
+[Service]
+Environment=KVCFS_MOUNTPOINT={mountpoint}
+#Environment=KV_CHUNK_FS_STORE=/var/lib/kv-chunk-fs
+#Environment=KV_CHUNK_FS_CACHE_SIZE=512MiB
+#Environment=KV_CHUNK_FS_GC_INTERVAL=3600
+#Environment=KV_CHUNK_FS_API_ADDRESS=127.0.0.1:9464
+#Environment=KV_CHUNK_FS_API_TOKEN_FILE=/etc/kv-chunk-fs/api-token
+"""
+
+
+def render_unit(exe: str, mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
+    return UNIT.format(exe=exe, mountpoint=mountpoint, unit=UNIT_NAME, dropin=DROPIN_NAME)
+
+
+def render_dropin(mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
+    return DROPIN.format(mountpoint=mountpoint)
+
+
+def default_exe() -> str:
+    return shutil.which("kv-chunk-fs") or f"{sys.executable} -m kvchunkfs.cli"
+
+
+def install(unit_dir: Path, exe: str, mountpoint: str) -> list[Path]:
+    """Write the unit (replacing an older one) and the drop-in (kept if it exists: it is the
+    operator's). Returns the files written."""
+    written = []
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    unit = unit_dir / UNIT_NAME
+    unit.write_text(render_unit(exe, mountpoint))
+    written.append(unit)
+    dropin = unit_dir / f"{UNIT_NAME}.d" / DROPIN_NAME
+    if not dropin.exists():
+        dropin.parent.mkdir(exist_ok=True)
+        dropin.write_text(render_dropin(mountpoint))
+        written.append(dropin)
+    return written
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--unit-dir", default="/etc/systemd/system", help="where to write the unit (default %(default)s)")
+    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="llama-server's --slot-save-path (%(default)s)")
+    p.add_argument("--exe", default=None, help="the kv-chunk-fs command for ExecStart (default: found on PATH)")

@@ -1,0 +1,147 @@
+"""Deployment: systemd readiness (sd_notify) against a real mount, the unit files, the Grafana dashboard.
+
+There is no running systemd here (PID 1 is not systemd in CI containers), so the readiness test plays
+systemd's part: it binds the unix datagram socket named by NOTIFY_SOCKET and checks that READY=1
+arrives, and only once the mount answers, and STOPPING=1 on SIGTERM, after which the daemon unmounts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SRC, Mount, is_mounted
+from prometheus_client.parser import text_string_to_metric_families
+from test_llama_shaped import SPEC, SYSTEM, proxy_save
+
+from kvchunkfs.cli import systemd
+from kvchunkfs.fuse import sdnotify
+from kvchunkfs.service.apiclient import DaemonClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _notify_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(30)
+    return sock
+
+
+def test_ready_only_once_the_mount_is_up_and_stopping_on_sigterm(tmp_path: Path, monkeypatch) -> None:
+    sock = _notify_socket(tmp_path / "notify.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", jitter=False)
+    mount.start()  # returns once the mount is listed, which may be before READY: read on
+    try:
+        message = sock.recv(4096).decode()
+        # The first message is READY, sent after a statvfs through the mount was answered.
+        assert message.startswith("READY=1\n"), message
+        assert is_mounted(mount.mnt)
+        assert "mounted " in mount.log()  # logged right after the mount, before serving
+        assert mount.proc is not None and f"MAINPID={mount.proc.pid}" in message
+        os.statvfs(mount.mnt)
+        mount.proc.send_signal(signal.SIGTERM)  # what `systemctl stop` sends (KillSignal=SIGTERM)
+        assert sock.recv(4096) == b"STOPPING=1"
+        assert mount.proc.wait(timeout=30) == 0
+        assert not is_mounted(mount.mnt), "stop must unmount"
+    finally:
+        sock.close()
+        mount.stop()
+
+
+def test_ready_follows_the_mount_and_the_mount_works(tmp_path: Path, monkeypatch) -> None:
+    """READY comes from a statvfs answered by the FUSE loop (until pyfuse3.main runs, the kernel holds
+    that request): it follows the "mounted" log line, and a save through the mount works right away."""
+    sock = _notify_socket(tmp_path / "n.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "n.sock"))
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    (tmp_path / "mnt").mkdir()
+    log = tmp_path / "d.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(tmp_path / "store"),
+                                 str(tmp_path / "mnt")], stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        assert sock.recv(4096).startswith(b"READY=1")
+        assert "mounted " in log.read_text()
+        with open(tmp_path / "mnt" / "probe", "wb") as f:  # and the mount works at once
+            f.write(b"x" * 1000)
+        assert (tmp_path / "mnt" / "probe").read_bytes() == b"x" * 1000
+    finally:
+        subprocess.run(["fusermount3", "-u", str(tmp_path / "mnt")], check=False, capture_output=True)
+        proc.wait(timeout=30)
+        sock.close()
+
+
+def test_notify_without_socket_does_nothing(monkeypatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.notify("READY=1") is False
+    monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent/socket")
+    assert sdnotify.notify("READY=1") is False  # logged, never raised
+
+
+def test_notify_abstract_socket(monkeypatch) -> None:
+    name = f"kvcfs-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert sdnotify.notify("READY=1")
+        assert sock.recv(100) == b"READY=1"
+
+
+# -- unit files --------------------------------------------------------------------------------------
+
+
+def test_committed_unit_files_are_what_install_writes(tmp_path: Path) -> None:
+    unit = ROOT / "deploy/systemd/kv-chunk-fs.service"
+    assert unit.read_text() == systemd.render_unit("/usr/local/bin/kv-chunk-fs")
+    dropin = ROOT / "deploy/systemd/kv-chunk-fs.service.d/settings.conf"
+    assert dropin.read_text() == systemd.render_dropin()
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    cmd = [sys.executable, "-m", "kvchunkfs.cli", "install-systemd", "--unit-dir", str(tmp_path), "--mountpoint",
+           "/srv/x", "--exe", "/opt/kvcfs/bin/kv-chunk-fs"]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    unit = (tmp_path / "kv-chunk-fs.service").read_text()
+    assert "Type=notify" in unit and "Restart=on-failure" in unit and "KillSignal=SIGTERM" in unit
+    assert "ExecStart=/opt/kvcfs/bin/kv-chunk-fs mount ${KVCFS_MOUNTPOINT}" in unit
+    (tmp_path / "kv-chunk-fs.service.d/settings.conf").write_text("[Service]\n# mine\n")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    assert (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text() == "[Service]\n# mine\n"  # kept
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    systemd.install(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")
+    r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kv-chunk-fs.service")], capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "kv-chunk-fs.service" not in r.stderr, r.stderr  # no warning about our unit
+
+
+# -- Grafana -----------------------------------------------------------------------------------------
+
+def dashboard_metrics() -> set[str]:
+    board = json.loads((ROOT / "deploy/grafana/kv-chunk-fs.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    exprs.append(board["templating"]["list"][1]["query"])
+    names = {n for e in exprs for n in re.findall(r"\b(kvcfs_[a-z_]+)", e)}
+    assert names, "no metric found in the dashboard"
+    return names
+
+
+def test_every_grafana_metric_exists_in_metrics(kvfs: Mount) -> None:
+    proxy_save(kvfs.mnt, "conv", SYSTEM, SPEC)
+    with open(kvfs.mnt / "conv", "rb") as f:  # a restore: its histogram gets a sample
+        f.read()
+    text = DaemonClient(kvfs.store).text("GET", "/metrics")
+    samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    missing = sorted(dashboard_metrics() - samples)
+    assert not missing, f"the Grafana dashboard queries metrics /metrics does not have: {missing}"

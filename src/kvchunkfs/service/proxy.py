@@ -178,12 +178,15 @@ class ProxyMetrics:
         self.evicted = Counter("kvcfs_proxy_evicted_snapshots", "Snapshots deleted for cache_max_bytes", registry=r)
         hit = Gauge("kvcfs_proxy_prompt_hit_ratio", "Share of prompt tokens not evaluated (store + slot)", registry=r)
         hit.set_function(self.hit_ratio)
+        self._tokens = dict.fromkeys(("store", "slot", "evaluated"), 0)  # for the ratio, read without the registry
+
+    def count_tokens(self, source: str, n: int) -> None:
+        self._tokens[source] += n
+        self.prompt_tokens.labels(source).inc(n)
 
     def hit_ratio(self) -> float:
-        get = self.prompt_tokens.labels
-        store, slot, evaluated = (get(s)._value.get() for s in ("store", "slot", "evaluated"))
-        total = store + slot + evaluated
-        return (store + slot) / total if total else 0.0
+        total = sum(self._tokens.values())
+        return (self._tokens["store"] + self._tokens["slot"]) / total if total else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -515,9 +518,9 @@ class Proxy:
 
     def _count_tokens(self, plan: Plan, n: int) -> None:
         evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, n - plan.held)
-        self.metrics.prompt_tokens.labels("store").inc(plan.restored)
-        self.metrics.prompt_tokens.labels("slot").inc(max(0, plan.held - plan.restored))
-        self.metrics.prompt_tokens.labels("evaluated").inc(evaluated)
+        self.metrics.count_tokens("store", plan.restored)
+        self.metrics.count_tokens("slot", max(0, plan.held - plan.restored))
+        self.metrics.count_tokens("evaluated", evaluated)
 
     async def save(self, slot: Slot, name: str, tokens: list[int]) -> None:
         if self.mount is None:

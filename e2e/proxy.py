@@ -183,10 +183,22 @@ def run(mode: str, convs: list[dict[str, Any]], args: argparse.Namespace, work: 
                 records.append(r)
                 history[i] = [*messages, {"role": "assistant", "content": r["text"]}]
         if via_proxy:
-            (d / "metrics.txt").write_text(proxy.metrics())
+            records.append({"metrics": proxy_metrics(proxy.metrics())})
     finally:
         stop()
     return records
+
+
+def proxy_metrics(text: str) -> dict[str, float]:
+    """The proxy's counters and duration sums (of the instance serving the last turn)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith(("_total", "_sum", "_count", "_ratio")):
+                out[s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))] = s.value
+    return out
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,7 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             t0 = time.monotonic()
             records = run(mode, convs, args, work)
+            extra = [r for r in records if "metrics" in r]
+            records = [r for r in records if "metrics" not in r]
             results[mode] = {"summary": summary(records), "records": records, "seconds": time.monotonic() - t0}
+            if extra:
+                results[mode]["proxy_metrics_after_restart"] = extra[0]["metrics"]
+                m = extra[0]["metrics"]
+                for step in ("restore", "save"):
+                    n = m.get(f"kvcfs_proxy_{step}_seconds_count", 0)
+                    if n:
+                        print(f"{mode}: {int(n)} {step}s after the restart, mean "
+                              f"{1000 * m[f'kvcfs_proxy_{step}_seconds_sum'] / n:.1f} ms")  # fmt: skip
             print(f"{mode}: {json.dumps(results[mode]['summary'])}", flush=True)
     finally:
         if args.keep:

@@ -306,3 +306,40 @@ def test_prefix_match_endpoint(rig: Rig) -> None:
         r2 = daemon.post("/prefix-match", json=bad)
         assert r2.status_code == 400 and "error" in r2.json(), bad
     assert daemon.post("/prefix-match", content=b"{").status_code == 400
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    from kvchunkfs.cli.main import main
+
+    assert main(["proxy", "--upstream", rig.upstream.url]) == 2  # no --mount: a clear error
+    port = free_port()
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--store", str(rig.mount.store), "--mount",
+            str(rig.mount.mnt), "--upstream", rig.upstream.url, "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(SRC)), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "proxy did not start"
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        messages = [*conversation("CLI"), {"role": "user", "content": "hi"}]
+        out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+        assert out.choices[0].message.content == direct_chat(rig, messages)
+    finally:
+        proc.terminate()  # SIGTERM: uvicorn stops, the lifespan waits for the save in flight
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -15), err.decode()  # uvicorn re-raises SIGTERM after its graceful shutdown
+    assert b"Traceback" not in err, err.decode()
+    assert len(rig.files()) == 1 and not rig.files()[0].endswith(".tmp")

@@ -213,7 +213,11 @@ class Proxy:
         self.min_restore = min_restore
         self.cache_max_bytes = cache_max_bytes
         self.metrics = ProxyMetrics(registry)
-        self.http = httpx.AsyncClient(base_url=self.upstream_url, timeout=httpx.Timeout(None, connect=10.0))
+        # llama-server closes idle keep-alive connections after 5 s; reusing one it just closed fails the
+        # request, so pooled connections expire well before that.
+        limits = httpx.Limits(max_keepalive_connections=32, keepalive_expiry=1.0)
+        self.http = httpx.AsyncClient(base_url=self.upstream_url, timeout=httpx.Timeout(None, connect=10.0),
+                                      limits=limits)  # fmt: skip
         self.daemon: httpx.AsyncClient | None = None
         if store is not None:
             transport = httpx.AsyncHTTPTransport(uds=str(socket_path(store)))
@@ -322,9 +326,18 @@ class Proxy:
         return n, hashlib.sha256(model.encode()).hexdigest()[:8]
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        r = await self.http.request(method, path, **kw)
+        r = await self._call(method, path, **kw)
         r.raise_for_status()
         return r.json()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """The proxy's own requests to the upstream (tokenize, slots, save, restore: all safe to repeat),
+        sent again once if the connection was closed under them."""
+        try:
+            return await self.http.request(method, path, **kw)
+        except httpx.RemoteProtocolError as e:
+            log.debug("%s %s: %s; once more on a new connection", method, path, e)
+            return await self.http.request(method, path, **kw)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -481,8 +494,8 @@ class Proxy:
     async def restore(self, slot: Slot, match: Match, tokens: list[int]) -> bool:
         start = time.monotonic()
         try:
-            r = await self.http.post(f"/slots/{slot.id}", params={"action": "restore"},
-                                     json={"filename": match.path})  # fmt: skip
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "restore"},
+                                 json={"filename": match.path})  # fmt: skip
             r.raise_for_status()
             n = int(r.json()["n_restored"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
@@ -528,7 +541,7 @@ class Proxy:
         start = time.monotonic()
         tmp = name + TMP_SUFFIX
         try:
-            r = await self.http.post(f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
             r.raise_for_status()
             n = int(r.json()["n_saved"])
             prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer

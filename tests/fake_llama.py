@@ -75,9 +75,10 @@ class Record:
 
 
 class FakeLlama:
-    def __init__(self, slot_dir: Path, n_slots: int = 2, token_delay: float = 0.0) -> None:
+    def __init__(self, slot_dir: Path, n_slots: int = 2, token_delay: float = 0.0, save_delay: float = 0.0) -> None:
         self.slot_dir = slot_dir
         self.token_delay = token_delay
+        self.save_delay = save_delay
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.records: list[Record] = []
         self.actions: list[tuple[str, int, str]] = []  # (save|restore, slot, filename)
@@ -131,6 +132,7 @@ class FakeLlama:
             self.actions.append((action or "", slot.id, filename))
             path = self.slot_dir / filename
             if action == "save":
+                await asyncio.sleep(self.save_delay)
                 n = len(slot.tokens)
                 data = struct.pack("<3I", MAGIC, 1, n) + struct.pack(f"<{n}i", *slot.tokens) + rows(slot.tokens)
                 await run_in_threadpool(path.write_bytes, data)

@@ -68,10 +68,11 @@ class Rig:
         self.server = ServerThread(self.proxy.app, free_port()).start()
 
 
-def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, **kw: int) -> Iterator[Rig]:
+def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: float = 0.0, **kw: int
+             ) -> Iterator[Rig]:  # fmt: skip
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start()
-    fake = FakeLlama(mount.mnt, slots, delay)
+    fake = FakeLlama(mount.mnt, slots, delay, save_delay)
     upstream = ServerThread(fake.app, free_port()).start()
     (tmp_path / "direct").mkdir()
     proxy = Proxy(upstream.url, mount.mnt, mount.store, min_restore=kw.get("min_restore", 4),
@@ -246,6 +247,18 @@ def test_parallel_conversations_run_on_different_slots(tmp_path: Path) -> None:
         slots = {r.id_slot for r in rig.fake.records}
         assert slots == {0, 1}
         assert len(rig.files()) == 2
+
+
+def test_the_next_turn_right_away_waits_for_its_slot_to_finish_saving(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, slots=2, save_delay=0.3):
+        messages = [*conversation("A"), {"role": "user", "content": "first"}]
+        for i in range(3):  # no pause: each turn arrives while the previous one is being saved
+            messages += [{"role": "assistant", "content": chat(rig, messages)}, {"role": "user", "content": f"q{i}"}]
+        rig.idle()
+        assert {r.id_slot for r in rig.fake.records} == {0}  # the other slot was free all along
+        assert all(r.prompt_n < 20 for r in rig.fake.records[1:]), rig.fake.records
+        assert not [a for a in rig.fake.actions if a[0] == "restore"]
+        assert len(rig.files()) == 1
 
 
 # -- streaming and disconnects -------------------------------------------------------------------

@@ -104,6 +104,7 @@ class Slot:
     snapshot: str | None = None  # the stored file equal to its content
     prompt_len: int = 0  # the prompt part of ``snapshot``
     busy: bool = False
+    saving: bool = False  # its request is answered; the save is running
     last_used: float = 0.0
 
     def forget(self) -> None:
@@ -112,25 +113,43 @@ class Slot:
 
 class SlotPool:
     """Free slots handed to requests: the one holding the longest prefix of the prompt, else the least
-    recently used. Waits only when every slot is busy."""
+    recently used. Waits when every slot is busy, and when a slot still saving holds ``min_gain`` more
+    of the prompt than any free one: an agent sends its next turn as soon as it has the answer, and
+    that turn belongs on the slot that just produced the answer (the save takes milliseconds)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, min_gain: int = 1) -> None:
         self.slots = [Slot(i) for i in range(n)]
+        self.min_gain = min_gain
         self._changed = asyncio.Condition()
 
     async def acquire(self, tokens: list[int]) -> Slot:
         async with self._changed:
             while True:
-                free = [s for s in self.slots if not s.busy]
-                if free:
-                    best = max(free, key=lambda s: (common_prefix_len(tokens, s.tokens), -s.last_used))
-                    best.busy = True
-                    return best
+                slot = self._pick(tokens)
+                if slot is not None:
+                    slot.busy = True
+                    return slot
                 await self._changed.wait()
+
+    def _pick(self, tokens: list[int]) -> Slot | None:
+        held = {s.id: common_prefix_len(tokens, s.tokens) for s in self.slots}
+        free = [s for s in self.slots if not s.busy]
+        best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
+        saving = [held[s.id] for s in self.slots if s.busy and s.saving]
+        if saving and max(saving) >= (held[best.id] if best else 0) + self.min_gain:
+            return None
+        return best
+
+    @contextlib.asynccontextmanager
+    async def changed(self) -> AsyncIterator[None]:
+        """Change slots under the pool's lock; waiting requests look again afterwards."""
+        async with self._changed:
+            yield
+            self._changed.notify_all()
 
     async def release(self, slot: Slot) -> None:
         async with self._changed:
-            slot.busy = False
+            slot.busy = slot.saving = False
             slot.last_used = time.monotonic()
             self._changed.notify_all()
 
@@ -314,7 +333,7 @@ class Proxy:
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     log.warning("cannot learn the upstream's slots and model (requests pass through): %s", e)
                     return False
-                self.pool, self.tag = SlotPool(n), tag
+                self.pool, self.tag = SlotPool(n, self.min_restore), tag
                 log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*", n, NAME_PREFIX, tag)
         return True
 
@@ -521,6 +540,8 @@ class Proxy:
             if tokens is not None and ok:
                 self._count_tokens(plan, len(tokens))
             if ok and plan.name is not None and tokens is not None:
+                async with self.pool.changed():  # the prompt is in the slot now: its next turn waits for it
+                    slot.tokens, slot.saving = list(tokens), True
                 await self.save(slot, plan.name, tokens)
             elif tokens is None:
                 slot.forget()

@@ -222,7 +222,11 @@ def test_restart_of_llama_server_mount_and_proxy_restores_from_the_store(rig: Ri
     convs = {name: turn(rig, conversation(name), f"{name} hello") for name in "ABC"}
     rig.fake.restart()  # llama-server restarted: empty slots
     rig.mount.remount()
-    rig.restart_proxy()
+    # The proxy goes on across the remount (its pooled API connection is gone) ...
+    convs["A"] = turn(rig, convs["A"], "A after the remount")
+    assert rig.fake.actions[-2][0] == "restore" and rig.fake.records[-1].prompt_n < 20
+    rig.fake.restart()
+    rig.restart_proxy()  # ... and a new proxy finds everything in the store too
     shared = 0
     for name, messages in convs.items():
         before = len(rig.fake.records)

@@ -498,7 +498,7 @@ class Proxy:
             return None
         body = {"tokens": tokens, "prefix": f"{NAME_PREFIX}{self.tag}-", "exclude_suffix": TMP_SUFFIX}
         try:
-            r = await self.daemon.post("/prefix-match", json=body)
+            r = await self._ask_daemon("POST", "/prefix-match", json=body)
             r.raise_for_status()
             matches = r.json()["matches"]
         except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -509,6 +509,16 @@ class Proxy:
             return None
         m = matches[0]
         return Match(m["path"], m["match"], m["tokens"], _int(m["labels"].get(PROMPT_LABEL), m["tokens"]))
+
+    async def _ask_daemon(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """A request to the daemon's API, sent again once if its connection is gone (a remount makes
+        a new socket; the pooled connection still points at the old one)."""
+        assert self.daemon is not None
+        try:
+            return await self.daemon.request(method, path, **kw)
+        except httpx.TransportError as e:
+            log.debug("daemon %s %s: %s; once more", method, path, e)
+            return await self.daemon.request(method, path, **kw)
 
     async def restore(self, slot: Slot, match: Match, tokens: list[int]) -> bool:
         start = time.monotonic()
@@ -595,12 +605,12 @@ class Proxy:
 
     async def _evict(self) -> None:
         assert self.daemon is not None and self.pool is not None
-        stats = await self.daemon.get("/stats")
+        stats = await self._ask_daemon("GET", "/stats")
         stats.raise_for_status()
         excess = int(stats.json()["stored_bytes"]) - self.cache_max_bytes
         if excess <= 0:
             return
-        r = await self.daemon.get("/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
+        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
         r.raise_for_status()
         in_use = {s.snapshot for s in self.pool.slots if s.busy}  # about to be rewritten: keep
         freed = deleted = 0
@@ -608,7 +618,7 @@ class Proxy:
             path = row["path"]
             if path in in_use or path.endswith(TMP_SUFFIX) or "path_b64" in row:
                 continue
-            d = await self.daemon.delete("/snapshots/" + quote(path, safe="/"))
+            d = await self._ask_daemon("DELETE", "/snapshots/" + quote(path, safe="/"))
             if d.status_code >= 400 and d.status_code != 404:
                 d.raise_for_status()
             # Unique bytes only: shared chunks stay for the others (an underestimate; the next run catches up).
@@ -620,7 +630,7 @@ class Proxy:
                 break
         if deleted:
             self.metrics.evicted.inc(deleted)
-            (await self.daemon.post("/gc")).raise_for_status()
+            (await self._ask_daemon("POST", "/gc")).raise_for_status()
             log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
 
 

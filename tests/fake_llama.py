@@ -24,6 +24,8 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -75,7 +77,8 @@ class Record:
 
 
 class FakeLlama:
-    def __init__(self, slot_dir: Path, n_slots: int = 2, token_delay: float = 0.0, save_delay: float = 0.0) -> None:
+    def __init__(self, slot_dir: Path, n_slots: int = 2, token_delay: float = 0.0, save_delay: float = 0.0,
+                 api_key: str = "") -> None:  # fmt: skip
         self.slot_dir = slot_dir
         self.token_delay = token_delay
         self.save_delay = save_delay
@@ -93,7 +96,7 @@ class FakeLlama:
             Route("/completion", self.completion, methods=["POST"]),
             Route("/v1/completions", self.completion, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])  # fmt: skip
+        ], middleware=[Middleware(KeyCheck, key=api_key)] if api_key else [])  # fmt: skip
 
     def restart(self) -> None:
         """What a restarted llama-server looks like: every slot empty."""
@@ -241,6 +244,19 @@ class FakeLlama:
             yield _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
         yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": timings})
         yield b"data: [DONE]\n\n"
+
+
+class KeyCheck(BaseHTTPMiddleware):
+    """llama-server's --api-key: every endpoint but /health wants ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        super().__init__(app)
+        self.key = key
+
+    async def dispatch(self, request: Request, call_next: Any) -> Response:
+        if request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {self.key}":
+            return _err(401, "Invalid API Key")
+        return await call_next(request)
 
 
 def _sse(doc: dict) -> bytes:

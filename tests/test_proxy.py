@@ -68,11 +68,11 @@ class Rig:
         self.server = ServerThread(self.proxy.app, free_port()).start()
 
 
-def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: float = 0.0, **kw: int
-             ) -> Iterator[Rig]:  # fmt: skip
+def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: float = 0.0, api_key: str = "",
+             **kw: int) -> Iterator[Rig]:  # fmt: skip
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start()
-    fake = FakeLlama(mount.mnt, slots, delay, save_delay)
+    fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
     upstream = ServerThread(fake.app, free_port()).start()
     (tmp_path / "direct").mkdir()
     proxy = Proxy(upstream.url, mount.mnt, mount.store, min_restore=kw.get("min_restore", 4),
@@ -263,6 +263,31 @@ def test_the_next_turn_right_away_waits_for_its_slot_to_finish_saving(tmp_path: 
         assert all(r.prompt_n < 20 for r in rig.fake.records[1:]), rig.fake.records
         assert not [a for a in rig.fake.actions if a[0] == "restore"]
         assert len(rig.files()) == 1
+
+
+def test_an_upstream_api_key_is_used_for_the_proxys_own_calls(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, api_key="sekrit"):
+        messages = [*conversation("K"), {"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError):  # the upstream's 401, passed through
+            rig.client().chat.completions.create(model="fake", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+        client = openai.OpenAI(base_url=rig.url + "/v1", api_key="sekrit", max_retries=0)
+        client.chat.completions.create(model="fake", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+        rig.idle()
+        assert len(rig.files()) == 1 and rig.fake.records[-1].id_slot is not None
+        rig.fake.restart()
+        client.chat.completions.create(model="fake", messages=[*messages, {"role": "user", "content": "more"}],
+                                       max_tokens=2)  # type: ignore[arg-type]  # fmt: skip
+        rig.idle()
+        assert [a[0] for a in rig.fake.actions] == ["save", "restore", "save"]
+        assert not [r for r in rig.fake.records if r.id_slot is None]
+
+
+def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:
+    body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
+    assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200
+    rig.idle()
+    assert rig.files() == [] and rig.fake.records[-1].id_slot is not None
+    assert rig.metrics()["kvcfs_proxy_requests_total[('outcome', 'uncached')]"] == 1
 
 
 # -- streaming and disconnects -------------------------------------------------------------------

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -72,6 +73,10 @@ LABEL_XATTR = "user.kvcfs.label." + PROMPT_LABEL
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})  # fmt: skip
 _METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+# The client's Authorization header, for the proxy's own upstream calls on behalf of its request (a
+# llama-server with --api-key wants it on /tokenize, /slots, ...). Tasks started by the request
+# (its save) copy the context, so they carry it too.
+_AUTH: contextvars.ContextVar[str] = contextvars.ContextVar("kvcfs_proxy_auth", default="")
 
 
 def _request_headers(request: Request, identity: bool = False) -> dict[str, str]:
@@ -296,6 +301,7 @@ class Proxy:
                 payload = json.loads(body)
             except ValueError:
                 payload = None  # llama-server says what is wrong with it
+        _AUTH.set(request.headers.get("authorization", ""))
         try:
             if isinstance(payload, dict) and kind is not None and await self.ready():
                 return await self.generate(request, kind, payload)
@@ -352,6 +358,9 @@ class Proxy:
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """The proxy's own requests to the upstream (tokenize, slots, save, restore: all safe to repeat),
         sent again once if the connection was closed under them."""
+        auth = _AUTH.get()
+        if auth:
+            kw["headers"] = {"authorization": auth, **kw.get("headers", {})}
         try:
             return await self.http.request(method, path, **kw)
         except httpx.RemoteProtocolError as e:
@@ -427,6 +436,8 @@ class Proxy:
     async def prompt_tokens(self, kind: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt as the upstream tokenizes it; None when the proxy cannot tell (multimodal,
         several prompts, a template error): then the request runs uncached."""
+        if payload.get("cache_prompt") is False:  # the client asked for no prompt cache
+            return None
         try:
             if kind == "chat":
                 if not _text_only(payload.get("messages")):

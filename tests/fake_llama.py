@@ -82,6 +82,8 @@ class FakeLlama:
         self.slot_dir = slot_dir
         self.token_delay = token_delay
         self.save_delay = save_delay
+        self.fail_restores = False
+        self.save_fails = False
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.records: list[Record] = []
         self.actions: list[tuple[str, int, str]] = []  # (save|restore, slot, filename)
@@ -138,10 +140,15 @@ class FakeLlama:
                 await asyncio.sleep(self.save_delay)
                 n = len(slot.tokens)
                 data = struct.pack("<3I", MAGIC, 1, n) + struct.pack(f"<{n}i", *slot.tokens) + rows(slot.tokens)
-                await run_in_threadpool(path.write_bytes, data)
+                await run_in_threadpool(path.write_bytes, data[: len(data) // 2] if self.save_fails else data)
+                if self.save_fails:
+                    return _err(500, "Unable to save slot")
                 return JSONResponse({"id_slot": slot.id, "filename": filename, "n_saved": len(slot.tokens),
                                      "n_written": len(data), "timings": {"save_ms": 1.0}})  # fmt: skip
             if action == "restore":
+                if self.fail_restores:
+                    slot.tokens = []
+                    return _err(400, "Unable to restore slot: failing on purpose")
                 try:
                     data = await run_in_threadpool(path.read_bytes)
                 except FileNotFoundError:

@@ -282,6 +282,27 @@ def test_an_upstream_api_key_is_used_for_the_proxys_own_calls(tmp_path: Path) ->
         assert not [r for r in rig.fake.records if r.id_slot is None]
 
 
+def test_failed_restores_and_saves_cost_prefill_not_answers(rig: Rig) -> None:
+    a1 = turn(rig, conversation("A"), "one")
+    rig.fake.restart()
+    rig.fake.fail_restores = True
+    a2 = turn(rig, a1, "two")  # the restore fails: prefill instead, same answer
+    assert a2[-1]["content"] == direct_chat(rig, a2[:-1])
+    assert rig.fake.records[-1].cache_n == 0
+    rig.proxy.mount = rig.mount.mnt / "elsewhere"  # the rename cannot work: the save fails
+    turn(rig, conversation("B"), "one")
+    m = rig.metrics()
+    assert m["kvcfs_proxy_errors_total[('step', 'restore')]"] == 1
+    assert m["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
+    assert all(not s.busy for s in rig.proxy.pool.slots)  # type: ignore[union-attr]
+    rig.proxy.mount = rig.mount.mnt
+    left = rig.files()  # B's NAME.tmp, which the proxy looked for in the wrong place
+    rig.fake.save_fails = True  # llama-server cannot save (e.g. the disk is full) after writing part of it
+    turn(rig, conversation("C"), "one")
+    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 2
+    assert rig.files() == left  # C's partial NAME.tmp is removed
+
+
 def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:
     body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
     assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200

@@ -592,9 +592,16 @@ class Proxy:
             log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
             self.metrics.errors.labels("save").inc()
             slot.forget()
+            await asyncio.to_thread(self._discard, tmp)
             return
         self.metrics.save_s.observe(time.monotonic() - start)
         slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
+
+    def _discard(self, tmp: str) -> None:
+        """Remove a half-done save's NAME.tmp (if llama-server wrote one): the store frees it at GC."""
+        assert self.mount is not None
+        with contextlib.suppress(OSError):
+            os.unlink(self.mount / tmp)
 
     def _install(self, tmp: str, name: str, prompt_len: int) -> None:
         """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole."""

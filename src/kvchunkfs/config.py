@@ -209,6 +209,15 @@ SETTINGS: dict[str, Setting] = {
         Setting("api_token_file", "file", None, "file holding the API's bearer token (not shown by ps, unlike a flag)"),
         Setting("api_insecure_no_token", "bool", False,
                 "serve the TCP API without a token: anyone who can connect may delete snapshots"),
+        Setting("proxy_upstream", "str", "http://127.0.0.1:8080", "proxy: the llama-server it forwards to"),
+        Setting("proxy_listen", "address", "127.0.0.1:8081", "proxy: host:port it serves clients on"),
+        Setting("proxy_mount", "file", None,
+                "proxy: the mounted directory llama-server saves into (its --slot-save-path); required by proxy"),
+        Setting("proxy_min_restore", "int", 32,
+                "proxy: restore a snapshot only if it brings at least this many more prompt tokens than the slot holds",
+                lo=1),
+        Setting("cache_max_bytes", "size", 0,
+                "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)", lo=0),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     )
@@ -244,6 +253,11 @@ class Config:
     api_token: str = SETTINGS["api_token"].default
     api_token_file: Path | None = SETTINGS["api_token_file"].default
     api_insecure_no_token: bool = SETTINGS["api_insecure_no_token"].default
+    proxy_upstream: str = SETTINGS["proxy_upstream"].default
+    proxy_listen: str = SETTINGS["proxy_listen"].default
+    proxy_mount: Path | None = SETTINGS["proxy_mount"].default
+    proxy_min_restore: int = SETTINGS["proxy_min_restore"].default
+    cache_max_bytes: int = SETTINGS["cache_max_bytes"].default
     score: str = SETTINGS["score"].default
     log_level: str = SETTINGS["log_level"].default
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)

@@ -224,6 +224,21 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from kvchunkfs.service.proxy import Proxy, serve
+
+    if cfg.proxy_mount is None:
+        print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
+                  cache_max_bytes=cfg.cache_max_bytes)  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
+    log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
+    serve(proxy, cfg.proxy_listen)
+    return 0
+
+
 Command = Callable[[cfgmod.Config, argparse.Namespace], int]
 
 
@@ -246,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("stats", cliops.cmd_stats, "store totals: snapshots, logical/stored bytes, dedup ratio, chunks, packs")
     p.add_argument("--json", action="store_true", help="print JSON")
     cliops.add_tree_arguments(add("tree", cliops.cmd_tree, "token-prefix tree of the snapshots"))
+    p = add("proxy", cmd_proxy, "serve llama-server's API with a disk prompt cache on the mount (see README)")
+    p.add_argument("--upstream", dest="proxy_upstream", default=None, help="same as --proxy-upstream")
+    p.add_argument("--listen", dest="proxy_listen", default=None, help="same as --proxy-listen")
+    p.add_argument("--mount", dest="proxy_mount", default=None, help="same as --proxy-mount")
     p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = add("ui", cmd_ui, "web dashboard of the running daemon (through its unix socket)")

@@ -2,7 +2,8 @@
 
 Endpoints (see ``docs/api.md`` and ``GET /openapi.json``): ``GET /snapshots``, ``GET|PATCH|DELETE
 /snapshots/{path}``, ``POST /deletion-preview``, ``GET /stats``, ``GET /history``, ``POST /gc``,
-``GET /logs``, ``GET /metrics``, ``GET /prefix-tree``, ``GET /health``, ``GET /openapi.json``.
+``GET /logs``, ``GET /metrics``, ``GET /prefix-tree``, ``POST /prefix-match``, ``GET /health``,
+``GET /openapi.json``.
 
 Threads: the FUSE loop is trio on the main thread; uvicorn runs its own asyncio loop in the thread
 ``kvcfs-api``; handlers do blocking work in the anyio worker pool. Nothing here runs on the trio
@@ -252,6 +253,12 @@ class Service:
             self._tree_cache[key] = (gen, body)
             return body
 
+    def prefix_match(self, query: PrefixQuery) -> dict[str, Any]:
+        matches = self.live.prefix_match(query.tokens, query.prefix, query.exclude_suffix, query.limit)
+        rows = [{"path": catalog.display_name(m.path), **_b64(m.path), "match": m.match, "tokens": m.tokens,
+                 "labels": m.labels} for m in matches]  # fmt: skip
+        return {"count": len(rows), "matches": rows}
+
     def delete(self, rel: str) -> None:
         """Unlink through the mount so FUSE sees it (open handles keep working, inodes are dropped)."""
         os.unlink(self.mountpoint / rel)
@@ -340,6 +347,43 @@ def snapshot_path_param(request: Request) -> str:
     if isinstance(raw, bytes) and raw.startswith(prefix):
         return os.fsdecode(unquote_to_bytes(raw[len(prefix) :]))
     return request.path_params["path"]
+
+
+MAX_QUERY_TOKENS = 1 << 22  # far beyond any context window; bounds what one request can make us hold
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+@dataclass(frozen=True)
+class PrefixQuery:
+    """The body of ``POST /prefix-match``."""
+
+    tokens: list[int]
+    prefix: str = ""
+    exclude_suffix: str = ""
+    limit: int = 1
+
+
+def parse_prefix_query(body: Any) -> PrefixQuery:
+    """A checked query, else HTTPException 400 naming what is wrong."""
+    if not isinstance(body, dict):
+        raise HTTPException(400, "expected a JSON object with a 'tokens' list")
+    unknown = sorted(set(body) - {"tokens", "prefix", "exclude_suffix", "limit"})
+    if unknown:
+        raise HTTPException(400, f"unknown field(s) {', '.join(map(repr, unknown))}")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > MAX_QUERY_TOKENS:
+        raise HTTPException(400, f"'tokens' must be a list of at most {MAX_QUERY_TOKENS} integers")
+    lo, hi = _INT32
+    if not all(type(t) is int and lo <= t <= hi for t in tokens):  # bool is not a token
+        raise HTTPException(400, "'tokens' must hold 32-bit integers only")
+    texts = {k: body.get(k, "") for k in ("prefix", "exclude_suffix")}
+    for name, value in texts.items():
+        if not isinstance(value, str):
+            raise HTTPException(400, f"{name!r} must be a string")
+    limit = body.get("limit", 1)
+    if type(limit) is not int or not 1 <= limit <= 1000:
+        raise HTTPException(400, "'limit' must be an integer from 1 to 1000")
+    return PrefixQuery(tokens, texts["prefix"], texts["exclude_suffix"], limit)
 
 
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
@@ -463,6 +507,15 @@ def create_app(service: Service) -> Starlette:
             return Response(body, media_type="text/plain; charset=utf-8")
         return Response(body, media_type="application/json")
 
+    async def post_prefix_match(request: Request) -> Response:
+        _params(request, frozenset())
+        try:
+            body = await request.json()
+        except ValueError:
+            raise HTTPException(400, "the body is not JSON") from None
+        query = parse_prefix_query(body)
+        return JSONResponse(await run_in_threadpool(service.prefix_match, query))
+
     async def get_openapi(request: Request) -> Response:
         return JSONResponse(spec())
 
@@ -481,6 +534,7 @@ def create_app(service: Service) -> Starlette:
         Route("/logs", get_logs, methods=["GET"]),
         Route("/metrics", get_metrics, methods=["GET"]),
         Route("/prefix-tree", get_prefix_tree, methods=["GET"]),
+        Route("/prefix-match", post_prefix_match, methods=["POST"]),
         Route("/openapi.json", get_openapi, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]

@@ -67,6 +67,16 @@ class Entry:
         return ((ids[i * 32 : i * 32 + 32], n) for i, n in enumerate(self.lens))
 
 
+@dataclass
+class PrefixMatch:
+    """A snapshot sharing ``match`` leading tokens with a query; ``tokens`` is its own count."""
+
+    path: str
+    match: int
+    tokens: int
+    labels: dict[str, str]
+
+
 class LiveCatalog:
     def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None) -> None:
         self.snapshots_dir = snapshots_dir
@@ -389,6 +399,25 @@ class LiveCatalog:
             found = {e.info.path: e.tokens.tolist() for e in chosen if e.tokens is not None}
             skipped = {e.info.path: e.token_error or "" for e in chosen if e.tokens is None}
         return found, skipped
+
+    def prefix_match(self, tokens: list[int], prefix: str = "", exclude_suffix: str = "", limit: int = 1
+                     ) -> list[PrefixMatch]:  # fmt: skip
+        """The snapshots under ``prefix`` sharing the longest common token prefix with ``tokens``, best
+        first (longest match, then fewest tokens: the least to restore), at most ``limit``, none with no
+        common token. A linear scan of the in-memory token arrays: comparisons run in C, and a tree
+        would have to be rebuilt after every save, which is what a proxy does after every request."""
+        want = array.array("i", tokens)
+        found: list[PrefixMatch] = []
+        with self._reading():
+            for path, entry in self.entries.items():
+                have = entry.tokens
+                if have is None or not path.startswith(prefix) or (exclude_suffix and path.endswith(exclude_suffix)):
+                    continue
+                n = prefixtree.common_prefix_len(want, have)
+                if n:
+                    found.append(PrefixMatch(path, n, len(have), dict(entry.info.labels)))
+        found.sort(key=lambda m: (-m.match, m.tokens, m.path))
+        return found[:limit]
 
     def token_tree(self, prefix: str = "") -> tuple[prefixtree.Node, dict[str, str]]:
         found, skipped = self.tokens(prefix)

@@ -221,6 +221,30 @@ _PATHS: dict[str, Any] = {
             },
         }
     },
+    "/prefix-match": {
+        "post": {
+            "summary": "Snapshots sharing the longest token prefix with the given tokens (the proxy's lookup)",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokens"], "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "prefix": {"type": "string", "description": "only snapshot paths starting with this"},
+                    "exclude_suffix": {"type": "string", "description": "skip paths ending with this (e.g. .tmp)"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1},
+                }}}}},  # fmt: skip
+            "responses": {
+                "200": _json({"type": "object", "properties": {
+                    "count": {"type": "integer"},
+                    "matches": {"type": "array", "items": {"type": "object", "properties": {
+                        "path": {"type": "string"}, "path_b64": {"type": "string"},
+                        "match": {"type": "integer", "description": "leading tokens shared with the query"},
+                        "tokens": {"type": "integer", "description": "the snapshot's own token count"},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    }}},
+                }}),  # fmt: skip
+                "400": _ERROR,
+            },
+        }
+    },
     "/openapi.json": {"get": {"summary": "This description", "responses": {"200": _json({"type": "object"})}}},
     "/health": {
         "get": {

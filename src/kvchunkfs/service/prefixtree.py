@@ -112,7 +112,7 @@ def build_tree(items: Mapping[str, Sequence[int]]) -> Node:
     """Build a compressed radix tree; the root has an empty edge and holds every snapshot."""
     # Sorting puts lists sharing a prefix next to each other; list comparison runs in C.
     entries = sorted((list(tokens), name) for name, tokens in items.items())
-    lcp = [0] + [_common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
+    lcp = [0] + [common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
     root = Node(edge=[], depth=0, snapshots=sorted(items))
     # Explicit stack: a chain of snapshots that extend each other would be too deep to recurse.
     stack = [(root, 0, len(entries))]
@@ -154,7 +154,7 @@ def _make_node(entries: Entries, lcp: list[int], lo: int, hi: int, parent_depth:
     return Node(edge=tokens[parent_depth:depth], depth=depth, snapshots=names)
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix, by bisection over slice comparisons (done in C)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:

@@ -1,0 +1,741 @@
+"""``kv-chunk-fs proxy``: a drop-in disk prompt cache in front of llama-server (issue 16).
+
+Clients talk to the proxy exactly as to llama-server; every request is forwarded unchanged (bodies,
+status codes, SSE streams chunk by chunk). Generation requests (``/completion``, ``/v1/completions``,
+``/v1/chat/completions`` and their unversioned aliases) get three extra steps:
+
+1. **Before**: the prompt is tokenized by the upstream itself (``/apply-template`` for chat, then
+   ``/tokenize``), so the tokens are exactly the ones llama-server will see. The request is routed to
+   the free slot holding the longest common prefix (least recently used on a tie), and the daemon's
+   catalog is asked for the stored snapshot sharing the longest prefix (``POST /prefix-match``). If
+   that beats the slot by ``proxy_min_restore`` tokens it is restored into the slot
+   (``POST /slots/{id}?action=restore``). The request is pinned with ``id_slot``.
+2. **After** the response (a stream's end, or a client that went away mid-stream): the slot is saved
+   as ``NAME.tmp`` and renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic.
+3. **Budget** (``cache_max_bytes``): past it, the lowest-score proxy snapshots are deleted through the
+   daemon's API, then GC runs.
+
+Names: ``kvp-<model>-<hash of the first request's prompt tokens>``. A request that extends the whole
+*prompt* of the snapshot it continues (its ``prompt_tokens`` label; generated tokens are re-tokenized
+differently by the next turn, so they do not count) is the next turn of that conversation and
+replaces it under the same name. One that diverges inside that prompt (an edited message, a
+regenerated turn, another conversation with the same system prompt) gets a new name, so both
+branches stay. Two continuations of one turn: the first replaces it, the second diverges from the
+first's prompt and gets its own name; each keeps the full shared history.
+
+Concurrency: a pool of slots; a slot is held from routing until its save is done (a background task,
+so a client that disconnects cannot cancel it), and only requests routed to that slot wait for it.
+The proxy's own ``/metrics`` replaces the upstream's (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvchunkfs.service.apiclient import socket_path
+from kvchunkfs.service.prefixtree import common_prefix_len
+
+log = logging.getLogger(__name__)
+
+GENERATION = {
+    "/completion": "completion",
+    "/completions": "completion",
+    "/v1/completions": "completion",
+    "/chat/completions": "chat",
+    "/v1/chat/completions": "chat",
+}
+NAME_PREFIX = "kvp-"
+TMP_SUFFIX = ".tmp"
+PROMPT_LABEL = "prompt_tokens"  # user.kvcfs.label.prompt_tokens: the prompt part of a snapshot's tokens
+LABEL_XATTR = "user.kvcfs.label." + PROMPT_LABEL
+# Not forwarded: per-connection headers, and the ones the HTTP layer recomputes.
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length"})  # fmt: skip
+_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+# The client's Authorization header, for the proxy's own upstream calls on behalf of its request (a
+# llama-server with --api-key wants it on /tokenize, /slots, ...). Tasks started by the request
+# (its save) copy the context, so they carry it too.
+_AUTH: contextvars.ContextVar[str] = contextvars.ContextVar("kvcfs_proxy_auth", default="")
+
+
+def _request_headers(request: Request, identity: bool = False) -> dict[str, str]:
+    out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    if identity:  # the proxy reads this body (timings): ask for it unencoded
+        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
+        out["accept-encoding"] = "identity"
+    return out
+
+
+def _response_headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+
+
+def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+    """An error in llama-server's shape, so OpenAI clients show the message."""
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status)
+
+
+# -- slots ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """What the proxy knows of one llama-server slot."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)  # leading tokens it holds, as far as the proxy knows
+    n_tokens: int = 0  # its token count as llama-server reported it (a change behind our back shows here)
+    snapshot: str | None = None  # the stored file equal to its content
+    prompt_len: int = 0  # the prompt part of ``snapshot``
+    busy: bool = False
+    saving: bool = False  # its request is answered; the save is running
+    last_used: float = 0.0
+
+    def forget(self) -> None:
+        self.tokens, self.n_tokens, self.snapshot, self.prompt_len = [], 0, None, 0
+
+
+class SlotPool:
+    """Free slots handed to requests: the one holding the longest prefix of the prompt, else the least
+    recently used. Waits when every slot is busy, and when a slot still saving holds ``min_gain`` more
+    of the prompt than any free one: an agent sends its next turn as soon as it has the answer, and
+    that turn belongs on the slot that just produced the answer (the save takes milliseconds)."""
+
+    def __init__(self, n: int, min_gain: int = 1) -> None:
+        self.slots = [Slot(i) for i in range(n)]
+        self.min_gain = min_gain
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, tokens: list[int]) -> Slot:
+        async with self._changed:
+            while True:
+                slot = self._pick(tokens)
+                if slot is not None:
+                    slot.busy = True
+                    return slot
+                await self._changed.wait()
+
+    def _pick(self, tokens: list[int]) -> Slot | None:
+        held = {s.id: common_prefix_len(tokens, s.tokens) for s in self.slots}
+        free = [s for s in self.slots if not s.busy]
+        best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
+        saving = [held[s.id] for s in self.slots if s.busy and s.saving]
+        if saving and max(saving) >= (held[best.id] if best else 0) + self.min_gain:
+            return None
+        return best
+
+    @contextlib.asynccontextmanager
+    async def changed(self) -> AsyncIterator[None]:
+        """Change slots under the pool's lock; waiting requests look again afterwards."""
+        async with self._changed:
+            yield
+            self._changed.notify_all()
+
+    async def release(self, slot: Slot) -> None:
+        async with self._changed:
+            slot.busy = slot.saving = False
+            slot.last_used = time.monotonic()
+            self._changed.notify_all()
+
+
+@dataclass
+class Match:
+    """A stored snapshot sharing ``match`` leading tokens with a prompt."""
+
+    path: str
+    match: int
+    tokens: int
+    prompt_len: int
+
+
+@dataclass
+class Plan:
+    """What one generation request does with its slot."""
+
+    name: str | None  # where the slot is saved afterwards (None: not saved)
+    held: int = 0  # prompt tokens the slot holds before the request (after a restore)
+    restored: int = 0  # of those, the ones a restore brought
+    prepare_s: float = 0.0
+    first_token_s: float | None = None
+    prompt_n: int | None = None  # tokens llama-server evaluated (its timings), when it said
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvcfs_proxy_requests", "Generation requests by what served their prompt "
+                                "(restore: from the store; slot: already in the slot; miss; uncached: not "
+                                "tokenizable)", ["outcome"], registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("kvcfs_proxy_prompt_tokens", "Prompt tokens by source (store: restored, "
+                                     "slot: already held, evaluated: prefill)", ["source"], registry=r)  # fmt: skip
+        self.ttft = Histogram("kvcfs_proxy_time_to_first_token_seconds", "Request arrival to the first streamed "
+                              "chunk (non-streaming: preparation + llama-server's prompt_ms)", ["restore"],
+                              registry=r)  # fmt: skip
+        self.restore_s = Histogram("kvcfs_proxy_restore_seconds", "Slot restores from the store", registry=r)
+        self.save_s = Histogram("kvcfs_proxy_save_seconds", "Slot saves into the store (save + rename)", registry=r)
+        self.errors = Counter("kvcfs_proxy_errors", "Failed steps (the request itself went on)", ["step"], registry=r)
+        self.evicted = Counter("kvcfs_proxy_evicted_snapshots", "Snapshots deleted for cache_max_bytes", registry=r)
+        hit = Gauge("kvcfs_proxy_prompt_hit_ratio", "Share of prompt tokens not evaluated (store + slot)", registry=r)
+        hit.set_function(self.hit_ratio)
+        self._tokens = dict.fromkeys(("store", "slot", "evaluated"), 0)  # for the ratio, read without the registry
+
+    def count_tokens(self, source: str, n: int) -> None:
+        self._tokens[source] += n
+        self.prompt_tokens.labels(source).inc(n)
+
+    def hit_ratio(self) -> float:
+        total = sum(self._tokens.values())
+        return (self._tokens["store"] + self._tokens["slot"]) / total if total else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# -- the proxy ---------------------------------------------------------------------------------
+
+
+class Proxy:
+    """The proxy's state and its ASGI app (``app``)."""
+
+    def __init__(
+        self,
+        upstream: str,
+        mount: Path | None,
+        store: Path | None,
+        *,
+        min_restore: int = 32,
+        cache_max_bytes: int = 0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.upstream_url = upstream.rstrip("/")
+        self.mount = mount
+        self.min_restore = min_restore
+        self.cache_max_bytes = cache_max_bytes
+        self.metrics = ProxyMetrics(registry)
+        # llama-server closes idle keep-alive connections after 5 s; reusing one it just closed fails the
+        # request, so pooled connections expire well before that.
+        limits = httpx.Limits(max_keepalive_connections=32, keepalive_expiry=1.0)
+        self.http = httpx.AsyncClient(base_url=self.upstream_url, timeout=httpx.Timeout(None, connect=10.0),
+                                      limits=limits)  # fmt: skip
+        self.daemon: httpx.AsyncClient | None = None
+        if store is not None:
+            transport = httpx.AsyncHTTPTransport(uds=str(socket_path(store)))
+            self.daemon = httpx.AsyncClient(transport=transport, base_url="http://kvcfs", timeout=120.0)
+        self.pool: SlotPool | None = None
+        self.tag = ""  # the model's part of every snapshot name
+        self._ready_lock = asyncio.Lock()
+        self._budget_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.app = self._make_app()
+
+    # -- app ------------------------------------------------------------------------------------
+
+    def _make_app(self) -> Starlette:
+        routes = [
+            Route("/metrics", self.get_metrics, methods=["GET"]),
+            Route("/{path:path}", self.handle, methods=_METHODS),
+        ]
+        return Starlette(routes=routes, exception_handlers={Exception: self._server_error}, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await self.close()
+
+    async def close(self) -> None:
+        if self._tasks:  # saves in flight finish before the clients go
+            await asyncio.wait(set(self._tasks), timeout=60)
+        await self.http.aclose()
+        if self.daemon is not None:
+            await self.daemon.aclose()
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        log.error("proxy %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"proxy internal error: {type(exc).__name__}: {exc}")
+
+    async def get_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` independently of the request (a disconnect cancels the request, not this)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("proxy background task failed", exc_info=task.exception())
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.body()
+        kind = GENERATION.get(request.url.path) if request.method == "POST" else None
+        payload: Any = None
+        if kind is not None:
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                payload = None  # llama-server says what is wrong with it
+        _AUTH.set(request.headers.get("authorization", ""))
+        try:
+            if isinstance(payload, dict) and kind is not None and await self.ready():
+                return await self.generate(request, kind, payload)
+            return await self.forward(request, body)
+        except httpx.TransportError as e:
+            log.warning("upstream %s unreachable for %s %s: %s", self.upstream_url, request.method,
+                        request.url.path, e)  # fmt: skip
+            return _error(502, f"upstream {self.upstream_url} unreachable: {e}", "unavailable_error")
+
+    # -- plain forwarding ---------------------------------------------------------------------
+
+    async def forward(self, request: Request, body: bytes) -> Response:
+        req = self.http.build_request(request.method, request.url.path, params=request.query_params,
+                                      headers=_request_headers(request), content=body)  # fmt: skip
+        resp = await self.http.send(req, stream=True)
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return Relay(resp.aiter_raw(), lambda: self.spawn(resp.aclose()), status_code=resp.status_code,
+                         headers=_response_headers(resp))  # fmt: skip
+        try:
+            data = b"".join([chunk async for chunk in resp.aiter_raw()])
+        finally:
+            await resp.aclose()
+        return Response(data, resp.status_code, headers=_response_headers(resp))
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        """Slots and model known (asked once, again after a failure); False: forward as is."""
+        if self.pool is not None:
+            return True
+        async with self._ready_lock:
+            if self.pool is None:
+                try:
+                    n, tag = await self._discover()
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                    log.warning("cannot learn the upstream's slots and model (requests pass through): %s", e)
+                    return False
+                self.pool, self.tag = SlotPool(n, self.min_restore), tag
+                log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*", n, NAME_PREFIX, tag)
+        return True
+
+    async def _discover(self) -> tuple[int, str]:
+        props = (await self._json("GET", "/props"))
+        slots = await self._json("GET", "/slots")
+        n = len(slots) if isinstance(slots, list) and slots else int(props["total_slots"])
+        model = str(props.get("model_path") or props.get("model_alias") or "")
+        return n, hashlib.sha256(model.encode()).hexdigest()[:8]
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        r = await self._call(method, path, **kw)
+        r.raise_for_status()
+        return r.json()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """The proxy's own requests to the upstream (tokenize, slots, save, restore: all safe to repeat),
+        sent again once if the connection was closed under them."""
+        auth = _AUTH.get()
+        if auth:
+            kw["headers"] = {"authorization": auth, **kw.get("headers", {})}
+        try:
+            return await self.http.request(method, path, **kw)
+        except httpx.RemoteProtocolError as e:
+            log.debug("%s %s: %s; once more on a new connection", method, path, e)
+            return await self.http.request(method, path, **kw)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, request: Request, kind: str, payload: dict[str, Any]) -> Response:
+        start = time.monotonic()
+        tokens = await self.prompt_tokens(kind, payload)
+        assert self.pool is not None
+        slot = await self.pool.acquire(tokens or [])
+        plan = Plan(None)
+        resp: httpx.Response | None = None
+        handed_off = False  # from here on the slot is released by the task finish() runs in
+        try:
+            plan = await self.prepare(slot, tokens)
+            plan.prepare_s = time.monotonic() - start
+            payload["id_slot"] = slot.id
+            req = self.http.build_request("POST", request.url.path, params=request.query_params,
+                                          headers=_request_headers(request, identity=True),
+                                          content=json.dumps(payload).encode())  # fmt: skip
+            resp = await self.http.send(req, stream=True)
+            headers = _response_headers(resp)
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                relay = Relay(self._relay(resp, plan, start), self._finisher(slot, plan, tokens, resp),
+                              status_code=resp.status_code, headers=headers)  # fmt: skip
+                handed_off = True
+                return relay
+            data = await resp.aread()
+            plan.prompt_n = _prompt_n(data)
+            if plan.prompt_n is not None and resp.status_code < 400:
+                self._observe_ttft(plan, plan.prepare_s + _prompt_ms(data) / 1000)
+            handed_off = True
+            self.spawn(self.finish(slot, plan, tokens, resp, ok=resp.status_code < 400))
+            return Response(data, resp.status_code, headers=headers)
+        finally:
+            if not handed_off:
+                self.spawn(self.finish(slot, plan, tokens, resp, ok=False))
+
+    def _finisher(self, slot: Slot, plan: Plan, tokens: list[int] | None, resp: httpx.Response) -> Callable[[], None]:
+        """finish() once, whenever the stream ends, fails or is abandoned."""
+        called = False
+
+        def done() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                self.spawn(self.finish(slot, plan, tokens, resp, ok=resp.status_code < 400))
+
+        return done
+
+    async def _relay(self, resp: httpx.Response, plan: Plan, start: float) -> AsyncIterator[bytes]:
+        """The upstream's SSE bytes as they come; notes the first chunk's time and the final timings."""
+        scanner = TimingsScanner()
+        try:
+            async for chunk in resp.aiter_raw():
+                if plan.first_token_s is None:
+                    plan.first_token_s = time.monotonic() - start
+                    if resp.status_code < 400:
+                        self._observe_ttft(plan, plan.first_token_s)
+                scanner.feed(chunk)
+                yield chunk
+        except httpx.HTTPError as e:  # the upstream went away mid-stream: end the client's stream too
+            log.warning("upstream stream broke off: %s", e)
+            self.metrics.errors.labels("stream").inc()
+        plan.prompt_n = scanner.prompt_n
+
+    def _observe_ttft(self, plan: Plan, seconds: float) -> None:
+        self.metrics.ttft.labels("yes" if plan.restored else "no").observe(seconds)
+
+    async def prompt_tokens(self, kind: str, payload: dict[str, Any]) -> list[int] | None:
+        """The prompt as the upstream tokenizes it; None when the proxy cannot tell (multimodal,
+        several prompts, a template error): then the request runs uncached."""
+        if payload.get("cache_prompt") is False:  # the client asked for no prompt cache
+            return None
+        try:
+            if kind == "chat":
+                if not _text_only(payload.get("messages")):
+                    return None
+                templated = await self._json("POST", "/apply-template", json=payload)
+                return await self._tokenize(templated["prompt"])
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return await self._tokenize(prompt)
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return list(prompt)
+        except (httpx.HTTPStatusError, ValueError, KeyError, TypeError) as e:
+            log.info("prompt not tokenized (request runs uncached): %s", e)
+        return None
+
+    async def _tokenize(self, text: str) -> list[int] | None:
+        # add_special and parse_special as llama-server's completion handlers tokenize prompts.
+        out = await self._json("POST", "/tokenize", json={"content": text, "add_special": True, "parse_special": True})
+        tokens = [t if type(t) is int else t["id"] for t in out["tokens"]]
+        return tokens or None
+
+    # -- before: route, look up, restore ----------------------------------------------------------
+
+    async def prepare(self, slot: Slot, tokens: list[int] | None) -> Plan:
+        """Restore into ``slot`` if the store has more of the prompt; decide the save name."""
+        if tokens is None:
+            slot.forget()  # an uncached request changes the slot in ways the proxy cannot follow
+            self.metrics.requests.labels("uncached").inc()
+            return Plan(None)
+        await self._check_slot(slot)
+        held = common_prefix_len(tokens, slot.tokens)
+        best = await self.lookup(tokens)
+        restored = 0
+        if best is not None and best.path == slot.snapshot:
+            held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
+        elif best is not None and min(best.match, len(tokens)) >= held + self.min_restore:
+            if await self.restore(slot, best, tokens):
+                restored = min(best.match, len(tokens)) - held
+                held += restored
+        parent = None
+        if slot.snapshot is not None and held >= slot.prompt_len > 0:
+            parent = slot.snapshot  # the next turn of the slot's conversation: replace it
+        elif best is not None and best.match >= best.prompt_len > 0:
+            parent = best.path
+        name = parent or f"{NAME_PREFIX}{self.tag}-{_digest(tokens)}"
+        self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
+        return Plan(name, held=held, restored=restored)
+
+    async def _check_slot(self, slot: Slot) -> None:
+        """Forget what the slot held if llama-server says otherwise (restarted, or used by another client)."""
+        try:
+            slots = await self._json("GET", "/slots")
+            info = next(s for s in slots if s.get("id") == slot.id)
+        except (httpx.HTTPError, ValueError, StopIteration, TypeError, AttributeError) as e:
+            log.debug("GET /slots: %s", e)
+            return
+        n = int(info.get("n_prompt_tokens", 0)) if "id_task" in info else 0
+        if n != slot.n_tokens:
+            if slot.tokens:
+                log.info("slot %d holds %d tokens, not the %d the proxy saw last: forgotten", slot.id, n, slot.n_tokens)
+            slot.forget()
+            slot.n_tokens = n
+
+    async def lookup(self, tokens: list[int]) -> Match | None:
+        """The stored snapshot of this model sharing the longest prefix with ``tokens``."""
+        if self.daemon is None:
+            return None
+        body = {"tokens": tokens, "prefix": f"{NAME_PREFIX}{self.tag}-", "exclude_suffix": TMP_SUFFIX}
+        try:
+            r = await self._ask_daemon("POST", "/prefix-match", json=body)
+            r.raise_for_status()
+            matches = r.json()["matches"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            log.warning("prefix lookup in the store failed (no restore): %s", e)
+            self.metrics.errors.labels("lookup").inc()
+            return None
+        if not matches:
+            return None
+        m = matches[0]
+        return Match(m["path"], m["match"], m["tokens"], _int(m["labels"].get(PROMPT_LABEL), m["tokens"]))
+
+    async def _ask_daemon(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """A request to the daemon's API, sent again once if its connection is gone (a remount makes
+        a new socket; the pooled connection still points at the old one)."""
+        assert self.daemon is not None
+        try:
+            return await self.daemon.request(method, path, **kw)
+        except httpx.TransportError as e:
+            log.debug("daemon %s %s: %s; once more", method, path, e)
+            return await self.daemon.request(method, path, **kw)
+
+    async def restore(self, slot: Slot, match: Match, tokens: list[int]) -> bool:
+        start = time.monotonic()
+        try:
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "restore"},
+                                 json={"filename": match.path})  # fmt: skip
+            r.raise_for_status()
+            n = int(r.json()["n_restored"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.warning("restore of %s into slot %d failed (prefill instead): %s", match.path, slot.id, _why(e))
+            self.metrics.errors.labels("restore").inc()
+            slot.forget()  # llama-server clears a slot whose restore failed
+            return False
+        self.metrics.restore_s.observe(time.monotonic() - start)
+        slot.tokens, slot.n_tokens = tokens[: match.match], n
+        slot.snapshot, slot.prompt_len = match.path, match.prompt_len
+        log.debug("restored %s (%d tokens, %d shared) into slot %d", match.path, n, match.match, slot.id)
+        return True
+
+    # -- after: save, budget ------------------------------------------------------------------------
+
+    async def finish(self, slot: Slot, plan: Plan, tokens: list[int] | None, resp: httpx.Response | None,
+                     ok: bool = True) -> None:  # fmt: skip
+        """Close the upstream response, save the slot, release it; then keep the budget."""
+        assert self.pool is not None
+        try:
+            if resp is not None:
+                await resp.aclose()
+            if tokens is not None and ok:
+                self._count_tokens(plan, len(tokens))
+            if ok and plan.name is not None and tokens is not None:
+                async with self.pool.changed():  # the prompt is in the slot now: its next turn waits for it
+                    slot.tokens, slot.saving = list(tokens), True
+                await self.save(slot, plan.name, tokens)
+            elif tokens is None:
+                slot.forget()
+        finally:
+            await self.pool.release(slot)
+        if ok and plan.name is not None and self.cache_max_bytes:
+            await self.keep_budget()
+
+    def _count_tokens(self, plan: Plan, n: int) -> None:
+        evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, n - plan.held)
+        self.metrics.count_tokens("store", plan.restored)
+        self.metrics.count_tokens("slot", max(0, plan.held - plan.restored))
+        self.metrics.count_tokens("evaluated", evaluated)
+
+    async def save(self, slot: Slot, name: str, tokens: list[int]) -> None:
+        if self.mount is None:
+            return
+        start = time.monotonic()
+        tmp = name + TMP_SUFFIX
+        try:
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
+            r.raise_for_status()
+            n = int(r.json()["n_saved"])
+            prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
+            await asyncio.to_thread(self._install, tmp, name, prompt_len)
+        except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
+            self.metrics.errors.labels("save").inc()
+            slot.forget()
+            await asyncio.to_thread(self._discard, tmp)
+            return
+        self.metrics.save_s.observe(time.monotonic() - start)
+        slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
+
+    def _discard(self, tmp: str) -> None:
+        """Remove a half-done save's NAME.tmp (if llama-server wrote one): the store frees it at GC."""
+        assert self.mount is not None
+        with contextlib.suppress(OSError):
+            os.unlink(self.mount / tmp)
+
+    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
+        """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole."""
+        assert self.mount is not None
+        os.setxattr(self.mount / tmp, LABEL_XATTR, str(prompt_len).encode())
+        os.rename(self.mount / tmp, self.mount / name)
+
+    async def keep_budget(self) -> None:
+        """Delete the lowest-score proxy snapshots until stored bytes fit ``cache_max_bytes`` (one run at
+        a time; a save arriving meanwhile is covered by the run after it)."""
+        if self.daemon is None or self._budget_lock.locked():
+            return
+        async with self._budget_lock:
+            try:
+                await self._evict()
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                log.warning("keeping cache_max_bytes failed: %s", e)
+                self.metrics.errors.labels("budget").inc()
+
+    async def _evict(self) -> None:
+        assert self.daemon is not None and self.pool is not None
+        stats = await self._ask_daemon("GET", "/stats")
+        stats.raise_for_status()
+        excess = int(stats.json()["stored_bytes"]) - self.cache_max_bytes
+        if excess <= 0:
+            return
+        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
+        r.raise_for_status()
+        in_use = {s.snapshot for s in self.pool.slots if s.busy}  # about to be rewritten: keep
+        freed = deleted = 0
+        for row in r.json()["snapshots"]:
+            path = row["path"]
+            if path in in_use or path.endswith(TMP_SUFFIX) or "path_b64" in row:
+                continue
+            d = await self._ask_daemon("DELETE", "/snapshots/" + quote(path, safe="/"))
+            if d.status_code >= 400 and d.status_code != 404:
+                d.raise_for_status()
+            # Unique bytes only: shared chunks stay for the others (an underestimate; the next run catches up).
+            freed, deleted = freed + int(row["unique_bytes"]), deleted + 1
+            for s in self.pool.slots:
+                if s.snapshot == path:
+                    s.snapshot = None
+            if freed >= excess:
+                break
+        if deleted:
+            self.metrics.evicted.inc(deleted)
+            (await self._ask_daemon("POST", "/gc")).raise_for_status()
+            log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
+
+
+class Relay(StreamingResponse):
+    """A streamed response that calls ``on_close`` however it ends: finished, failed, or never started
+    because the client left (an async generator that never ran has no ``finally`` to run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class TimingsScanner:
+    """Finds llama-server's ``timings`` in an SSE stream (its last event carries them)."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.prompt_n: int | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if b'"timings"' in line and line.startswith(b"data:"):
+                n = _prompt_n(line[5:])
+                if n is not None:
+                    self.prompt_n = n
+
+
+def _prompt_n(data: bytes) -> int | None:
+    n = _timings(data).get("prompt_n")
+    return n if type(n) is int else None
+
+
+def _prompt_ms(data: bytes) -> float:
+    ms = _timings(data).get("prompt_ms")
+    return float(ms) if isinstance(ms, (int, float)) else 0.0
+
+
+def _timings(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return {}
+    timings = doc.get("timings") if isinstance(doc, dict) else None
+    return timings if isinstance(timings, dict) else {}
+
+
+def _text_only(messages: Any) -> bool:
+    """Chat messages whose content is text (media would need the upstream's multimodal tokens)."""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            return False
+    return True
+
+
+def _digest(tokens: list[int]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, httpx.HTTPStatusError):
+        return f"{e.response.status_code} {e.response.text[:300]}"
+    return str(e) or type(e).__name__
+
+
+def serve(proxy: Proxy, listen: str) -> None:
+    """Serve ``proxy`` on ``host:port`` in the foreground until SIGINT/SIGTERM."""
+    import uvicorn
+
+    host, _, port = listen.rpartition(":")
+    config = uvicorn.Config(proxy.app, host=host.strip("[]") or "127.0.0.1", port=int(port), log_config=None,
+                            access_log=False, timeout_graceful_shutdown=10)  # fmt: skip
+    uvicorn.Server(config).run()

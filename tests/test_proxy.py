@@ -1,0 +1,408 @@
+"""``kv-chunk-fs proxy`` against a fake llama-server (tests/fake_llama.py) that saves and restores its
+slots in a real kv-chunk-fs mount: pass-through, routing, restore, save names, streaming, disconnects,
+the budget and the metrics, driven with the real ``openai`` client where a client is involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import Mount
+from fake_llama import FakeLlama, ServerThread
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvchunkfs.service.proxy import LABEL_XATTR, Proxy
+
+SYSTEM = "you are a careful agent " * 30  # shared by every conversation: ~150 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Rig:
+    mount: Mount
+    fake: FakeLlama
+    upstream: ServerThread
+    proxy: Proxy
+    server: ServerThread
+    direct: FakeLlama  # a second fake talked to directly: the reference outputs
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def files(self) -> list[str]:
+        return sorted(os.listdir(self.mount.mnt))
+
+    def idle(self, timeout: float = 30) -> None:
+        """Until every save has finished and every slot is free."""
+        deadline = time.monotonic() + timeout
+        while self.proxy._tasks or (self.proxy.pool and any(s.busy for s in self.proxy.pool.slots)):
+            assert time.monotonic() < deadline, "proxy did not settle"
+            time.sleep(0.02)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        return {f"{s.name}{sorted(s.labels.items())}": s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples}  # fmt: skip
+
+    def restart_proxy(self, **kw: int) -> None:
+        self.server.stop()
+        self.proxy = Proxy(self.upstream.url, self.mount.mnt, self.mount.store, min_restore=kw.get("min_restore", 4),
+                           cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
+        self.server = ServerThread(self.proxy.app, free_port()).start()
+
+
+def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: float = 0.0, api_key: str = "",
+             **kw: int) -> Iterator[Rig]:  # fmt: skip
+    mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
+    mount.start()
+    fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
+    upstream = ServerThread(fake.app, free_port()).start()
+    (tmp_path / "direct").mkdir()
+    proxy = Proxy(upstream.url, mount.mnt, mount.store, min_restore=kw.get("min_restore", 4),
+                  cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
+    rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
+              FakeLlama(tmp_path / "direct", slots))  # fmt: skip
+    try:
+        yield rig
+    finally:
+        rig.server.stop()
+        upstream.stop()
+        mount.stop()
+    assert "Traceback" not in mount.log(), mount.log()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from make_rig(tmp_path)
+
+
+def direct_chat(rig: Rig, messages: list[dict]) -> str:
+    """The reference answer: the same request straight to a fake llama-server."""
+    direct = ServerThread(rig.direct.app, free_port()).start()
+    try:
+        client = openai.OpenAI(base_url=direct.url + "/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+        return out.choices[0].message.content or ""
+    finally:
+        direct.stop()
+
+
+def chat(rig: Rig, messages: list[dict], stream: bool = False) -> str:
+    client = rig.client()
+    if stream:
+        parts = client.chat.completions.create(model="fake", messages=messages, max_tokens=6, stream=True)  # type: ignore[arg-type]
+        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+    return out.choices[0].message.content or ""
+
+
+def turn(rig: Rig, messages: list[dict], user: str, stream: bool = False) -> list[dict]:
+    """Ask ``user`` after ``messages``; returns the conversation with the answer appended."""
+    messages = [*messages, {"role": "user", "content": user}]
+    answer = chat(rig, messages, stream)
+    rig.idle()
+    return [*messages, {"role": "assistant", "content": answer}]
+
+
+def conversation(name: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM + name}]
+
+
+# -- pass-through ----------------------------------------------------------------------------------
+
+
+def test_passthrough_of_the_api_status_codes_and_errors(rig: Rig) -> None:
+    for path in ("/health", "/props", "/models", "/v1/models", "/slots"):
+        assert httpx.get(rig.url + path).json() == httpx.get(rig.upstream.url + path).json(), path
+    assert [m.id for m in rig.client().models.list()] == ["fake"]
+    r = httpx.get(rig.url + "/no-such-endpoint")
+    assert r.status_code == 404
+    bad = httpx.post(rig.url + "/completion", json={"n_predict": 2})  # no prompt: the upstream's 400
+    assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+    not_json = httpx.post(rig.url + "/completion", content=b"{nope")
+    assert not_json.status_code >= 400
+    with pytest.raises(openai.BadRequestError):
+        rig.client().chat.completions.create(model="fake", messages="nope", max_tokens=2)  # type: ignore[arg-type]
+    rig.idle()
+    assert all(not s.busy for s in rig.proxy.pool.slots)  # type: ignore[union-attr]
+
+
+def test_upstream_down_is_a_502_not_a_crash(tmp_path: Path) -> None:
+    proxy = Proxy(f"http://127.0.0.1:{free_port()}", None, None)
+    server = ServerThread(proxy.app, free_port()).start()
+    try:
+        for path in ("/health", "/v1/chat/completions"):
+            r = httpx.post(server.url + path, json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/metrics").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_completion_endpoints_with_text_and_token_prompts(rig: Rig) -> None:
+    prompt = SYSTEM + "tell me a story"
+    a = httpx.post(rig.url + "/completion", json={"prompt": prompt, "n_predict": 5}, timeout=30).json()
+    rig.idle()
+    b = rig.client().completions.create(model="fake", prompt=prompt + " again", max_tokens=5)
+    rig.idle()
+    tokens = httpx.post(rig.upstream.url + "/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+    c = httpx.post(rig.url + "/completion", json={"prompt": tokens, "n_predict": 5, "stream": True}, timeout=30)
+    rig.idle()
+    assert a["content"] and b.choices[0].text
+    events = [json.loads(line[6:]) for line in c.text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events).strip() == a["content"]  # same prompt, same greedy output
+    # The second and third requests reused the first one's prefix (slot or store), pinned to a slot.
+    assert [r.id_slot is not None for r in rig.fake.records] == [True, True, True]
+    assert rig.fake.records[1].cache_n >= len(tokens) - 1 and rig.fake.records[2].prompt_n == 1
+
+
+# -- conversations -------------------------------------------------------------------------------
+
+
+def test_a_conversation_replaces_its_snapshot_and_matches_direct_answers(rig: Rig) -> None:
+    messages = conversation("A")
+    for i in range(3):
+        before = len(rig.fake.records)
+        messages = turn(rig, messages, f"question {i} about the weather")
+        assert messages[-1]["content"] == direct_chat(rig, messages[:-1])
+        assert [f for f in rig.files() if f.startswith("kvp-")] == rig.files() and len(rig.files()) == 1, rig.files()
+        if i:  # the slot held the previous turn: only the new tokens were evaluated
+            record = rig.fake.records[before]
+            assert record.cache_n > len(SYSTEM.split()) and record.prompt_n < 20, record
+    name = rig.files()[0]
+    assert int(os.getxattr(rig.mount.mnt / name, LABEL_XATTR)) > len(SYSTEM.split())
+    assert ("save", 0, name + ".tmp") in rig.fake.actions
+
+
+def test_a_branch_keeps_both_and_other_conversations_reuse_the_system_prompt(rig: Rig) -> None:
+    a1 = turn(rig, conversation("A"), "first question")
+    a2 = turn(rig, a1, "second question")
+    assert len(rig.files()) == 1
+    turn(rig, a1, "a different second question")  # branch after turn 1
+    assert len(rig.files()) == 2
+    turn(rig, conversation("A")[:1], "first question, edited")  # edit of turn 1
+    assert len(rig.files()) == 3
+    turn(rig, a2, "third question")  # the first branch goes on: replaces its own file
+    assert len(rig.files()) == 3
+
+
+def test_more_conversations_than_slots_are_restored_from_the_store(rig: Rig) -> None:
+    convs = {name: conversation(name) for name in "ABCDE"}
+    for round_ in range(3):
+        for name in convs:  # interleaved: 5 conversations over 2 slots
+            convs[name] = turn(rig, convs[name], f"{name} round {round_}")
+            assert convs[name][-1]["content"] == direct_chat(rig, convs[name][:-1])
+    assert len(rig.files()) == 5
+    restores = [a for a in rig.fake.actions if a[0] == "restore"]
+    assert len(restores) >= 2 * 5 - 2  # every later turn finds its conversation in the store
+    m = rig.metrics()
+    assert m["kvcfs_proxy_prompt_tokens_total[('source', 'store')]"] > 0
+    assert m["kvcfs_proxy_requests_total[('outcome', 'restore')]"] >= 8
+    assert 0 < m["kvcfs_proxy_prompt_hit_ratio[]"] <= 1
+
+
+def test_restart_of_llama_server_mount_and_proxy_restores_from_the_store(rig: Rig) -> None:
+    convs = {name: turn(rig, conversation(name), f"{name} hello") for name in "ABC"}
+    rig.fake.restart()  # llama-server restarted: empty slots
+    rig.mount.remount()
+    # The proxy goes on across the remount (its pooled API connection is gone) ...
+    convs["A"] = turn(rig, convs["A"], "A after the remount")
+    assert rig.fake.actions[-2][0] == "restore" and rig.fake.records[-1].prompt_n < 20
+    rig.fake.restart()
+    rig.restart_proxy()  # ... and a new proxy finds everything in the store too
+    shared = 0
+    for name, messages in convs.items():
+        before = len(rig.fake.records)
+        convs[name] = turn(rig, messages, f"{name} again")
+        record = rig.fake.records[before]
+        shared += record.cache_n
+        assert record.prompt_n < 20, record  # all but the new turn came from the store
+        assert convs[name][-1]["content"] == direct_chat(rig, convs[name][:-1])
+    assert len(rig.files()) == 3
+
+
+def test_parallel_conversations_run_on_different_slots(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    for rig in make_rig(tmp_path, slots=2, delay=0.05):
+        convs = [conversation(n) for n in "AB"]
+        with ThreadPoolExecutor(2) as pool:
+            asks = [[*m, {"role": "user", "content": "go"}] for m in convs]
+            answers = list(pool.map(lambda m, rig=rig: chat(rig, m, stream=True), asks))
+        rig.idle()
+        assert all(answers)
+        slots = {r.id_slot for r in rig.fake.records}
+        assert slots == {0, 1}
+        assert len(rig.files()) == 2
+
+
+def test_the_next_turn_right_away_waits_for_its_slot_to_finish_saving(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, slots=2, save_delay=0.3):
+        messages = [*conversation("A"), {"role": "user", "content": "first"}]
+        for i in range(3):  # no pause: each turn arrives while the previous one is being saved
+            messages += [{"role": "assistant", "content": chat(rig, messages)}, {"role": "user", "content": f"q{i}"}]
+        rig.idle()
+        assert {r.id_slot for r in rig.fake.records} == {0}  # the other slot was free all along
+        assert all(r.prompt_n < 20 for r in rig.fake.records[1:]), rig.fake.records
+        assert not [a for a in rig.fake.actions if a[0] == "restore"]
+        assert len(rig.files()) == 1
+
+
+def test_an_upstream_api_key_is_used_for_the_proxys_own_calls(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, api_key="sekrit"):
+        messages = [*conversation("K"), {"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError):  # the upstream's 401, passed through
+            rig.client().chat.completions.create(model="fake", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+        client = openai.OpenAI(base_url=rig.url + "/v1", api_key="sekrit", max_retries=0)
+        client.chat.completions.create(model="fake", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+        rig.idle()
+        assert len(rig.files()) == 1 and rig.fake.records[-1].id_slot is not None
+        rig.fake.restart()
+        client.chat.completions.create(model="fake", messages=[*messages, {"role": "user", "content": "more"}],
+                                       max_tokens=2)  # type: ignore[arg-type]  # fmt: skip
+        rig.idle()
+        assert [a[0] for a in rig.fake.actions] == ["save", "restore", "save"]
+        assert not [r for r in rig.fake.records if r.id_slot is None]
+
+
+def test_failed_restores_and_saves_cost_prefill_not_answers(rig: Rig) -> None:
+    a1 = turn(rig, conversation("A"), "one")
+    rig.fake.restart()
+    rig.fake.fail_restores = True
+    a2 = turn(rig, a1, "two")  # the restore fails: prefill instead, same answer
+    assert a2[-1]["content"] == direct_chat(rig, a2[:-1])
+    assert rig.fake.records[-1].cache_n == 0
+    rig.proxy.mount = rig.mount.mnt / "elsewhere"  # the rename cannot work: the save fails
+    turn(rig, conversation("B"), "one")
+    m = rig.metrics()
+    assert m["kvcfs_proxy_errors_total[('step', 'restore')]"] == 1
+    assert m["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
+    assert all(not s.busy for s in rig.proxy.pool.slots)  # type: ignore[union-attr]
+    rig.proxy.mount = rig.mount.mnt
+    left = rig.files()  # B's NAME.tmp, which the proxy looked for in the wrong place
+    rig.fake.save_fails = True  # llama-server cannot save (e.g. the disk is full) after writing part of it
+    turn(rig, conversation("C"), "one")
+    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 2
+    assert rig.files() == left  # C's partial NAME.tmp is removed
+
+
+def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:
+    body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
+    assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200
+    rig.idle()
+    assert rig.files() == [] and rig.fake.records[-1].id_slot is not None
+    assert rig.metrics()["kvcfs_proxy_requests_total[('outcome', 'uncached')]"] == 1
+
+
+# -- streaming and disconnects -------------------------------------------------------------------
+
+
+def test_client_gone_mid_stream_leaves_slot_and_store_consistent(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, slots=1, delay=0.05):
+        messages = [*conversation("A"), {"role": "user", "content": "long answer please"}]
+        body = {"model": "fake", "messages": messages, "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", rig.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for _ in r.iter_raw():
+                break  # the client goes away after the first chunk
+        rig.idle()
+        assert len(rig.files()) == 1  # saved what the slot held, renamed into place
+        # The store is consistent: the next request restores it (the fake checks every row).
+        rig.fake.restart()
+        answer = chat(rig, messages)
+        rig.idle()
+        assert answer == direct_chat(rig, messages)
+        assert [a[0] for a in rig.fake.actions].count("restore") == 1
+        assert rig.fake.records[-1].cache_n >= len(SYSTEM.split())
+
+
+def test_streamed_chat_through_openai_equals_direct(rig: Rig) -> None:
+    messages = [*conversation("S"), {"role": "user", "content": "stream it"}]
+    assert chat(rig, messages, stream=True) == direct_chat(rig, messages)
+    rig.idle()
+    assert len(rig.files()) == 1
+    m = rig.metrics()
+    assert m["kvcfs_proxy_time_to_first_token_seconds_count[('restore', 'no')]"] >= 1
+    assert m["kvcfs_proxy_save_seconds_count[]"] >= 1
+
+
+# -- budget and the daemon's lookup ----------------------------------------------------------------
+
+
+def test_budget_deletes_lowest_score_snapshots(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, cache_max_bytes=1):  # every save passes it
+        for name in "ABC":
+            turn(rig, conversation(name), f"{name} hi")
+        rig.idle()
+        m = rig.metrics()
+        assert m["kvcfs_proxy_evicted_snapshots_total[]"] >= 2
+        assert len(rig.files()) <= 1
+
+
+def test_prefix_match_endpoint(rig: Rig) -> None:
+    turn(rig, conversation("A"), "hello")
+    daemon = httpx.Client(transport=httpx.HTTPTransport(uds=str(rig.mount.store / "api.sock")), base_url="http://d")
+    name = rig.files()[0]
+    tokens = rig.proxy.pool.slots[0].tokens  # type: ignore[union-attr]
+    r = daemon.post("/prefix-match", json={"tokens": tokens[:50] + [7, 7], "prefix": "kvp-", "limit": 5}).json()
+    assert r["matches"][0]["path"] == name and r["matches"][0]["match"] == 50
+    assert daemon.post("/prefix-match", json={"tokens": tokens, "prefix": "zzz"}).json()["count"] == 0
+    assert daemon.post("/prefix-match", json={"tokens": [], "exclude_suffix": name[-3:]}).json()["count"] == 0
+    for bad in ({"tokens": "x"}, {"tokens": [1.5]}, {"tokens": [1 << 40]}, {"tokens": [], "limit": 0},
+                {"tokens": [], "what": 1}, [1, 2]):  # fmt: skip
+        r2 = daemon.post("/prefix-match", json=bad)
+        assert r2.status_code == 400 and "error" in r2.json(), bad
+    assert daemon.post("/prefix-match", content=b"{").status_code == 400
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    from kvchunkfs.cli.main import main
+
+    assert main(["proxy", "--upstream", rig.upstream.url]) == 2  # no --mount: a clear error
+    port = free_port()
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--store", str(rig.mount.store), "--mount",
+            str(rig.mount.mnt), "--upstream", rig.upstream.url, "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(SRC)), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "proxy did not start"
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        messages = [*conversation("CLI"), {"role": "user", "content": "hi"}]
+        out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+        assert out.choices[0].message.content == direct_chat(rig, messages)
+    finally:
+        proc.terminate()  # SIGTERM: uvicorn stops, the lifespan waits for the save in flight
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -15), err.decode()  # uvicorn re-raises SIGTERM after its graceful shutdown
+    assert b"Traceback" not in err, err.decode()
+    assert len(rig.files()) == 1 and not rig.files()[0].endswith(".tmp")

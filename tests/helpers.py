@@ -69,11 +69,11 @@ class HasStats(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
-def wait_trimmed(m: HasStats, trims_before: int, timeout: float = 30) -> None:
-    """Until the daemon has trimmed its heap after the current idle spell (it waits a moment with
-    no file open first: fuse/daemon.py, trim_when_idle)."""
+def wait_idle_checked(m: HasStats, checks_before: int, timeout: float = 30) -> None:
+    """Until the daemon has looked at its heap after the current idle spell (it waits a moment with
+    no file open, then trims if RSS is high: fuse/daemon.py, trim_when_idle)."""
     deadline = time.monotonic() + timeout
-    while m.stats()["memory_trims"] <= trims_before:
+    while m.stats()["idle_checks"] <= checks_before:
         assert time.monotonic() < deadline, f"no memory trim: {m.stats()}"
         time.sleep(0.05)
 

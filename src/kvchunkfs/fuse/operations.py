@@ -138,6 +138,7 @@ class Operations(pyfuse3.Operations):
         self.went_idle = trio.Event()  # set when the last open file is released (see daemon.trim_when_idle)
         self.idle_gen = 0  # bumped by every first open and every last release: "still the same idle spell?"
         self.memory_trims = 0
+        self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -718,6 +719,7 @@ class Operations(pyfuse3.Operations):
             "write_request_bytes": self.write_bytes,
             "open_files": self.open_files,
             "memory_trims": self.memory_trims,
+            "idle_checks": self.idle_checks,
         }
 
 

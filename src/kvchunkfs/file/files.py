@@ -75,8 +75,20 @@ class Files:
         """Content of an existing snapshot; StubError for a stub that is not an index, or whose chunk
         lengths disagree with the map (reads would return wrong bytes).
 
-        Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them.
+        Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them. With a
+        remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
+        remote = self.repo.remote
+        if remote is None:
+            return self._load(rel)
+        owner = object()  # pins the fetched chunks until the content's own pins hold them
+        try:
+            remote.fetch_missing(self.repo.read_index(rel).ids, owner)
+            return self._load(rel)
+        finally:
+            self.repo.store.unpin(owner)
+
+    def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
             index = self.repo.read_index(rel)
             found = self.repo.store.locate_many(index.ids)

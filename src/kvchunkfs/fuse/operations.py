@@ -35,6 +35,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
+from kvchunkfs.store.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,17 @@ class Operations(pyfuse3.Operations):
             if node.path is not None and self.by_path.get(node.path) is node:
                 del self.by_path[node.path]
 
+    async def _from_remote(self, remote: RemoteTier | None, step: str, rel: str) -> bool:
+        """Read-through (in a thread: network): ``RemoteTier.lookup`` or ``fill_dir``. An unreachable
+        bucket is logged and answered from local state only."""
+        if remote is None:
+            return False
+        try:
+            return bool(await self._thread(getattr(remote, step), rel))
+        except (OSError, ValueError) as e:
+            log.warning("remote %s of %s failed: %s", step, rel, e)
+            return False
+
     def _stat_node(self, node: Node) -> os.stat_result:
         if node.path is None:
             if node.last_stat is None:
@@ -230,6 +242,10 @@ class Operations(pyfuse3.Operations):
             return self._attrs(self.by_path.get(parent) or self.by_path[""])
         rel = self._child(parent_inode, name)
         try:
+            st = os.lstat(self.repo.path(rel))
+        except FileNotFoundError:
+            if not await self._from_remote(self.repo.remote, "lookup", rel):
+                raise pyfuse3.FUSEError(errno.ENOENT) from None
             st = os.lstat(self.repo.path(rel))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
@@ -321,6 +337,8 @@ class Operations(pyfuse3.Operations):
         node = self._node(fh)
         if node.path is None:
             return
+        if start_id == 0:  # once per listing: the bucket's entries this directory lacks
+            await self._from_remote(self.repo.remote, "fill_dir", node.path)
         try:
             names = _list_dir(self.repo.path(node.path))
         except OSError as e:
@@ -713,7 +731,7 @@ class Operations(pyfuse3.Operations):
             "write_requests": self.write_requests,
             "write_request_bytes": self.write_bytes,
             "open_files": self.open_files,
-        }
+        } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
 
 def _invalidate_entry(parent_ino: int, name: bytes) -> None:

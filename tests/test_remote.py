@@ -7,6 +7,7 @@ Nothing here asserts a duration: waits poll for a state, with generous limits.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -82,7 +83,7 @@ class Weed:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=5)  # its graceful stop can take half a minute
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -384,3 +385,30 @@ def test_gc_remote_command(hosts: Hosts) -> None:
     out = subprocess.run([*cmd, "--remote-grace", "0"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert '"deleted": 1' in out.stdout
+
+
+def test_ls_says_where_and_metrics_show_the_queue(hosts: Hosts) -> None:
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    a = hosts.new("a")
+    write_in_pieces(a.path("shared"), rand_bytes(MiB, 100), MiB)
+    drained(a)
+    b = hosts.new("b")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+
+    def ls(m: Mount) -> dict[str, str]:
+        out = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "ls", "--json", "--store", str(m.store)],
+                             capture_output=True, text=True, env=env, check=True)  # fmt: skip
+        return {r["path"]: r["where"] for r in json.loads(out.stdout)}
+
+    wait_for(lambda: ls(b) == {"shared": "remote"}, "B to list A's snapshot as remote")
+    write_in_pieces(b.path("mine"), rand_bytes(MiB, 101), MiB)
+    drained(b)
+    assert read_direct(b.path("shared"))
+    wait_for(lambda: ls(b) == {"shared": "both", "mine": "both"}, "B to list both snapshots as both")
+    table = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "ls", "--store", str(b.store)],
+                           capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
+    assert "WHERE" in table.splitlines()[0]
+    metrics = DaemonClient(b.store).text("GET", "/metrics")
+    for name in ("kvcfs_upload_queue 0.0", "kvcfs_upload_errors_total 0.0", "kvcfs_remote_chunk_gets_total"):
+        assert name in metrics

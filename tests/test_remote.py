@@ -412,3 +412,23 @@ def test_ls_says_where_and_metrics_show_the_queue(hosts: Hosts) -> None:
     metrics = DaemonClient(b.store).text("GET", "/metrics")
     for name in ("kvcfs_upload_queue 0.0", "kvcfs_upload_errors_total 0.0", "kvcfs_remote_chunk_gets_total"):
         assert name in metrics
+
+
+def test_a_conversation_continued_on_b_is_restored_on_a(hosts: Hosts) -> None:
+    """Last writer wins across hosts: A's own older copy is replaced by B's newer save."""
+    a, b = hosts.new("a"), hosts.new("b")
+    v1 = rand_bytes(2 * MiB, 110)
+    v2 = v1 + rand_bytes(MiB, 111)  # the next turn, saved on B
+    write_in_pieces(a.path("chat"), v1, MiB)
+    drained(a)
+    assert read_visible(b, "chat") == v1
+    wait_closed(b)
+    write_in_pieces(b.path("chat"), v2, MiB)
+    drained(b)
+    wait_for(lambda: read_direct(a.path("chat")) == v2, "A to see B's newer version")
+    before = a.stats()["remote_chunk_gets"]
+    wait_closed(a)
+    assert read_direct(a.path("chat")) == v2
+    assert a.stats()["remote_chunk_gets"] == before  # the shared turn stayed local, nothing fetched twice
+    drained(a)
+    assert remote_bytes(hosts.bucket, "chat") == v2  # A sent nothing back over it

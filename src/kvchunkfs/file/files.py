@@ -78,12 +78,16 @@ class Files:
         Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them. With a
         remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
+        content = self._load(rel)
         remote = self.repo.remote
-        if remote is None:
-            return self._load(rel)
-        owner = object()  # pins the fetched chunks until the content's own pins hold them
+        if remote is None or len(content.locations or ()) == len(set(content.index.ids)):
+            return content
+        # Chunks only the bucket has (a snapshot another host saved): fetch them into the local
+        # packs, outside the lock (network), then load again; their pins hold until then.
+        content.close()
+        owner = object()
         try:
-            remote.fetch_missing(self.repo.read_index(rel).ids, owner)
+            remote.fetch_missing(content.index.ids, owner)
             return self._load(rel)
         finally:
             self.repo.store.unpin(owner)

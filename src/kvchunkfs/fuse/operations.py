@@ -189,6 +189,34 @@ class Operations(pyfuse3.Operations):
             log.warning("remote %s of %s failed: %s", step, rel, e)
             return False
 
+    async def _refresh_from_remote(self, rel: str) -> None:
+        """Last writer wins across hosts: if another host saved ``rel`` since this host last synced
+        it, and it is not open here, the bucket's version replaces the local stub, and the name gets
+        a fresh inode (the kernel forgets the old version's pages and size, as after a rename)."""
+        remote = self.repo.remote
+        if remote is None or not remote.newer_in_bucket(rel) or self._in_use(rel):
+            return
+        try:
+            fetched = await self._thread(remote.prepare_refresh, rel)
+        except (OSError, ValueError) as e:
+            log.warning("remote refresh of %s failed: %s", rel, e)
+            return
+        if fetched is None:
+            return
+        # Here, on the FUSE thread, the rename is ordered with saves, renames and unlinks.
+        if self._in_use(rel) or not fetched.current(self.repo.path(rel)):
+            await self._thread(fetched.discard)  # a local change came first: it will be uploaded
+            return
+        self.repo.install_fetched(fetched.tmp, rel)
+        node = self.by_path.get(rel)
+        if node is not None:
+            del self.by_path[rel]  # the old inode lives on until the kernel forgets it
+        await self._thread(remote.refreshed, fetched)
+
+    def _in_use(self, rel: str) -> bool:
+        node = self.by_path.get(rel)
+        return node is not None and (node.content is not None or node.opens > 0)
+
     def _stat_node(self, node: Node) -> os.stat_result:
         if node.path is None:
             if node.last_stat is None:
@@ -241,6 +269,7 @@ class Operations(pyfuse3.Operations):
             parent = (node.path or "").rpartition("/")[0]
             return self._attrs(self.by_path.get(parent) or self.by_path[""])
         rel = self._child(parent_inode, name)
+        await self._refresh_from_remote(rel)
         try:
             st = os.lstat(self.repo.path(rel))
         except FileNotFoundError:

@@ -70,12 +70,34 @@ class RepoView(Protocol):
 
     def install_new(self, tmp: Path, rel: str) -> bool: ...
 
+    def install_fetched(self, tmp: Path, rel: str) -> None: ...
+
 
 @dataclass
 class Synced:
     sha: bytes
     etag: str
     ctime_ns: int
+
+
+@dataclass
+class Fetched:
+    """A newer version of a local snapshot, fetched from the bucket, waiting for its rename."""
+
+    rel: str
+    tmp: Path
+    synced: Synced
+    local_ctime_ns: int  # of the stub it replaces: changed meanwhile means a local change won
+
+    def current(self, path: Path) -> bool:
+        try:
+            return os.lstat(path).st_ctime_ns == self.local_ctime_ns
+        except OSError:
+            return False
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
 
 
 class SyncDb:
@@ -88,6 +110,13 @@ class SyncDb:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(_SCHEMA)
         self.lock = threading.Lock()  # held across SQL only
+        # rel -> ETag of every synced path, for the FUSE thread (which never takes ``lock``)
+        self._etags: dict[str, str] = dict(self.db.execute("SELECT rel, etag FROM synced").fetchall())
+        self._etag_lock = threading.Lock()  # leaf lock, dict operations only
+
+    def etag(self, rel: str) -> str | None:
+        with self._etag_lock:
+            return self._etags.get(rel)
 
     def get(self, rel: str) -> Synced | None:
         with self.lock:
@@ -100,10 +129,14 @@ class SyncDb:
                 "INSERT OR REPLACE INTO synced (rel, sha, etag, ctime_ns) VALUES (?, ?, ?, ?)",
                 (rel, row.sha, row.etag, row.ctime_ns),
             )
+        with self._etag_lock:
+            self._etags[rel] = row.etag
 
     def delete(self, rel: str) -> None:
         with self.lock:
             self.db.execute("DELETE FROM synced WHERE rel = ?", (rel,))
+        with self._etag_lock:
+            self._etags.pop(rel, None)
 
     def all(self) -> dict[str, int]:
         """rel -> ctime_ns of every synced path."""
@@ -354,21 +387,22 @@ class RemoteTier:
 
     # -- read-through -------------------------------------------------------------------------
 
-    def listing(self) -> dict[str, ObjectInfo]:
-        """The bucket's snapshots. Only the first call waits for a LIST; later ones get the last
-        listing and, if it is older than ``list_ttl``, start a refresh in the background (so a
-        listing is at most ``list_ttl`` plus one LIST old, and a dead bucket never stalls a lookup)."""
+    def listing(self, wait: bool = True) -> dict[str, ObjectInfo]:
+        """The bucket's snapshots. Only the first call waits for a LIST (none with ``wait=False``:
+        the FUSE thread); later ones get the last listing and, if it is older than ``list_ttl``,
+        start a refresh in the background (so a listing is at most ``list_ttl`` plus one LIST old,
+        and a dead bucket never stalls a lookup)."""
         with self._list_lock:
             cached = self._listing
             stale = cached is None or time.monotonic() - cached[0] >= self.list_ttl
             start = stale and not self._refreshing
             if start:
                 self._refreshing = True
-        if start and cached is None:
+        if start and cached is None and wait:
             self._refresh()
         elif start:
             self._fetches.submit(self._refresh)
-        elif cached is None:
+        elif cached is None and wait:
             self._listed.wait(60)
         with self._list_lock:
             return self._listing[1] if self._listing is not None else {}
@@ -441,6 +475,48 @@ class RemoteTier:
         self.fetched_indexes += 1
         log.info("remote: fetched the index of %s", rel)
         return True
+
+    def newer_in_bucket(self, rel: str) -> bool:
+        """The bucket's listing shows another version of ``rel`` than the one this host last synced
+        (another host saved it since). Never blocks: the FUSE thread asks at every lookup."""
+        info = self.listing(wait=False).get(rel)
+        known = self.db.etag(rel)
+        return info is not None and known is not None and info.etag != known
+
+    def prepare_refresh(self, rel: str) -> Fetched | None:
+        """The bucket's version of ``rel`` as a complete stub under ``tmp/`` (blocking), if the local
+        stub is still the version last synced (else local changes are pending upload: they win)."""
+        row = self.db.get(rel)
+        path = self.repo.path(rel)
+        if row is None:
+            return None
+        try:
+            fd = stubs.open_stub(path)
+        except OSError:
+            return None
+        try:
+            local, _ = stubs.read_stub(fd)
+            ctime_ns = os.fstat(fd).st_ctime_ns
+        finally:
+            os.close(fd)
+        if hashlib.sha256(local).digest() != row.sha:
+            return None
+        try:
+            data, etag = self.bucket.get_index(rel)
+        except FileNotFoundError:
+            return None
+        if etag == row.etag:
+            return None  # the listing was older than what we synced
+        tmp = stubs.prepare(self.repo.tmp, idx.decode(data), path)  # keeps use count, labels, mode
+        return Fetched(rel, tmp, Synced(hashlib.sha256(data).digest(), etag, 0), ctime_ns)
+
+    def refreshed(self, fetched: Fetched) -> None:
+        """After the caller renamed ``fetched.tmp`` into place (blocking: SQL)."""
+        with contextlib.suppress(OSError):
+            fetched.synced.ctime_ns = os.lstat(self.repo.path(fetched.rel)).st_ctime_ns
+        self.db.put(fetched.rel, fetched.synced)
+        self.fetched_indexes += 1
+        log.info("remote: %s replaced by the bucket's newer version", fetched.rel)
 
     def fetch_missing(self, ids: Iterable[bytes], owner: object) -> int:
         """Store the chunks of ``ids`` the local packs lack, fetched from the bucket (pinned for

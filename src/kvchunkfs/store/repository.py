@@ -128,6 +128,12 @@ class Repository:
         if self.remote is not None:
             self.remote.changed(rel)
 
+    def install_fetched(self, tmp: Path, rel: str) -> None:
+        """Replace a snapshot by the remote's newer version (not reported back to the remote)."""
+        os.rename(tmp, self.path(rel))
+        self._bump(rel)
+        self.touched(rel)
+
     def install_new(self, tmp: Path, rel: str) -> bool:
         """Install a complete stub only if ``rel`` does not exist (a snapshot fetched from the
         remote: a local file always wins). False, and ``tmp`` removed, if it exists."""

@@ -219,7 +219,8 @@ SETTINGS: dict[str, Setting] = {
                 "serve the TCP API without a token: anyone who can connect may delete snapshots"),
         Setting("remote", "remote", "", "shared chunk tier: s3://bucket/prefix (empty = this host only)"),
         Setting("remote_endpoint", "str", "", "S3 endpoint URL, e.g. http://127.0.0.1:8333 (empty = AWS)"),
-        Setting("remote_upload_workers", "int", 4, "threads uploading chunks to the remote", lo=1, hi=64),
+        Setting("remote_upload_workers", "int", 16, "threads uploading chunks to the remote", lo=1, hi=256),
+        Setting("remote_fetch_workers", "int", 16, "threads fetching chunks from the remote", lo=1, hi=256),
         Setting("remote_grace", "duration", 86400,
                 "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)", lo=0),
         Setting("remote_list_ttl", "duration", 5, "seconds a listing of the remote's snapshots is reused", lo=0),
@@ -261,6 +262,7 @@ class Config:
     remote: str = SETTINGS["remote"].default
     remote_endpoint: str = SETTINGS["remote_endpoint"].default
     remote_upload_workers: int = SETTINGS["remote_upload_workers"].default
+    remote_fetch_workers: int = SETTINGS["remote_fetch_workers"].default
     remote_grace: int = SETTINGS["remote_grace"].default
     remote_list_ttl: int = SETTINGS["remote_list_ttl"].default
     score: str = SETTINGS["score"].default

@@ -88,7 +88,7 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
         repo,
         Bucket(cfg.remote, cfg.remote_endpoint),
         upload_workers=cfg.remote_upload_workers,
-        fetch_workers=cfg.prefetch_workers,
+        fetch_workers=cfg.remote_fetch_workers,
         grace=cfg.remote_grace,
         list_ttl=cfg.remote_list_ttl,
     )

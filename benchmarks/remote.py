@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -99,7 +98,7 @@ def main() -> int:
         a_local.start()
         a_remote.start()
         for run in range(args.runs):
-            data = random.Random(run).randbytes(size)
+            data = os.urandom(size)  # all chunks new in every run
             name = f"snap{run}"
             order = [(a_local, "save_local"), (a_remote, "save_remote")]
             for m, key in order if run % 2 == 0 else order[::-1]:

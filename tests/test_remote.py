@@ -362,3 +362,14 @@ def test_a_conversation_continued_on_b_is_restored_on_a(hosts: Hosts) -> None:
     assert a.stats()["remote_chunk_gets"] == before  # the shared turn stayed local, nothing fetched twice
     drained(a)
     assert remote_bytes(hosts.bucket, "chat") == v2  # A sent nothing back over it
+
+
+def test_a_store_pointed_at_another_bucket_uploads_everything_again(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(MiB, 120)
+    write_in_pieces(a.path("kept"), data, MiB)
+    drained(a)
+    other = Bucket(hosts.url + "-other", hosts.weed.endpoint, client=hosts.weed.client())
+    a.remount(["--remote", other.url, *hosts.args()[2:]])
+    drained(a)
+    assert remote_bytes(other, "kept") == data

@@ -52,7 +52,8 @@ DB_NAME = "remote.db"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS synced (
     rel TEXT PRIMARY KEY, sha BLOB NOT NULL, etag TEXT NOT NULL, ctime_ns INTEGER NOT NULL
-)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
 _MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
@@ -103,12 +104,16 @@ class Fetched:
 class SyncDb:
     """``remote.db``; one connection, used by the tier's threads only (never the FUSE thread)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, url: str) -> None:
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         with contextlib.suppress(OSError):
             os.chmod(path, 0o600)
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(_SCHEMA)
+        self.db.executescript(_SCHEMA)
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'remote'").fetchone()
+        if row is None or row[0] != url:  # another bucket: what this host synced is not in it
+            self.db.execute("DELETE FROM synced")
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('remote', ?)", (url,))
         self.lock = threading.Lock()  # held across SQL only
         # rel -> ETag of every synced path, for the FUSE thread (which never takes ``lock``)
         self._etags: dict[str, str] = dict(self.db.execute("SELECT rel, etag FROM synced").fetchall())
@@ -162,7 +167,7 @@ class RemoteTier:
         self.bucket = bucket
         self.grace = grace
         self.list_ttl = list_ttl
-        self.db = SyncDb(repo.snapshots.parent / DB_NAME)
+        self.db = SyncDb(repo.snapshots.parent / DB_NAME, bucket.url)
         self._uploads = ThreadPoolExecutor(upload_workers, thread_name_prefix="kvcfs-upload")
         self._fetches = ThreadPoolExecutor(fetch_workers, thread_name_prefix="kvcfs-fetch")
         self._fetch_window = max(4 * fetch_workers, 16)

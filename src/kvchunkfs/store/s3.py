@@ -12,6 +12,7 @@ A boto3 client is thread-safe; one is shared by all threads.
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import os
 import threading
@@ -110,7 +111,8 @@ class Bucket:
         if not key.startswith(base) or not key.endswith(INDEX_SUFFIX):
             return None
         rel = key[len(base) : -len(INDEX_SUFFIX)]
-        return rel if rel and ".." not in rel.split("/") and "" not in rel.split("/") else None
+        parts = rel.split("/")
+        return rel if rel and ".." not in parts and "." not in parts and "" not in parts and "\0" not in rel else None
 
     def cid_of_chunk(self, key: str) -> bytes | None:
         name = key.rpartition("/")[2]
@@ -265,8 +267,11 @@ def _obstore(bucket: str, endpoint: str, region: str) -> Any:
     if endpoint.startswith("http://"):
         options["allow_http"] = True
     kwargs: dict[str, Any] = {"endpoint": endpoint} if endpoint else {}
+    # obstore's default retries for up to 3 minutes: a dead bucket would hold an upload worker, an
+    # open() and the unmount that long. Two quick retries, like the boto3 client.
+    retry: Any = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=10)}
     return S3Store(bucket, region=region, credential_provider=Boto3CredentialProvider(boto3.session.Session()),
-                   client_options=options, **kwargs)  # fmt: skip
+                   client_options=options, retry_config=retry, **kwargs)  # fmt: skip
 
 
 def _server_now(response: dict[str, Any]) -> float:

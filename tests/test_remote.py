@@ -373,3 +373,22 @@ def test_a_store_pointed_at_another_bucket_uploads_everything_again(hosts: Hosts
     a.remount(["--remote", other.url, *hosts.args()[2:]])
     drained(a)
     assert remote_bytes(other, "kept") == data
+
+
+def test_an_upload_reusing_an_old_unnamed_chunk_makes_it_young_again(hosts: Hosts) -> None:
+    """The grace rule's other half: a chunk already in the bucket but unnamed and older than the
+    grace (garbage an earlier GC would collect) is touched by the upload that names it again."""
+    grace = 10
+    data = rand_bytes(3000, 130)  # below chunk_min: the whole file is one chunk
+    cid = hashlib.sha256(data).digest()
+    hosts.bucket.put_chunk(cid, data)
+    wait_for(lambda: (lambda h: h is not None and h[1] - h[0] > grace)(hosts.bucket.head_chunk(cid)),
+             "the orphan chunk to be older than the grace")  # fmt: skip
+    a = hosts.new("a", "--remote-grace", str(grace))
+    write_in_pieces(a.path("again"), data, MiB)
+    drained(a)
+    modified, now = hosts.bucket.head_chunk(cid) or (0.0, 0.0)
+    assert now - modified < grace  # touched: young again
+    report = run_remote_gc(hosts.bucket, grace=grace)
+    assert report.deleted == 0
+    assert remote_bytes(hosts.bucket, "again") == data

@@ -207,7 +207,12 @@ class Operations(pyfuse3.Operations):
         if self._in_use(rel) or not fetched.current(self.repo.path(rel)):
             await self._thread(fetched.discard)  # a local change came first: it will be uploaded
             return
-        self.repo.install_fetched(fetched.tmp, rel)
+        try:
+            self.repo.install_fetched(fetched.tmp, rel)
+        except OSError as e:  # the local version stays; the next lookup tries again
+            log.warning("remote refresh of %s failed: %s", rel, e)
+            await self._thread(fetched.discard)
+            return
         node = self.by_path.get(rel)
         if node is not None:
             del self.by_path[rel]  # the old inode lives on until the kernel forgets it
@@ -275,7 +280,10 @@ class Operations(pyfuse3.Operations):
         except FileNotFoundError:
             if not await self._from_remote(self.repo.remote, "lookup", rel):
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
-            st = os.lstat(self.repo.path(rel))
+            try:
+                st = os.lstat(self.repo.path(rel))
+            except OSError as e:  # gone again meanwhile
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, stat.S_ISDIR(st.st_mode))

@@ -342,6 +342,9 @@ def test_ls_says_where_and_metrics_show_the_queue(hosts: Hosts) -> None:
     table = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "ls", "--store", str(b.store)],
                            capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
     assert "WHERE" in table.splitlines()[0]
+    stats = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "stats", "--store", str(b.store)],
+                           capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
+    assert "upload queue:" in stats and "remote chunk gets:" in stats and "(2 snapshots)" in stats
     metrics = DaemonClient(b.store).text("GET", "/metrics")
     for name in ("kvcfs_upload_queue 0.0", "kvcfs_upload_errors_total 0.0", "kvcfs_remote_chunk_gets_total"):
         assert name in metrics

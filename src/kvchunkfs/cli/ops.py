@@ -149,6 +149,8 @@ def render_stats(stats: dict[str, Any]) -> str:
         ("chunks", str(stats["chunks"])),
         ("packs", str(stats["packs"])),
     ]
+    if "remote" in stats:
+        rows.append(("remote", f"{stats['remote']['url']} ({stats['remote']['snapshots']} snapshots)"))
     for name, value in sorted(stats.get("counters", {}).items()):
         rows.append((name.replace("_", " "), str(value)))
     width = max(len(name) for name, _ in rows)

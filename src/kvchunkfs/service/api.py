@@ -178,6 +178,11 @@ class Service:
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
+        remote = self.repo.remote
+        if remote is not None:  # the bucket as last listed: its snapshots and their index bytes
+            names = remote.listing()
+            out["remote"] = {"url": remote.bucket.url, "snapshots": len(names),
+                             "index_bytes": sum(i.size for i in names.values())}  # fmt: skip
         last = getattr(self.collector, "last", None)
         out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
         return out

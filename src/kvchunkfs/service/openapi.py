@@ -44,6 +44,8 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
+        "where": {"type": "string", "enum": ["local", "both"],
+                  "description": "with a remote only: 'both' if the bucket has it too, 'local' if not (yet)"},
     },
 }
 
@@ -70,6 +72,9 @@ _PATHS: dict[str, Any] = {
                     "count": {"type": "integer"},
                     "next": {"type": "string", "description": "after= of the next page (a full page only)"},
                     "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
+                    "remote_only": {"type": "array", "items": {"type": "string"},
+                                    "description": "with a remote only: the bucket's snapshots (under prefix) "
+                                                   "this host has no stub of"},
                 }}),  # fmt: skip
                 "400": _ERROR,
             },
@@ -109,6 +114,9 @@ _PATHS: dict[str, Any] = {
                 "gc": {"type": "object", "properties": {
                     "runs": {"type": "integer"}, "last": {"type": ["object", "null"]},
                 }},
+                "remote": {"type": "object", "description": "with a remote only: the bucket as last listed",
+                           "properties": {"url": {"type": "string"}, "snapshots": {"type": "integer"},
+                                          "index_bytes": {"type": "integer"}}},
             }})},  # fmt: skip
         }
     },

@@ -398,3 +398,17 @@ def test_an_upload_reusing_an_old_unnamed_chunk_makes_it_young_again(hosts: Host
     report = run_remote_gc(hosts.bucket, grace=grace)
     assert report.deleted == 0
     assert remote_bytes(hosts.bucket, "again") == data
+
+
+def test_an_unlink_not_yet_in_the_bucket_does_not_come_back(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-upload-workers", "1")
+    write_in_pieces(a.path("x"), rand_bytes(MiB, 140), MiB)
+    drained(a)
+    write_in_pieces(a.path("big"), rand_bytes(16 * MiB, 141), MiB)  # keeps the uploader busy
+    os.unlink(a.path("x"))
+    for _ in range(20):  # lookups while the bucket still lists x
+        assert not os.path.exists(a.path("x"))
+        assert "x" not in os.listdir(a.mnt)
+    drained(a)
+    assert set(hosts.bucket.list_indexes()) == {"big"}
+    assert not os.path.exists(a.path("x"))

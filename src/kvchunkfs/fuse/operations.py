@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -216,7 +217,10 @@ class Operations(pyfuse3.Operations):
         node = self.by_path.get(rel)
         if node is not None:
             del self.by_path[rel]  # the old inode lives on until the kernel forgets it
-        await self._thread(remote.refreshed, fetched)
+        try:
+            await self._thread(remote.refreshed, fetched)
+        except (OSError, sqlite3.Error) as e:  # the next mount re-checks it (same bytes, same ETag)
+            log.warning("remote refresh of %s not recorded: %s", rel, e)
 
     def _in_use(self, rel: str) -> bool:
         node = self.by_path.get(rel)

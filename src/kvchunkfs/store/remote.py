@@ -462,7 +462,11 @@ class RemoteTier:
                 log.warning("remote: %s", e)
 
     def _materialize(self, rel: str) -> bool:
-        """Fetch ``rel``'s index into a new local stub; False if the bucket no longer has it."""
+        """Fetch ``rel``'s index into a new local stub; False if the bucket no longer has it, or if
+        this host deleted or renamed it and has not told the bucket yet (synced, stub gone: the
+        uploader is about to delete it there; fetching it back would undo the unlink)."""
+        if self.db.get(rel) is not None:
+            return False
         try:
             data, etag = self.bucket.get_index(rel)
         except FileNotFoundError:

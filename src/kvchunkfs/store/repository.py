@@ -161,7 +161,7 @@ class Repository:
         self._bump(new)
         self.touched(old, new)
         if self.remote is not None:
-            self.remote.changed(old, new)
+            self.remote.changed(new, old)  # the new name up before the old one goes: never neither
 
     def unlink(self, rel: str) -> None:
         os.unlink(self.path(rel))

@@ -55,7 +55,11 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     try:
         recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
         if cfg.remote:
-            repo.remote = _remote_tier(cfg, repo)
+            try:
+                repo.remote = _remote_tier(cfg, repo)
+            except OSError as e:  # e.g. boto3 not installed
+                print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
+                return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         try:

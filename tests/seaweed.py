@@ -6,12 +6,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 BUCKET = "kvcfs-test"
-WEED = shutil.which("weed")
+# pip puts the binary beside the interpreter, which may not be on PATH (a venv not activated)
+WEED = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "kvcfs", "AWS_SECRET_ACCESS_KEY": "kvcfs-secret", "AWS_DEFAULT_REGION": "us-east-1"}
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
          "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance", "metricsPort")  # fmt: skip

@@ -69,6 +69,15 @@ class HasStats(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+def wait_idle_checked(m: HasStats, checks_before: int, timeout: float = 30) -> None:
+    """Until the daemon has looked at its heap after the current idle spell (it waits a moment with
+    no file open, then trims if RSS is high: fuse/daemon.py, trim_when_idle)."""
+    deadline = time.monotonic() + timeout
+    while m.stats()["idle_checks"] <= checks_before:
+        assert time.monotonic() < deadline, f"no memory trim: {m.stats()}"
+        time.sleep(0.05)
+
+
 def wait_closed(m: HasStats, timeout: float = 30) -> None:
     """Until the daemon has released every file: close() returns before FUSE's RELEASE arrives,
     and a file still open keeps its chunks pinned (so a GC right after close may keep them)."""

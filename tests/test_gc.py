@@ -309,10 +309,24 @@ def test_endless_renames_skip_the_sweep_instead_of_blocking(tmp_path: Path, monk
     repo.close()
 
 
-def test_periodic_gc(tmp_path: Path) -> None:
+def test_periodic_gc_walks_after_changes_and_skips_an_unchanged_store(tmp_path: Path) -> None:
+    """The hourly GC of an idle store costs nothing: it walks only when something was saved,
+    renamed or deleted since the last clean run (issue 15)."""
     m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--gc-interval", "1"])
     m.start()
     try:
+        wait_for_log(m, "gc finished", 1, timeout=10)  # at mount: always
+        wait_for_log(m, "gc skipped", 2, timeout=10)
+        assert m.log().count("gc finished") == 1, "an unchanged store was walked again"
+        (m.mnt / "a").write_bytes(rand_bytes(300_000, 1))
+        wait_closed(m)
+        wait_for_log(m, "gc finished", 2, timeout=10)
+        (m.mnt / "a").unlink()
         wait_for_log(m, "gc finished", 3, timeout=10)
+        last = [line for line in m.log().splitlines() if "gc finished" in line][-1]
+        assert "freed 0 chunks" not in last, last  # the unlinked file's chunks went at the next tick
+        skips = m.log().count("gc skipped")
+        wait_for_log(m, "gc skipped", skips + 1, timeout=10)
+        assert m.log().count("gc finished") == 3
     finally:
         m.stop()

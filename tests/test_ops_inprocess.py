@@ -311,3 +311,37 @@ def test_a_slow_read_in_staging_mode_does_not_block_writes(tmp_path: Path, monke
         content.close()
         files.close()
         repo.close()
+
+
+# -- the remembered loads (file/files.py, Files._checked_index) ------------------------------------
+
+
+def test_reopen_sees_a_replaced_stub_and_appends_do_not_leak_into_the_remembered_index(tmp_path: Path):
+    """A reopen skips decoding and the map lookup only while the stub's bytes are unchanged; the
+    remembered index is a copy, so an append through one open never shows in the next."""
+    a, b, tail = rand_bytes(300_000, 11), rand_bytes(300_000, 12), rand_bytes(5_000, 13)
+
+    async def test(h: Harness) -> None:
+        ino = await h.create("a", a)
+        assert await h.read_all(ino) == a
+        assert await h.read_all(ino) == a  # served from the remembered load
+        first = await trio.to_thread.run_sync(h.files.load, "a")
+        ids = list(first.index.ids)
+        first.index.ids[0] = b"x" * 32  # an open file's index is its own to change (workers append to it)
+        first.close()
+        again = await trio.to_thread.run_sync(h.files.load, "a")
+        assert again.index.ids == ids, "a change to one open's index leaked into the remembered load"
+        again.close()
+        info = await h.ops.open(ino, os.O_WRONLY | os.O_APPEND, CTX)
+        await h.ops.write(info.fh, len(a), tail)
+        await h.ops.flush(info.fh)
+        await h.ops.release(info.fh)
+        assert await h.read_all(ino) == a + tail
+        ino_b = await h.create("b", b)
+        await h.ops.rename(pyfuse3.ROOT_INODE, b"b", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+        assert await h.read_all(ino_b) == b
+        os.replace(h.repo.path("a"), h.repo.path("c"))  # the stub is gone behind the mount's back
+        with pytest.raises(pyfuse3.FUSEError):
+            await h.read_all(ino_b)
+
+    run(tmp_path, test)

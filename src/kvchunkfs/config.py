@@ -209,6 +209,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
         Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
+        Setting("memory_trim_above", "size", 448 * MiB,
+                "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
+                lo=0),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
         Setting("gc_compact_threshold", "float", 0.5, "compact packs whose live share falls below this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
@@ -252,6 +255,7 @@ class Config:
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default
+    memory_trim_above: int = SETTINGS["memory_trim_above"].default
     gc_interval: int = SETTINGS["gc_interval"].default
     gc_compact_threshold: float = SETTINGS["gc_compact_threshold"].default
     durability: str = SETTINGS["durability"].default

@@ -69,7 +69,8 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
         try:
-            daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task])
+            daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task],
+                         cfg.memory_trim_above)
         finally:
             api.close()
         clean = True  # serve returned: unmounted, every save finished

@@ -8,6 +8,7 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,15 @@ from pathlib import Path
 from kvchunkfs.file.content import ChunkPool, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.format.index import Index
+from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
+from kvchunkfs.store.packs import Location
 from kvchunkfs.store.repository import Repository
 from kvchunkfs.store.stubs import StubError
 
 log = logging.getLogger(__name__)
+
+LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
 
 
 @dataclass
@@ -44,6 +49,11 @@ class Files:
         self.cache = ChunkCache(s.cache_size)
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
+        # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
+        # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
+        # for locations looked up at open. Only touched under store.lock, in load.
+        # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
+        self._loaded: OrderedDict[str, tuple[bytes, Index, dict[bytes, Location]]] = OrderedDict()
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -88,20 +98,38 @@ class Files:
         owner = object()
         try:
             remote.fetch_missing(content.index.ids, owner)
+            with self.repo.store.lock:
+                self._loaded.pop(rel, None)  # its remembered locations lack the fetched chunks
             return self._load(rel)
         finally:
             self.repo.store.unpin(owner)
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index = self.repo.read_index(rel)
-            found = self.repo.store.locate_many(index.ids)
-            bad = self.repo.store.length_mismatch(index, found)
-            if bad is not None:
-                raise StubError(f"{rel}: {bad}")
+            index, found = self._checked_index(rel)
             content = self.content(index)
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
         return content
+
+    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location]]:
+        """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
+        checked against the map; remembered while the stub's bytes stay the same."""
+        path = self.repo.path(rel)
+        data, size = stubs.read_stub(path)
+        hit = self._loaded.get(rel)
+        if hit is not None and hit[0] == data and size in (None, hit[1].size):
+            self._loaded.move_to_end(rel)
+            return hit[1].copy(), hit[2]
+        index = stubs.decode_stub(data, size, path)
+        found = self.repo.store.locate_many(index.ids)
+        bad = self.repo.store.length_mismatch(index, found)
+        if bad is not None:
+            raise StubError(f"{rel}: {bad}")
+        self._loaded[rel] = (data, index.copy(), found)
+        self._loaded.move_to_end(rel)
+        while len(self._loaded) > LOADS_KEPT:
+            self._loaded.popitem(last=False)
+        return index, found
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

@@ -137,7 +137,10 @@ class Operations(pyfuse3.Operations):
         self.write_requests = 0
         self.write_bytes = 0
         self.open_files = 0  # nodes with a content; kept as a number so other threads can read it
-        self.on_idle: Callable[[], None] | None = None  # blocking; run in a thread when no file is open
+        self.went_idle = trio.Event()  # set when the last open file is released (see daemon.trim_when_idle)
+        self.idle_gen = 0  # bumped by every first open and every last release: "still the same idle spell?"
+        self.memory_trims = 0
+        self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -513,6 +516,7 @@ class Operations(pyfuse3.Operations):
                     content = await self._load(node, allow_broken)
                     node.content = content
                     self.open_files += 1
+                    self.idle_gen += 1
                 finally:
                     node.loading = None
                     loaded.set()
@@ -537,9 +541,10 @@ class Operations(pyfuse3.Operations):
                 if node.opens == 0 and node.content is content:
                     node.content = None
                     await self._thread(content.close)  # unpins: takes store.lock
-                    if self.open_files == 1 and self.on_idle is not None:
-                        await self._thread(self.on_idle)  # before the count: a soak test measures after it
                     self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
+                    if self.open_files == 0:
+                        self.idle_gen += 1
+                        self.went_idle.set()
         self._maybe_drop(node)
 
     def _new_handle(self, node: Node, flags: int) -> int:
@@ -772,6 +777,8 @@ class Operations(pyfuse3.Operations):
             "write_requests": self.write_requests,
             "write_request_bytes": self.write_bytes,
             "open_files": self.open_files,
+            "memory_trims": self.memory_trims,
+            "idle_checks": self.idle_checks,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
 

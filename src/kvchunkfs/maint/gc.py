@@ -399,6 +399,10 @@ class GarbageCollector:
         self.interval = interval
         self.last: GCReport | None = None
         self.runs = 0
+        self.idle_skips = 0  # timer runs skipped: nothing could have become garbage since the last run
+        # (namespace generation, chunks written) when the last clean run started: while both stay
+        # the same, no stub was replaced or deleted and no chunk was added, so a walk would free nothing.
+        self._clean_at: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set at unmount: a long compaction stops between batches
         self._wake: trio.Event | None = None
@@ -408,15 +412,30 @@ class GarbageCollector:
     def run(self) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one)."""
         with self._lock:
+            state = self._state()
             report = run_gc(self.repo, self.threshold, self._stop)
             self.last = report
             self.runs += 1
+            clean = not (report.errors or report.unreadable or report.interrupted)
+            self._clean_at = state if clean else None
         log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
         for observe in self.observers:
             observe(report)
         return report
 
-    def _run_logged(self) -> None:
+    def _state(self) -> tuple[int, int]:
+        return self.repo.ns_gen, self.repo.store.counters.chunks_written
+
+    def unchanged(self) -> bool:
+        """Nothing saved, renamed or deleted since the last clean run started (through this daemon:
+        changes made behind the mount's back are not seen; SIGUSR1 or POST /gc always collect)."""
+        return self._clean_at is not None and self._clean_at == self._state()
+
+    def _run_logged(self, timer: bool = False) -> None:
+        if timer and self.unchanged():
+            self.idle_skips += 1
+            log.info("gc skipped: nothing was saved, renamed or deleted since the last collection")
+            return
         try:
             self.run()
         except Exception:
@@ -433,11 +452,13 @@ class GarbageCollector:
                 self._stop.set()  # before the nursery waits for a GC thread to finish
 
     async def _loop(self) -> None:
+        timer = False  # the run at mount always walks: it is what finds a crash's leftovers
         while True:
             self._wake = wake = trio.Event()  # a request during this run triggers one more run
-            await trio.to_thread.run_sync(self._run_logged)
+            await trio.to_thread.run_sync(self._run_logged, timer)
             with trio.move_on_after(self.interval or math.inf):
                 await wake.wait()
+            timer = not wake.is_set()
 
     async def _on_sigusr1(self) -> None:
         with trio.open_signal_receiver(signal.SIGUSR1) as signals:

@@ -184,7 +184,11 @@ class Service:
             out["remote"] = {"url": remote.bucket.url, "snapshots": len(names),
                              "index_bytes": sum(i.size for i in names.values())}  # fmt: skip
         last = getattr(self.collector, "last", None)
-        out["gc"] = {"runs": getattr(self.collector, "runs", 0), "last": _report_dict(last) if last else None}
+        out["gc"] = {
+            "runs": getattr(self.collector, "runs", 0),
+            "idle_skips": getattr(self.collector, "idle_skips", 0),
+            "last": _report_dict(last) if last else None,
+        }
         return out
 
     def run_gc(self) -> dict[str, Any]:

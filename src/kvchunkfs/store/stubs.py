@@ -38,12 +38,17 @@ class StubError(OSError):
 def read_index(path: Path | str | int) -> idx.Index:
     """The index of the stub at ``path`` (or open as fd ``path``); StubError if it is not one."""
     data, size = read_stub(path)
+    return decode_stub(data, size, path)
+
+
+def decode_stub(data: bytes, size: int | None, name: Path | str | int) -> idx.Index:
+    """The index in a stub's bytes, checked against its size attribute; StubError naming ``name``."""
     try:
         index = idx.decode(data)
     except idx.IndexFormatError as e:
-        raise StubError(f"{path}: {e}") from e
+        raise StubError(f"{name}: {e}") from e
     if size is not None and size != index.size:
-        raise StubError(f"{path}: size xattr {size} does not match index size {index.size}")
+        raise StubError(f"{name}: size xattr {size} does not match index size {index.size}")
     return index
 
 

@@ -57,6 +57,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
 _MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
+_FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 _CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
 
 
@@ -393,22 +394,20 @@ class RemoteTier:
     # -- read-through -------------------------------------------------------------------------
 
     def listing(self, wait: bool = True) -> dict[str, ObjectInfo]:
-        """The bucket's snapshots. Only the first call waits for a LIST (none with ``wait=False``:
-        the FUSE thread); later ones get the last listing and, if it is older than ``list_ttl``,
-        start a refresh in the background (so a listing is at most ``list_ttl`` plus one LIST old,
-        and a dead bucket never stalls a lookup)."""
+        """The bucket's snapshots. Only calls before the first LIST has answered wait for it, at
+        most 2 s (none with ``wait=False``: the FUSE thread); later ones get the last listing and,
+        if it is older than ``list_ttl``, start a refresh in the background (so a listing is at most
+        ``list_ttl`` plus one LIST old, and a dead bucket never stalls a lookup)."""
         with self._list_lock:
             cached = self._listing
             stale = cached is None or time.monotonic() - cached[0] >= self.list_ttl
             start = stale and not self._refreshing
             if start:
                 self._refreshing = True
-        if start and cached is None and wait:
-            self._refresh()
-        elif start:
+        if start:
             self._fetches.submit(self._refresh)
-        elif cached is None and wait:
-            self._listed.wait(60)
+        if cached is None and wait:  # right after mount; a dead bucket costs one lookup this long
+            self._listed.wait(_FIRST_LIST_WAIT)
         with self._list_lock:
             return self._listing[1] if self._listing is not None else {}
 

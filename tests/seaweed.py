@@ -70,6 +70,9 @@ class Weed:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        for port in self.ports.values():  # weed leaves its unix sockets behind, named by our ports
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
     def client(self) -> Any:  # a boto3 client
         import boto3

@@ -141,6 +141,13 @@ def _parse_address(value: object) -> str:
     return text
 
 
+def _parse_remote(value: object) -> str:
+    text = _parse_str(value).strip()
+    if text and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^/].*)?", text.rstrip("/")):
+        raise ValueError("not s3://bucket or s3://bucket/prefix")
+    return text.rstrip("/")
+
+
 # --- the settings table ---------------------------------------------------------------------------
 
 
@@ -149,7 +156,7 @@ class Setting:
     """One setting: how to parse it, its default, its bounds and its help text."""
 
     name: str
-    kind: str  # size, duration, int, float, bool, choice, str, address, formula, path, file (optional path)
+    kind: str  # size, duration, int, float, bool, choice, str, address, formula, remote, path, file (optional path)
     default: Any
     help: str
     lo: float | None = None
@@ -174,6 +181,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "str": _parse_str,
     "address": _parse_address,
     "formula": _parse_formula,
+    "remote": _parse_remote,
 }
 
 # Chunk bounds are pyfastcdc's, so a bad value fails here rather than at the first write.
@@ -221,6 +229,13 @@ SETTINGS: dict[str, Setting] = {
                 lo=1),
         Setting("cache_max_bytes", "size", 0,
                 "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)", lo=0),
+        Setting("remote", "remote", "", "shared chunk tier: s3://bucket/prefix (empty = this host only)"),
+        Setting("remote_endpoint", "str", "", "S3 endpoint URL, e.g. http://127.0.0.1:8333 (empty = AWS)"),
+        Setting("remote_upload_workers", "int", 16, "threads uploading chunks to the remote", lo=1, hi=256),
+        Setting("remote_fetch_workers", "int", 16, "threads fetching chunks from the remote", lo=1, hi=256),
+        Setting("remote_grace", "duration", 86400,
+                "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)", lo=0),
+        Setting("remote_list_ttl", "duration", 5, "seconds a listing of the remote's snapshots is reused", lo=0),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     )
@@ -262,6 +277,12 @@ class Config:
     proxy_mount: Path | None = SETTINGS["proxy_mount"].default
     proxy_min_restore: int = SETTINGS["proxy_min_restore"].default
     cache_max_bytes: int = SETTINGS["cache_max_bytes"].default
+    remote: str = SETTINGS["remote"].default
+    remote_endpoint: str = SETTINGS["remote_endpoint"].default
+    remote_upload_workers: int = SETTINGS["remote_upload_workers"].default
+    remote_fetch_workers: int = SETTINGS["remote_fetch_workers"].default
+    remote_grace: int = SETTINGS["remote_grace"].default
+    remote_list_ttl: int = SETTINGS["remote_list_ttl"].default
     score: str = SETTINGS["score"].default
     log_level: str = SETTINGS["log_level"].default
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)

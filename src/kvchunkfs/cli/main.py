@@ -18,6 +18,7 @@ from kvchunkfs.cli import ops as cliops
 from kvchunkfs.cli.common import open_repo
 from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
+from kvchunkfs.store.remote import RemoteTier
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger("kvchunkfs")
@@ -53,6 +54,13 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     clean = False
     try:
         recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
+        if cfg.remote:
+            try:
+                repo.remote = _remote_tier(cfg, repo)
+            except OSError as e:  # e.g. boto3 not installed
+                print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
+                return 1
+            repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
@@ -67,12 +75,44 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             api.close()
         clean = True  # serve returned: unmounted, every save finished
     finally:
+        if repo.remote is not None:
+            repo.remote.close()
         files.close()
         if clean:
             _mark_clean(repo)
         repo.close()
         os.close(lock_fd)
     return 0
+
+
+def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
+    from kvchunkfs.store.remote import RemoteTier
+    from kvchunkfs.store.s3 import Bucket
+
+    return RemoteTier(
+        repo,
+        Bucket(cfg.remote, cfg.remote_endpoint),
+        upload_workers=cfg.remote_upload_workers,
+        fetch_workers=cfg.remote_fetch_workers,
+        grace=cfg.remote_grace,
+        list_ttl=cfg.remote_list_ttl,
+    )
+
+
+def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from kvchunkfs.maint.remotegc import run_remote_gc
+    from kvchunkfs.store.s3 import Bucket
+
+    if not cfg.remote:
+        print("kv-chunk-fs: gc --remote needs the remote setting (s3://bucket/prefix)", file=sys.stderr)
+        return 2
+    try:
+        report = run_remote_gc(Bucket(cfg.remote, cfg.remote_endpoint), cfg.remote_grace, args.dry_run)
+    except OSError as e:
+        print(f"kv-chunk-fs: gc --remote failed: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    return 1 if report.errors else 0
 
 
 def _mark_clean(repo: Repository) -> None:
@@ -88,6 +128,8 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.gc import format_summary, run_gc
     from kvchunkfs.maint.recovery import prepare_map_file, recover
 
+    if args.collect_remote:
+        return cmd_gc_remote(cfg, args)
     root = Path(cfg.store)
     if not Layout(root).is_store():
         print(f"kv-chunk-fs: no store at {root}", file=sys.stderr)
@@ -241,14 +283,15 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 Command = Callable[[cfgmod.Config, argparse.Namespace], int]
+_CONFIGURED = "\0configured"  # ``gc --remote`` without a value
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-chunk-fs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
+    def add(name: str, fn: Command, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, **kwargs)
         cfgmod.add_arguments(p)
         p.set_defaults(func=fn)
         return p
@@ -266,8 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream", dest="proxy_upstream", default=None, help="same as --proxy-upstream")
     p.add_argument("--listen", dest="proxy_listen", default=None, help="same as --proxy-listen")
     p.add_argument("--mount", dest="proxy_mount", default=None, help="same as --proxy-mount")
-    p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
+    # resolve: gc's own --remote replaces the setting's flag; it also works without a value (the setting's)
+    p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)",
+            conflict_handler="resolve")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--remote", nargs="?", const=_CONFIGURED, default=None, metavar="s3://BUCKET/PREFIX",
+                   help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)")
+    p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")
     p = add("ui", cmd_ui, "web dashboard of the running daemon (through its unix socket)")
     p.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8765; other than loopback needs a token)")  # fmt: skip
@@ -284,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.collect_remote = args.command == "gc" and args.remote is not None
+    if args.remote == _CONFIGURED:
+        args.remote = None
     try:
         cfg = cfgmod.load(args)
     except cfgmod.ConfigError as e:

@@ -65,12 +65,21 @@ def snapshot_rows(cfg: cfgmod.Config, params: dict[str, str]) -> list[dict[str, 
     store = _store(cfg)
     client = running_daemon(store)
     if client is not None:
-        return client.json("GET", "/snapshots", params)["snapshots"]
+        answer = client.json("GET", "/snapshots", params)
+        return answer["snapshots"] + [_remote_row(rel) for rel in answer.get("remote_only", [])]
     rows = catalog.snapshots(store / "snapshots", compile_formula(cfg.score))
     return [r.to_dict() for r in catalog.select(rows, params)]
 
 
-def _size(n: int) -> str:
+def _remote_row(rel: str) -> dict[str, Any]:
+    """A snapshot only the bucket holds: its numbers are unknown until a host fetches its index."""
+    return {"path": rel, "where": "remote", "size": None, "unique_bytes": None, "shared_bytes": None,
+            "use_count": 0, "last_use": None, "score": None, "labels": {}}  # fmt: skip
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
     return format_size(n).replace(" ", "")
 
 
@@ -82,14 +91,19 @@ def _ago(epoch: float | None, now: float) -> str:
 
 def render_table(rows: list[dict[str, Any]], now: float | None = None) -> str:
     now = time.time() if now is None else now
-    table = [("PATH", "SIZE", "UNIQUE", "SHARED", "USES", "LAST USE", "SCORE", "LABELS")]
+    where = any("where" in r for r in rows)  # a remote is configured: say where each snapshot is
+    table: list[list[str]] = [["PATH", "SIZE", "UNIQUE", "SHARED", "USES", "LAST USE", "SCORE", "LABELS"]]
     for r in rows:
         labels = ",".join(f"{k}={v}" for k, v in r["labels"].items())
         path = r["path"] + (" (unreadable)" if r.get("error") else "")
+        score = "-" if r["score"] is None else f"{r['score']:.4g}"
         table.append(
-            (path, _size(r["size"]), _size(r["unique_bytes"]), _size(r["shared_bytes"]), str(r["use_count"]),
-             _ago(r["last_use"], now), f"{r['score']:.4g}", labels)
+            [path, _size(r["size"]), _size(r["unique_bytes"]), _size(r["shared_bytes"]), str(r["use_count"]),
+             _ago(r["last_use"], now), score, labels]
         )  # fmt: skip
+    if where:
+        for row, r in zip(table, [{"where": "WHERE"}, *rows], strict=True):
+            row.insert(7, str(r.get("where", "local")))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     right = {1, 2, 3, 4, 6}  # numbers line up on the right
     lines = []
@@ -135,6 +149,8 @@ def render_stats(stats: dict[str, Any]) -> str:
         ("chunks", str(stats["chunks"])),
         ("packs", str(stats["packs"])),
     ]
+    if "remote" in stats:
+        rows.append(("remote", f"{stats['remote']['url']} ({stats['remote']['snapshots']} snapshots)"))
     for name, value in sorted(stats.get("counters", {}).items()):
         rows.append((name.replace("_", " "), str(value)))
     width = max(len(name) for name, _ in rows)

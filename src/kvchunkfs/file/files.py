@@ -85,8 +85,26 @@ class Files:
         """Content of an existing snapshot; StubError for a stub that is not an index, or whose chunk
         lengths disagree with the map (reads would return wrong bytes).
 
-        Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them.
+        Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them. With a
+        remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
+        content = self._load(rel)
+        remote = self.repo.remote
+        if remote is None or len(content.locations or ()) == len(set(content.index.ids)):
+            return content
+        # Chunks only the bucket has (a snapshot another host saved): fetch them into the local
+        # packs, outside the lock (network), then load again; their pins hold until then.
+        content.close()
+        owner = object()
+        try:
+            remote.fetch_missing(content.index.ids, owner)
+            with self.repo.store.lock:
+                self._loaded.pop(rel, None)  # its remembered locations lack the fetched chunks
+            return self._load(rel)
+        finally:
+            self.repo.store.unpin(owner)
+
+    def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
             index, found = self._checked_index(rel)
             content = self.content(index)

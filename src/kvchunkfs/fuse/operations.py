@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
+from kvchunkfs.store.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,53 @@ class Operations(pyfuse3.Operations):
             if node.path is not None and self.by_path.get(node.path) is node:
                 del self.by_path[node.path]
 
+    async def _from_remote(self, remote: RemoteTier | None, step: str, rel: str) -> bool:
+        """Read-through (in a thread: network): ``RemoteTier.lookup`` or ``fill_dir``. An unreachable
+        bucket is logged and answered from local state only."""
+        if remote is None:
+            return False
+        try:
+            return bool(await self._thread(getattr(remote, step), rel))
+        except (OSError, ValueError) as e:
+            log.warning("remote %s of %s failed: %s", step, rel, e)
+            return False
+
+    async def _refresh_from_remote(self, rel: str) -> None:
+        """Last writer wins across hosts: if another host saved ``rel`` since this host last synced
+        it, and it is not open here, the bucket's version replaces the local stub, and the name gets
+        a fresh inode (the kernel forgets the old version's pages and size, as after a rename)."""
+        remote = self.repo.remote
+        if remote is None or not remote.newer_in_bucket(rel) or self._in_use(rel):
+            return
+        try:
+            fetched = await self._thread(remote.prepare_refresh, rel)
+        except (OSError, ValueError) as e:
+            log.warning("remote refresh of %s failed: %s", rel, e)
+            return
+        if fetched is None:
+            return
+        # Here, on the FUSE thread, the rename is ordered with saves, renames and unlinks.
+        if self._in_use(rel) or not fetched.current(self.repo.path(rel)):
+            await self._thread(fetched.discard)  # a local change came first: it will be uploaded
+            return
+        try:
+            self.repo.install_fetched(fetched.tmp, rel)
+        except OSError as e:  # the local version stays; the next lookup tries again
+            log.warning("remote refresh of %s failed: %s", rel, e)
+            await self._thread(fetched.discard)
+            return
+        node = self.by_path.get(rel)
+        if node is not None:
+            del self.by_path[rel]  # the old inode lives on until the kernel forgets it
+        try:
+            await self._thread(remote.refreshed, fetched)
+        except (OSError, sqlite3.Error) as e:  # the next mount re-checks it (same bytes, same ETag)
+            log.warning("remote refresh of %s not recorded: %s", rel, e)
+
+    def _in_use(self, rel: str) -> bool:
+        node = self.by_path.get(rel)
+        return node is not None and (node.content is not None or node.opens > 0)
+
     def _stat_node(self, node: Node) -> os.stat_result:
         if node.path is None:
             if node.last_stat is None:
@@ -232,8 +281,16 @@ class Operations(pyfuse3.Operations):
             parent = (node.path or "").rpartition("/")[0]
             return self._attrs(self.by_path.get(parent) or self.by_path[""])
         rel = self._child(parent_inode, name)
+        await self._refresh_from_remote(rel)
         try:
             st = os.lstat(self.repo.path(rel))
+        except FileNotFoundError:
+            if not await self._from_remote(self.repo.remote, "lookup", rel):
+                raise pyfuse3.FUSEError(errno.ENOENT) from None
+            try:
+                st = os.lstat(self.repo.path(rel))
+            except OSError as e:  # gone again meanwhile
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, stat.S_ISDIR(st.st_mode))
@@ -324,6 +381,8 @@ class Operations(pyfuse3.Operations):
         node = self._node(fh)
         if node.path is None:
             return
+        if start_id == 0:  # once per listing: the bucket's entries this directory lacks
+            await self._from_remote(self.repo.remote, "fill_dir", node.path)
         try:
             names = _list_dir(self.repo.path(node.path))
         except OSError as e:
@@ -720,7 +779,7 @@ class Operations(pyfuse3.Operations):
             "open_files": self.open_files,
             "memory_trims": self.memory_trims,
             "idle_checks": self.idle_checks,
-        }
+        } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
 
 def _invalidate_entry(parent_ino: int, name: bytes) -> None:

@@ -162,7 +162,28 @@ class Service:
         out: dict[str, Any] = {"count": len(rows), "total": total, "snapshots": rows}
         if "limit" in params and rows and len(rows) == catalog.parse_limit(params["limit"]):
             out["next"] = rows[-1]["path"]  # display form: names that are not UTF-8 page by path_b64
+        self._where(out, params.get("prefix", "").lstrip("/"))
         return out
+
+    def _where(self, out: dict[str, Any], prefix: str) -> None:
+        """With a remote: each row's ``where`` ("local": not in the bucket yet, "both"), and the
+        bucket's snapshots this host has no stub of (``remote_only``, paths under ``prefix``)."""
+        remote = self.repo.remote
+        if remote is None:
+            return
+        try:
+            names = remote.listing()  # the cached listing; a refresh runs in the background
+        except OSError as e:
+            log.warning("remote listing failed: %s", e)
+            return
+        seen = set()
+        for row in out["snapshots"]:
+            seen.add(row["path"])
+            row["where"] = "both" if row["path"] in names else "local"
+        out["remote_only"] = sorted(
+            catalog.display_name(rel) for rel in names
+            if rel.startswith(prefix) and rel not in seen and not os.path.lexists(self.repo.path(rel))
+        )  # fmt: skip
 
     def totals(self) -> dict[str, Any]:
         n, logical, referenced, broken = self.live.totals()
@@ -173,6 +194,11 @@ class Service:
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
+        remote = self.repo.remote
+        if remote is not None:  # the bucket as last listed: its snapshots and their index bytes
+            names = remote.listing()
+            out["remote"] = {"url": remote.bucket.url, "snapshots": len(names),
+                             "index_bytes": sum(i.size for i in names.values())}  # fmt: skip
         last = getattr(self.collector, "last", None)
         interval = getattr(self.collector, "interval", 0)
         finished = self.gc_finished

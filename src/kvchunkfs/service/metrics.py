@@ -98,6 +98,19 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+_REMOTE = (
+    ("upload_queue", "gauge", "Snapshots waiting to be uploaded to the remote (or being uploaded)"),
+    ("upload_bytes_pending", "gauge", "Chunk bytes of the upload in progress not yet confirmed in the bucket"),
+    ("upload_errors", "counter", "Uploads to the remote that failed (each is retried)"),
+    ("uploaded_indexes", "counter", "Snapshot indexes put in the bucket"),
+    ("remote_chunk_puts", "counter", "Chunks put in the bucket"),
+    ("remote_chunk_put_bytes", "counter", "Chunk bytes put in the bucket"),
+    ("remote_chunk_gets", "counter", "Chunks fetched from the bucket"),
+    ("remote_chunk_get_bytes", "counter", "Chunk bytes fetched from the bucket"),
+    ("remote_index_gets", "counter", "Snapshot indexes fetched from the bucket"),
+)
+
+
 class StoreCollector(Collector):
     """Reads the store's and the filesystem's own counters at scrape time."""
 
@@ -137,6 +150,9 @@ class StoreCollector(Collector):
             yield _counter("kvcfs_restores", "Snapshots opened read-only (restores)", stats["restores"])
         if "open_files" in stats:
             yield _gauge("kvcfs_open_files", "Snapshots open", stats["open_files"])
+        for key, kind, doc in _REMOTE:  # with a remote (store/remote.py) only
+            if key in stats:
+                yield (_gauge if kind == "gauge" else _counter)(f"kvcfs_{key}", doc, stats[key])
 
     def _store(self) -> Iterator[Metric]:
         # Never the map itself: a scrape must not wait for its lock (saves hold it) nor count its rows.

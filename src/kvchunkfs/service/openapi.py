@@ -44,6 +44,8 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
+        "where": {"type": "string", "enum": ["local", "both"],
+                  "description": "with a remote only: 'both' if the bucket has it too, 'local' if not (yet)"},
     },
 }
 
@@ -73,6 +75,9 @@ _PATHS: dict[str, Any] = {
                     "total": {"type": "integer", "description": "rows the filters match, before limit/offset"},
                     "next": {"type": "string", "description": "after= of the next page (a full page only)"},
                     "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
+                    "remote_only": {"type": "array", "items": {"type": "string"},
+                                    "description": "with a remote only: the bucket's snapshots (under prefix) "
+                                                   "this host has no stub of"},
                 }}),  # fmt: skip
                 "400": _ERROR,
             },
@@ -152,6 +157,9 @@ _PATHS: dict[str, Any] = {
                     "last_finished": {"type": ["number", "null"], "description": "epoch seconds"},
                     "next_due": {"type": ["number", "null"], "description": "epoch seconds of the next periodic run"},
                 }},
+                "remote": {"type": "object", "description": "with a remote only: the bucket as last listed",
+                           "properties": {"url": {"type": "string"}, "snapshots": {"type": "integer"},
+                                          "index_bytes": {"type": "integer"}}},
             }})},  # fmt: skip
         }
     },

@@ -1,8 +1,10 @@
 """The interface the file layer uses to store and fetch chunks.
 
-``PackStore`` (local packs + map) implements it. A second implementation, e.g. a shared tier on S3
-that keeps the local packs as its cache, can sit behind it without the file or FUSE layers
-changing: they only ever ``put_many``, ``has``, ``get_many``, ``pin``/``unpin`` and ``sync``.
+``PackStore`` (local packs + map) implements it. The shared tier on S3 (``store/remote.py``) is not
+a second implementation: the read path needs the local map (locations, runs of back-to-back chunks),
+so the tier keeps the local packs as its cache, brings a snapshot's missing chunks into them when it
+is opened (``Files.load``) and uploads behind the saves; this interface and the save path are
+unchanged by it (docs/design.md, "The remote tier").
 """
 
 from __future__ import annotations

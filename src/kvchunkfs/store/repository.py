@@ -23,6 +23,7 @@ from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, fsync_path
 from kvchunkfs.store.packs import PackStore
+from kvchunkfs.store.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class Repository:
         # Called with the paths a change touched, after it (service/live.py): must not block.
         self.watchers: list[Callable[..., None]] = []
         self.store = PackStore(root, settings.pack_size, durable=self.durable)
+        # The shared tier (store/remote.py), set by the daemon when ``remote`` is configured; told of
+        # every committed namespace change, after it (it only queues the path: never blocks).
+        self.remote: RemoteTier | None = None
         self.chunker = self._chunker()
 
     def _chunker(self) -> Cutter:
@@ -121,6 +125,27 @@ class Repository:
         os.rename(tmp, self.path(rel))
         self._bump(rel)
         self.touched(rel)
+        if self.remote is not None:
+            self.remote.changed(rel)
+
+    def install_fetched(self, tmp: Path, rel: str) -> None:
+        """Replace a snapshot by the remote's newer version (not reported back to the remote)."""
+        os.rename(tmp, self.path(rel))
+        self._bump(rel)
+        self.touched(rel)
+
+    def install_new(self, tmp: Path, rel: str) -> bool:
+        """Install a complete stub only if ``rel`` does not exist (a snapshot fetched from the
+        remote: a local file always wins). False, and ``tmp`` removed, if it exists."""
+        try:
+            os.link(tmp, self.path(rel))
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._bump(rel)
+        self.touched(rel)
+        return True
 
     def sync(self) -> None:
         """Make every chunk written so far durable (before a stub that names them is renamed)."""
@@ -135,11 +160,15 @@ class Repository:
         os.rename(src, dst)
         self._bump(new)
         self.touched(old, new)
+        if self.remote is not None:
+            self.remote.changed(new, old)  # the new name up before the old one goes: never neither
 
     def unlink(self, rel: str) -> None:
         os.unlink(self.path(rel))
         self._bump(None)
         self.touched(rel)
+        if self.remote is not None:
+            self.remote.changed(rel)
 
     def rmdir(self, rel: str) -> None:
         os.rmdir(self.path(rel))

@@ -1,0 +1,151 @@
+"""The shared tier (issue 12) on a local SeaweedFS: save latency with and without a remote, upload
+throughput, and a restore on a second host: cold from the bucket, from its local packs, and against
+downloading the plain file as one object with boto3 (what ``aws s3 cp`` does).
+
+Per run, interleaved (the order of the two saves rotates): a save of all-new random bytes on host A
+without a remote and on host A' with one (uploads drained before the next step, so each save is
+measured alone; the drain time gives the upload throughput); then on host B, a new store each run:
+the cold restore from the bucket (lookup, index GET, parallel chunk GETs into B's packs, read), the
+restore again after a remount with the page cache dropped (B's packs only), and the boto3 download
+of the same bytes stored as one object. Needs root (drops caches) and ``weed`` on PATH.
+
+    python3 benchmarks/remote.py                      # 415 MiB, 3 runs
+    python3 benchmarks/remote.py --size 100MiB --runs 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from conftest import Mount  # noqa: E402
+from seaweed import BUCKET, CREDENTIALS, Weed  # noqa: E402
+
+from kvchunkfs.units import parse_size  # noqa: E402
+
+MiB = 1 << 20
+PIECE = MiB
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def timed(fn: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def write_file(path: Path, data: bytes) -> None:
+    view = memoryview(data)
+    with open(path, "wb") as f:
+        for i in range(0, len(data), PIECE):
+            f.write(view[i : i + PIECE])
+
+
+def read_file(path: Path) -> int:
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(PIECE):
+            n += len(chunk)
+    return n
+
+
+def wait_drained(m: Mount, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while m.stats()["upload_queue"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"uploads did not drain: {m.log()[-2000:]}")
+        time.sleep(0.01)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="415MiB")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", default=None, help="work directory (default: a new one under /var/tmp)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--mount-args", default="", help="extra daemon flags, e.g. '--remote-upload-workers 16'")
+    args = p.parse_args()
+    size = parse_size(args.size)
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    work = Path(tempfile.mkdtemp(prefix="kvcfs-remote-bench-", dir=args.dir or "/var/tmp"))
+    weed = Weed(work / "weed")
+    weed.start()
+    url = f"s3://{BUCKET}/bench"
+    remote = ["--remote", url, "--remote-endpoint", weed.endpoint, "--gc-interval", "0", *args.mount_args.split()]
+    a_local = Mount(work / "al/store", work / "al/mnt", work / "al/log", ["--gc-interval", "0"])
+    a_remote = Mount(work / "ar/store", work / "ar/mnt", work / "ar/log", remote)
+    results: dict[str, list[float]] = {k: [] for k in
+                                       ("save_local", "save_remote", "upload", "restore_remote_cold",
+                                        "restore_local_cold", "boto3_download")}  # fmt: skip
+    client = weed.client()
+    try:
+        a_local.start()
+        a_remote.start()
+        for run in range(args.runs):
+            data = os.urandom(size)  # all chunks new in every run
+            name = f"snap{run}"
+            order = [(a_local, "save_local"), (a_remote, "save_remote")]
+            for m, key in order if run % 2 == 0 else order[::-1]:
+                drop_caches()
+                results[key].append(timed(write_file, m.path(name), data))
+                if m is a_remote:
+                    results["upload"].append(timed(wait_drained, a_remote))
+            client.put_object(Bucket=BUCKET, Key=f"plain/{name}", Body=data)
+            b = Mount(work / f"b{run}/store", work / f"b{run}/mnt", work / f"b{run}/log", remote)
+            b.start()
+            try:
+                drop_caches()
+                results["restore_remote_cold"].append(timed(read_file, b.path(name)))
+                b.remount()
+                drop_caches()
+                results["restore_local_cold"].append(timed(read_file, b.path(name)))
+                gets = b.stats()["remote_chunk_gets"]
+            finally:
+                b.stop()
+                shutil.rmtree(work / f"b{run}")
+            target = work / "download"
+            drop_caches()
+            results["boto3_download"].append(timed(client.download_file, BUCKET, f"plain/{name}", str(target)))
+            assert target.stat().st_size == size
+            target.unlink()
+            print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in results.items())
+                  + f"; chunk GETs after the remount: {gets}", flush=True)  # fmt: skip
+    finally:
+        for m in (a_local, a_remote):
+            if m.proc is not None:
+                m.stop()
+        weed.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    mb = size / 1e6
+    print(f"\n{args.size}, {args.runs} runs, medians:")
+    print(f"  save, no remote          {med['save_local']:.3f} s")
+    print(f"  save, remote             {med['save_remote']:.3f} s  ({med['save_remote'] / med['save_local']:.2f}x)")
+    print(f"  upload after the save    {med['upload']:.3f} s  ({mb / med['upload']:.0f} MB/s)")
+    print(f"  restore on B, cold, S3   {med['restore_remote_cold']:.3f} s  "
+          f"({med['restore_remote_cold'] / med['boto3_download']:.2f}x the boto3 download)")  # fmt: skip
+    print(f"  restore on B, local packs {med['restore_local_cold']:.3f} s")
+    print(f"  boto3 download, 1 object {med['boto3_download']:.3f} s  ({mb / med['boto3_download']:.0f} MB/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size": size, "runs": results, "medians": med}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

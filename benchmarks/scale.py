@@ -161,6 +161,15 @@ def measure(root: Path, n: int, old_way: bool) -> dict[str, float]:
         lambda: (service.live.changed(some), service.prefix_tree_body("", "json")), runs=1
     )
     out["GET /prefix-tree (unchanged)"] = timed(lambda: service.prefix_tree_body("", "json"))
+    # The proxy's question before every request: a conversation continued (one best row), and a new
+    # conversation with a known system prompt (every row of its group ties on the prompt).
+    g0, c0 = 0, 0
+    cont = [1000 + g0] * 200 + [c0] * 20 + [0] + [7] * 50
+    new = [1000 + g0] * 200 + [99_999] * 50
+    live = service.live
+    out["POST /prefix-match (continued)"] = timed(lambda: live.prefix_match(cont, exclude_suffix=".tmp"))
+    out["POST /prefix-match (new, shared prompt)"] = timed(lambda: live.prefix_match(new, exclude_suffix=".tmp"))
+    out["prefix match by scanning every row"] = timed(lambda: live._prefix_match_scan(cont, exclude_suffix=".tmp"))
     assert service.metrics is not None
     out["GET /metrics"] = timed(service.metrics.render)
     out["save + next listing page"] = timed(lambda: save_and_list(repo, service, n), runs=1)

@@ -90,6 +90,9 @@ class LiveCatalog:
         self._by_sid: dict[int, Entry] = {}
         self._next_sid = 1
         self._sorted: list[str] | None = None
+        # (tokens, path) of every row with a token prefix, in token order: a prefix match looks at
+        # the neighbours of the query's place in it instead of at every row (see prefix_match).
+        self._by_tokens: list[tuple[array.array, str]] = []
         self._dirs: dict[str, int] = {}
         self._children: dict[str, set[str]] = {}  # directory -> names of its rows
         self._dir_mtimes: dict[str, int] = {}  # directories seen -> their mtime when listed
@@ -276,6 +279,8 @@ class LiveCatalog:
             refs[cid] = n << 64 | (xor ^ sid) << _COUNT_BITS | (count + 1)
         self.entries[info.path] = entry
         by_sid[sid] = entry
+        if tokens is not None:
+            bisect.insort(self._by_tokens, (tokens, info.path))
         self.logical_bytes += info.size
         self._count_dirs(info.path, 1)
         self._sorted = None
@@ -286,6 +291,9 @@ class LiveCatalog:
         if entry is None:
             return
         del self._by_sid[entry.sid]
+        if entry.tokens is not None:
+            at = bisect.bisect_left(self._by_tokens, (entry.tokens, rel))
+            del self._by_tokens[at]  # the same (tokens, path) pair _add inserted
         refs, by_sid, sid = self._refs, self._by_sid, entry.sid
         for cid, n in entry.cids():
             v = refs[cid]
@@ -404,8 +412,42 @@ class LiveCatalog:
                      ) -> list[PrefixMatch]:  # fmt: skip
         """The snapshots under ``prefix`` sharing the longest common token prefix with ``tokens``, best
         first (longest match, then fewest tokens: the least to restore), at most ``limit``, none with no
-        common token. A linear scan of the in-memory token arrays: comparisons run in C, and a tree
-        would have to be rebuilt after every save, which is what a proxy does after every request."""
+        common token.
+
+        In token order, the common prefix with the query only shrinks moving away from the query's
+        place, on either side: walking outwards from there, always on the side with the longer match,
+        visits rows best first, and the walk stops once ``limit`` rows are found and the next is
+        shorter. Cost: the rows sharing the best matches (a system prompt's conversations), not N.
+        """
+        want = array.array("i", tokens)
+        found: list[PrefixMatch] = []
+        with self._reading():
+            order = self._by_tokens
+
+            def common(j: int) -> int:
+                return prefixtree.common_prefix_len(want, order[j][0]) if 0 <= j < len(order) else 0
+
+            up = bisect.bisect_left(order, (want, ""))
+            down = up - 1
+            n_down, n_up = common(down), common(up)
+            while (n := max(n_down, n_up)) > 0:
+                if len(found) >= limit and n < found[limit - 1].match:
+                    break
+                if n_down >= n_up:
+                    j, down = down, down - 1
+                    n_down = common(down)
+                else:
+                    j, up = up, up + 1
+                    n_up = common(up)
+                have, path = order[j]
+                if path.startswith(prefix) and not (exclude_suffix and path.endswith(exclude_suffix)):
+                    found.append(PrefixMatch(path, n, len(have), dict(self.entries[path].info.labels)))
+        found.sort(key=lambda m: (-m.match, m.tokens, m.path))
+        return found[:limit]
+
+    def _prefix_match_scan(self, tokens: list[int], prefix: str = "", exclude_suffix: str = "", limit: int = 1
+                           ) -> list[PrefixMatch]:  # fmt: skip
+        """``prefix_match`` by looking at every row: the reference the tests compare it with."""
         want = array.array("i", tokens)
         found: list[PrefixMatch] = []
         with self._reading():

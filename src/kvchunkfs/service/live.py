@@ -462,10 +462,13 @@ class LiveCatalog:
         return found[:limit]
 
     def token_tree(self, prefix: str = "") -> tuple[prefixtree.Node, dict[str, str]]:
-        found, skipped = self.tokens(prefix)
+        prefix = prefix.lstrip("/")
         names = catalog.display_name
-        tree = prefixtree.build_tree({names(p): t for p, t in found.items()})
-        return tree, {names(p): names(why) for p, why in skipped.items()}
+        with self._reading():  # the token-ordered index: no sort, no copies of the token arrays
+            entries = [(tokens, names(p)) for tokens, p in self._by_tokens if p.startswith(prefix)]
+            skipped = {names(p): names(e.token_error or "") for p, e in self.entries.items()
+                       if e.tokens is None and p.startswith(prefix)}  # fmt: skip
+        return prefixtree.build_sorted(entries), skipped
 
     def freed_together(self, paths: Iterable[str]) -> tuple[int, int, list[str]]:
         """(bytes, chunks) that deleting all of ``paths`` together would free, and the paths not found.

@@ -32,7 +32,7 @@ _HEADER = struct.Struct("<3I")
 _PACKED_HEADER = struct.Struct("<2I")
 _READ_STEP = 1 << 20  # read in steps so a corrupt count cannot make us allocate gigabytes
 
-Entries = list[tuple[list[int], str]]  # (tokens, name), sorted
+Entries = Sequence[tuple[Sequence[int], str]]  # (tokens, name), in token order
 
 
 class NotASnapshot(ValueError):
@@ -96,7 +96,7 @@ def _signed(word: int) -> int:
 class Node:
     """A radix-tree node: the tokens on the edge into it and the snapshots below it."""
 
-    edge: list[int]
+    edge: Sequence[int]  # a list, or an array slice when built from the catalog's token arrays
     depth: int  # prefix length in tokens at the end of this node's edge
     snapshots: list[str]  # every snapshot whose tokens pass through or end here, sorted
     ends: list[str] = field(default_factory=list)  # snapshots whose tokens end exactly here
@@ -111,9 +111,14 @@ class Node:
 def build_tree(items: Mapping[str, Sequence[int]]) -> Node:
     """Build a compressed radix tree; the root has an empty edge and holds every snapshot."""
     # Sorting puts lists sharing a prefix next to each other; list comparison runs in C.
-    entries = sorted((list(tokens), name) for name, tokens in items.items())
+    return build_sorted(sorted((list(tokens), name) for name, tokens in items.items()))
+
+
+def build_sorted(entries: Sequence[tuple[Sequence[int], str]]) -> Node:
+    """``build_tree`` of (tokens, name) pairs already in token order (the live catalog keeps its rows
+    so, as ``array('i')``: no sort and no list copies; slices and comparisons of arrays run in C)."""
     lcp = [0] + [common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
-    root = Node(edge=[], depth=0, snapshots=sorted(items))
+    root = Node(edge=[], depth=0, snapshots=sorted(name for _, name in entries))
     # Explicit stack: a chain of snapshots that extend each other would be too deep to recurse.
     stack = [(root, 0, len(entries))]
     while stack:
@@ -132,7 +137,7 @@ def _split(node: Node, entries: Entries, lcp: list[int], lo: int, hi: int) -> It
     # Sorted order puts the entries that end here first.
     while start < hi and len(entries[start][0]) == depth:
         start += 1
-    node.ends = [name for _, name in entries[lo:start]]
+    node.ends = sorted(name for _, name in entries[lo:start])
     # Entries i-1 and i differ at the token just past this node where lcp[i] == depth; list.index
     # finds those boundaries in C, which matters for long chains of snapshots extending each other.
     i = start + 1
@@ -188,7 +193,7 @@ def _node_json(node: Node) -> dict:
         "edge_tokens": node.length,
         "shared_by": list(node.snapshots),
         "ends_here": list(node.ends),
-        "first_tokens": node.edge[:FIRST_TOKENS],
+        "first_tokens": list(node.edge[:FIRST_TOKENS]),
         "children": [],
     }
 

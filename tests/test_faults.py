@@ -90,6 +90,22 @@ class Workload:
         head = self.system[: self.rng.randrange(0, MiB)]
         return head + self.rng.randbytes(self.rng.randrange(MiB, 3 * MiB))
 
+    def run_until_kill(self, delay: float) -> None:
+        """Run the workload while a thread kill -9s the daemon after ``delay`` seconds."""
+        proc = self.m.proc
+        assert proc is not None
+
+        def kill() -> None:
+            time.sleep(delay)
+            self.killed.set()
+            proc.kill()
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        self.run_until_killed()
+        killer.join()
+        self.m.kill()
+
     def run_until_killed(self) -> None:
         try:
             while True:
@@ -196,20 +212,7 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
             verified += verify_and_check(m, work, context)
             check_counts(m, context)
             work.killed.clear()
-            delay = rng.uniform(0.0, 1.5)
-            proc = m.proc
-            assert proc is not None
-
-            def kill(proc: subprocess.Popen[bytes] = proc, delay: float = delay) -> None:
-                time.sleep(delay)
-                work.killed.set()
-                proc.kill()
-
-            killer = threading.Thread(target=kill)
-            killer.start()
-            work.run_until_killed()
-            killer.join()
-            m.kill()
+            work.run_until_kill(rng.uniform(0.0, 1.5))
         m.start_settled()
         verified += verify_and_check(m, work, f"seed {seed}, final")
         check_counts(m, f"seed {seed}, final")

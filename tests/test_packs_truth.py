@@ -14,8 +14,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -436,19 +434,7 @@ def test_kill9_with_the_map_lost_or_older(tmp_path: Path) -> None:
             m.start_settled()
             verify_and_check(m, work, context)
             work.killed.clear()
-            proc = m.proc
-            assert proc is not None
-
-            def kill(proc: subprocess.Popen[bytes] = proc, delay: float = rng.uniform(0.2, 1.5)) -> None:
-                time.sleep(delay)
-                work.killed.set()
-                proc.kill()
-
-            killer = threading.Thread(target=kill)
-            killer.start()
-            work.run_until_killed()
-            killer.join()
-            m.kill()
+            work.run_until_kill(rng.uniform(0.2, 1.5))
             action = rng.choice(("keep", "delete", "older") if backup.exists() else ("keep", "delete"))
             actions[action] = actions.get(action, 0) + 1
             fresh = tmp_path / "fresh-map"

@@ -98,8 +98,6 @@ class Files:
         owner = object()
         try:
             remote.fetch_missing(content.index.ids, owner)
-            with self.repo.store.lock:
-                self._loaded.pop(rel, None)  # its remembered locations lack the fetched chunks
             return self._load(rel)
         finally:
             self.repo.store.unpin(owner)
@@ -113,7 +111,8 @@ class Files:
 
     def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location]]:
         """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
-        checked against the map; remembered while the stub's bytes stay the same."""
+        checked against the map; remembered while the stub's bytes stay the same, if the map had
+        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
         data, size = stubs.read_stub(path)
         hit = self._loaded.get(rel)
@@ -125,10 +124,11 @@ class Files:
         bad = self.repo.store.length_mismatch(index, found)
         if bad is not None:
             raise StubError(f"{rel}: {bad}")
-        self._loaded[rel] = (data, index.copy(), found)
-        self._loaded.move_to_end(rel)
-        while len(self._loaded) > LOADS_KEPT:
-            self._loaded.popitem(last=False)
+        if len(found) == len(dict.fromkeys(index.ids)):
+            self._loaded[rel] = (data, index.copy(), found)
+            self._loaded.move_to_end(rel)
+            while len(self._loaded) > LOADS_KEPT:
+                self._loaded.popitem(last=False)
         return index, found
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:

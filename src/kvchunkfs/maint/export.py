@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvchunkfs.store.layout import loose_chunk_name
 from kvchunkfs.store.repository import Repository
 
 
@@ -14,8 +15,7 @@ def export_store(repo: Repository, dest: Path) -> tuple[int, int]:
     n = total = 0
     for pack in repo.store.pack_ids():
         for cid, offset, length in repo.store.chunks_in_pack(pack):
-            name = cid.hex()
-            path = dest / name[:4] / name
+            path = dest / loose_chunk_name(cid)
             if path.exists():
                 continue
             data = repo.store.read_run(pack, offset, length)

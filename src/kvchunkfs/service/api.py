@@ -430,13 +430,16 @@ def create_app(service: Service) -> Starlette:
         except catalog.QueryError as e:
             raise HTTPException(400, str(e)) from None
 
-    async def get_snapshot(request: Request) -> Response:
-        _params(request, frozenset())
-        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
+    async def snapshot_row(rel: str) -> Response:
         row = await run_in_threadpool(service.snapshot, rel)
         if row is None:
             raise HTTPException(404, f"no snapshot {rel!r}")
         return JSONResponse(row.to_dict())
+
+    async def get_snapshot(request: Request) -> Response:
+        _params(request, frozenset())
+        rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
+        return await snapshot_row(rel)
 
     async def delete_snapshot(request: Request) -> Response:
         _params(request, frozenset())
@@ -475,10 +478,7 @@ def create_app(service: Service) -> Starlette:
             log.log(logging.ERROR if status == 500 else logging.INFO, "API labels of %s failed: %s", rel, e)
             raise HTTPException(status, f"cannot label {rel!r}: {e.strerror or e}") from None
         log.info("API set labels of %s to %s (by %s)", rel, changes, caller(request))
-        row = await run_in_threadpool(service.snapshot, rel)
-        if row is None:
-            raise HTTPException(404, f"no snapshot {rel!r}")
-        return JSONResponse(row.to_dict())
+        return await snapshot_row(rel)
 
     async def deletion_preview(request: Request) -> Response:
         _params(request, frozenset())

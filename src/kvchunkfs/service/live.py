@@ -399,15 +399,6 @@ class LiveCatalog:
             broken = sum(1 for e in self.entries.values() if e.info.error is not None)
             return len(self.entries), self.logical_bytes, self.referenced_bytes, broken
 
-    def tokens(self, prefix: str = "") -> tuple[dict[str, list[int]], dict[str, str]]:
-        """(path -> tokens, path -> why it has none) of the snapshots under ``prefix``."""
-        prefix = prefix.lstrip("/")
-        with self._reading():
-            chosen = [e for p, e in self.entries.items() if p.startswith(prefix)]
-            found = {e.info.path: e.tokens.tolist() for e in chosen if e.tokens is not None}
-            skipped = {e.info.path: e.token_error or "" for e in chosen if e.tokens is None}
-        return found, skipped
-
     def prefix_match(self, tokens: list[int], prefix: str = "", exclude_suffix: str = "", limit: int = 1
                      ) -> list[PrefixMatch]:  # fmt: skip
         """The snapshots under ``prefix`` sharing the longest common token prefix with ``tokens``, best

@@ -110,6 +110,13 @@ class Layout:
             restrict(path, 0o600)
 
 
+def loose_chunk_name(cid: bytes) -> str:
+    """A chunk's name in a loose casync/desync store (``export-store``, the shared tier's bucket):
+    ``<first 4 hex>/<64 hex>``."""
+    name = cid.hex()
+    return f"{name[:4]}/{name}"
+
+
 def pack_number(path: Path) -> int:
     """The number of a pack file, or -1 for a file in packs/ that is not one (named in the log, left alone)."""
     stem = path.name[: -len(PACK_SUFFIX)]

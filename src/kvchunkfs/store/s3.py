@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvchunkfs.store.layout import loose_chunk_name
+
 INDEX_SUFFIX = ".caibx"
 
 
@@ -41,11 +43,6 @@ def parse_remote(url: str) -> tuple[str, str]:
     rest = url.removeprefix("s3://")
     bucket, _, prefix = rest.partition("/")
     return bucket, prefix.strip("/")
-
-
-def chunk_name(cid: bytes) -> str:
-    name = cid.hex()
-    return f"{name[:4]}/{name}"
 
 
 @dataclass
@@ -101,7 +98,7 @@ class Bucket:
     # -- names ------------------------------------------------------------------------------
 
     def chunk_key(self, cid: bytes) -> str:
-        return f"{self.prefix}chunks/{chunk_name(cid)}"
+        return f"{self.prefix}chunks/{loose_chunk_name(cid)}"
 
     def index_key(self, rel: str) -> str:
         return f"{self.prefix}index/{rel}{INDEX_SUFFIX}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SRC, Mount
-from helpers import rand_bytes, read_direct, write_in_pieces
+from helpers import rand_bytes, read_direct, wait_closed, write_in_pieces
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvchunkfs.config import Config
@@ -384,6 +384,7 @@ def test_metrics_names_and_movement(api: Api) -> None:
     assert m1["kvcfs_store_bytes"] == len(data) and m1["kvcfs_store_chunks"] > 0
     assert m1["kvcfs_packs"] == 1 and len(data) < m1["kvcfs_pack_file_bytes"] < len(data) * 1.001  # + batch records
     assert read_direct(api.mnt / "x") == data
+    wait_closed(api.mount)  # a restore is counted at FUSE RELEASE, which close() does not wait for
     m2 = scrape(api)
     assert m2["kvcfs_restores_total"] - m1["kvcfs_restores_total"] == 1
     assert m2["kvcfs_restore_duration_seconds_count"] - m1["kvcfs_restore_duration_seconds_count"] == 1
@@ -392,6 +393,7 @@ def test_metrics_names_and_movement(api: Api) -> None:
     assert m2["kvcfs_readahead_cache_misses_total"] > m1["kvcfs_readahead_cache_misses_total"]
     assert m2["kvcfs_chunks_read_total"] > m1["kvcfs_chunks_read_total"]
     assert read_direct(api.mnt / "y") == data  # same chunks: now from the read-ahead cache
+    wait_closed(api.mount)
     m3 = scrape(api)
     assert m3["kvcfs_readahead_cache_hits_total"] > m2["kvcfs_readahead_cache_hits_total"]
     assert m3["kvcfs_chunks_read_total"] == m2["kvcfs_chunks_read_total"]

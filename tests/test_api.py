@@ -459,8 +459,12 @@ def test_prefix_tree_from_plain_and_packed_snapshots(api: Api) -> None:
     assert body["snapshots"] == 4
     assert {s["path"] for s in body["skipped"]} == {"junk", "empty"}
     assert "magic" in {s["path"]: s["reason"] for s in body["skipped"]}["junk"]
-    shared = max(body["tree"]["children"], key=lambda child: len(child["shared_by"]))
-    assert shared["prefix_tokens"] == len(system) and len(shared["shared_by"]) == 3
+    shared = max(body["tree"]["children"], key=lambda child: child["shared_count"])
+    assert shared["prefix_tokens"] == len(system) and shared["shared_count"] == 3 and "shared_by" not in shared
+    named = api.http.get("/prefix-tree", params={"shared_by": "true"}).json()["tree"]
+    assert named == to_json(build_tree(tokens), shared_by=True)
+    assert sorted(max(named["children"], key=lambda child: child["shared_count"])["shared_by"]) == [
+        "chat/one", "chat/three", "chat/two"]
     assert api.http.get("/prefix-tree", params={"prefix": "chat/"}).json()["tree"] == to_json(
         build_tree({k: v for k, v in tokens.items() if k.startswith("chat/")})
     )
@@ -528,7 +532,7 @@ def test_stats(api: Api) -> None:
 def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None:
     served = api.http.get("/openapi.json").json()
     committed = json.loads((ROOT / "docs" / "openapi.json").read_text())
-    assert served == committed, "regenerate: python -m kvchunkfs.openapi > docs/openapi.json"
+    assert served == committed, "regenerate: python -m kvchunkfs.service.openapi > docs/openapi.json"
     assert served["openapi"].startswith("3.")
     described = {(path, method) for path, ops in served["paths"].items() for method in ops if method != "parameters"}
     # Exactly the app's routes are described.

@@ -110,6 +110,8 @@ class Snapshot:
 def display_name(name: str) -> str:
     """A file name (``os.fsdecode``d bytes), or text holding one, as text JSON and UTF-8 can carry:
     bytes that are not UTF-8 become U+FFFD."""
+    if name.isascii():  # nearly every name: nothing to convert
+        return name
     try:
         return os.fsencode(name).decode("utf-8", "replace")
     except UnicodeEncodeError:  # a lone surrogate that is no escaped byte

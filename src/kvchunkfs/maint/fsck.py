@@ -23,7 +23,8 @@ that describes a chunk the map has not dropped as unreferenced.
 
 On a mounted store fsck checks read-only and skips what a running daemon legitimately has in
 flight (pack tails, unused packs, temp files, garbage); a stub that fails is read again in case it
-was replaced meanwhile.
+was replaced meanwhile. It also compares the daemon's kept rows and reference counts (what GC
+without a walk relies on, service/live.py) with a recount from every stub (``check_daemon_counts``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_hea
 from kvchunkfs.store.packs import MapReader
 from kvchunkfs.store.repository import Repository
 
+# The fields of a listing row the daemon keeps up to date by change events (the rest depend on the clock).
+COUNTED = ("path", "size", "chunks", "distinct_chunks", "unique_bytes", "shared_bytes", "use_count", "labels", "error")
 READ_SPAN = 4 << 20
 LIVE_RETRIES = 3
 DISAGREES = "disagrees with the records of pack"
@@ -78,6 +81,8 @@ class FsckReport:
     repaired: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     live: bool = False  # checked while a daemon serves the store
+    counts_compared: int = 0  # live: rows of the daemon's catalog compared with a recount of the stubs
+    counts_skipped: str = ""  # live: why they were not compared
     duration_s: float = 0.0
 
     @property
@@ -102,7 +107,11 @@ class FsckReport:
         if self.repaired:
             text += f"; {len(self.repaired)} repairs"
         if self.live:
-            text += " (mounted: read-only check)"
+            text += " (mounted: read-only check; "
+            if self.counts_skipped:
+                text += f"the daemon's reference counts not compared: {self.counts_skipped})"
+            else:
+                text += f"the daemon's reference counts compared for {self.counts_compared} snapshots)"
         return text + f"; {self.duration_s:.2f}s"
 
 
@@ -479,6 +488,38 @@ def _is_marked(fd: int) -> bool:
     return False
 
 
+def check_daemon_counts(root: Path, report: FsckReport) -> None:
+    """The mounted daemon's rows (unique and shared bytes: its reference counts) against a recount
+    from every stub. Compared only if no row changed meanwhile (the catalog's generation before and
+    after); saves running the whole time leave it skipped, not failed."""
+    from kvchunkfs.service import catalog
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    client = DaemonClient(root)
+    for _ in range(LIVE_RETRIES):
+        try:
+            before = client.json("GET", "/stats")["catalog_generation"]
+            served = client.json("GET", "/snapshots")["snapshots"]
+            full = [r.to_dict() for r in catalog.snapshots(Layout(root).snapshots)]
+            after = client.json("GET", "/stats")["catalog_generation"]
+        except (OSError, KeyError, ValueError) as e:
+            report.counts_skipped = f"the daemon did not answer: {e}"
+            return
+        if before != after:
+            continue
+        kept = {r["path"]: [r.get(k) for k in COUNTED] for r in served}
+        counted = {r["path"]: [r.get(k) for k in COUNTED] for r in full}
+        for path in sorted(kept.keys() | counted.keys()):
+            if kept.get(path) != counted.get(path):
+                report.problems.append(
+                    f"the daemon's catalog row of {path} ({kept.get(path)}) differs from a recount of the stubs "
+                    f"({counted.get(path)}): remount to rebuild it"
+                )
+        report.counts_compared = len(counted)
+        return
+    report.counts_skipped = f"snapshots changed during each of {LIVE_RETRIES} tries"
+
+
 def run_fsck(
     root: Path,
     verify_data: bool = False,
@@ -493,6 +534,8 @@ def run_fsck(
         if do_repair and live:
             raise RuntimeError(f"store {root} is mounted (or locked by another tool); unmount it to repair")
         report, checker = check(root, verify_data, live, progress)
+        if live:
+            check_daemon_counts(root, report)
         if do_repair:
             moved_aside = prepare_map_file(root)
             repo = open_repo() if open_repo is not None else Repository(root)

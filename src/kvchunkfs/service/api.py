@@ -201,6 +201,7 @@ class Service:
         packs = [store.pack_path(p) for p in store.pack_ids()]
         out = catalog.totals([], (chunks, stored), packs).to_dict()
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
+        out["catalog_generation"] = self.live.generation  # moves with every row added or dropped (fsck)
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         remote = self.repo.remote
@@ -214,6 +215,7 @@ class Service:
         out["gc"] = {
             "runs": getattr(self.collector, "runs", 0),
             "idle_skips": getattr(self.collector, "idle_skips", 0),
+            "walks": getattr(self.collector, "walks", 0),
             "last": _report_dict(last) if last else None,
             "interval_s": interval,
             "last_finished": finished,

@@ -179,6 +179,11 @@ def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         return 2
     finally:
         bar.done()
+    if report.live:  # a daemon serves the store: its reference counts against the stubs
+        from kvchunkfs.service.catalog import compare_with_daemon
+
+        report.counts_compared, differ, report.counts_skipped = compare_with_daemon(Path(cfg.store))
+        report.problems += differ
     for line in report.problems:
         print(f"problem: {line}")
     for line in report.repaired:

@@ -23,8 +23,9 @@ that describes a chunk the map has not dropped as unreferenced.
 
 On a mounted store fsck checks read-only and skips what a running daemon legitimately has in
 flight (pack tails, unused packs, temp files, garbage); a stub that fails is read again in case it
-was replaced meanwhile. It also compares the daemon's kept rows and reference counts (what GC
-without a walk relies on, service/live.py) with a recount from every stub (``check_daemon_counts``).
+was replaced meanwhile. ``kv-chunk-fs fsck`` then also compares the daemon's kept rows and
+reference counts (what GC without a walk relies on) with a recount of every stub
+(``service.catalog.compare_with_daemon``).
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_hea
 from kvchunkfs.store.packs import MapReader
 from kvchunkfs.store.repository import Repository
 
-# The fields of a listing row the daemon keeps up to date by change events (the rest depend on the clock).
-COUNTED = ("path", "size", "chunks", "distinct_chunks", "unique_bytes", "shared_bytes", "use_count", "labels", "error")
 READ_SPAN = 4 << 20
 LIVE_RETRIES = 3
 DISAGREES = "disagrees with the records of pack"
@@ -488,38 +487,6 @@ def _is_marked(fd: int) -> bool:
     return False
 
 
-def check_daemon_counts(root: Path, report: FsckReport) -> None:
-    """The mounted daemon's rows (unique and shared bytes: its reference counts) against a recount
-    from every stub. Compared only if no row changed meanwhile (the catalog's generation before and
-    after); saves running the whole time leave it skipped, not failed."""
-    from kvchunkfs.service import catalog
-    from kvchunkfs.service.apiclient import DaemonClient
-
-    client = DaemonClient(root)
-    for _ in range(LIVE_RETRIES):
-        try:
-            before = client.json("GET", "/stats")["catalog_generation"]
-            served = client.json("GET", "/snapshots")["snapshots"]
-            full = [r.to_dict() for r in catalog.snapshots(Layout(root).snapshots)]
-            after = client.json("GET", "/stats")["catalog_generation"]
-        except (OSError, KeyError, ValueError) as e:
-            report.counts_skipped = f"the daemon did not answer: {e}"
-            return
-        if before != after:
-            continue
-        kept = {r["path"]: [r.get(k) for k in COUNTED] for r in served}
-        counted = {r["path"]: [r.get(k) for k in COUNTED] for r in full}
-        for path in sorted(kept.keys() | counted.keys()):
-            if kept.get(path) != counted.get(path):
-                report.problems.append(
-                    f"the daemon's catalog row of {path} ({kept.get(path)}) differs from a recount of the stubs "
-                    f"({counted.get(path)}): remount to rebuild it"
-                )
-        report.counts_compared = len(counted)
-        return
-    report.counts_skipped = f"snapshots changed during each of {LIVE_RETRIES} tries"
-
-
 def run_fsck(
     root: Path,
     verify_data: bool = False,
@@ -534,8 +501,6 @@ def run_fsck(
         if do_repair and live:
             raise RuntimeError(f"store {root} is mounted (or locked by another tool); unmount it to repair")
         report, checker = check(root, verify_data, live, progress)
-        if live:
-            check_daemon_counts(root, report)
         if do_repair:
             moved_aside = prepare_map_file(root)
             repo = open_repo() if open_repo is not None else Repository(root)

@@ -457,11 +457,18 @@ class ChunkReader:
         self.index = index
         self.read_chunks = read_chunks
         self.pos = 0
+        self._buf = b""  # bytes read ahead, starting at ``pos``
 
     def read(self, size: int = -1) -> bytes:
         if size < 0:
             size = self.index.size - self.pos
-        data = self.read_chunks(self.index, self.pos, size)
+        start = self.pos + len(self._buf)
+        if size > len(self._buf) and start < self.index.size:
+            # To the end of the chunk it starts in, at least: the token header takes three small reads,
+            # each of which would fetch that chunk again.
+            end = max(self.pos + size, self.index.ends[self.index.find(start)])
+            self._buf += self.read_chunks(self.index, start, end - start)
+        data, self._buf = self._buf[:size], self._buf[size:]
         self.pos += len(data)
         return data
 

@@ -35,6 +35,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 _COUNT_BITS = 32
 _SID_BITS = 32
 _MASK = (1 << 32) - 1
+READERS = 8  # threads reading stubs when a directory (or the whole store, at start) is read
 DROPPED_MAX = 1 << 18  # ids kept for GC between its questions; past it GC walks every stub
 ReadChunks = Callable[[Index, int, int], bytes]
+Fetched = tuple[catalog.StubInfo, "array.array | None", "str | None"]  # (row, token prefix, why no tokens)
 
 
 @dataclass
@@ -210,12 +213,14 @@ class LiveCatalog:
     def _refresh_dir(self, rel: str) -> None:
         """Re-read every stub under directory ``rel`` and forget rows of files no longer there."""
         self._register_dirs(rel)
-        seen: set[str] = set()
         base = f"{rel}/" if rel else ""
-        for entry in stubs.walk(self.snapshots_dir / rel):
-            if entry.kind == "file":
-                seen.add(base + entry.rel)
-                self._read(base + entry.rel)
+        paths = [base + entry.rel for entry in stubs.walk(self.snapshots_dir / rel) if entry.kind == "file"]
+        seen = set(paths)
+        # Stubs and token headers are small random reads: several in flight keep a cold disk busy
+        # (the reads release the GIL); the rows are applied here, in order.
+        with ThreadPoolExecutor(READERS, thread_name_prefix="kvcfs-catalog") as pool:
+            for path, fetched in zip(paths, pool.map(self._fetch, paths), strict=True):
+                self._apply(path, fetched)
         for path in [p for p in self._paths_below(rel) if p not in seen]:
             self._drop(path)
 
@@ -246,17 +251,25 @@ class LiveCatalog:
             self._dirs[d] = self._dirs.get(d, 0) + step
 
     def _read(self, rel: str) -> None:
+        self._apply(rel, self._fetch(rel))
+
+    def _fetch(self, rel: str) -> Fetched | None:
+        """A stub's row and token prefix, read (any thread: it touches no catalog state); None if
+        the stub is gone."""
         index = None
         try:
             info, index = catalog.read_stub_index(self.snapshots_dir, rel)
         except FileNotFoundError:
-            self._drop(rel)
-            return
+            return None
         except OSError as e:
             info = catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e))
         tokens, why = self._tokens(index) if index is not None else (None, info.error)
+        return info, tokens, why
+
+    def _apply(self, rel: str, fetched: Fetched | None) -> None:
         self._drop(rel)
-        self._add(info, tokens, why)
+        if fetched is not None:
+            self._add(*fetched)
 
     def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
         """The token prefix, read once per change of the stub (later trees need no pack reads)."""

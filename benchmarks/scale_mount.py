@@ -10,7 +10,7 @@ Mounts a store built by ``scale.py --keep DIR`` with the real daemon (``kv-chunk
   reported while nothing else runs, and while each of these runs through the API's unix socket:
   a GC walk of every stub, a GC of the changes after 100 snapshots were deleted through the
   mount, full listings, a prefix tree after a change, metrics scrapes;
-* the daemon's RSS and open fds afterwards.
+* the daemon's RSS and open fds afterwards, and its RSS once idle.
 
     python3 benchmarks/scale.py --sizes 50000 --keep /tmp/stores     # build (and measure in-process)
     python3 benchmarks/scale_mount.py /tmp/stores/store-50000
@@ -22,6 +22,7 @@ import argparse
 import json
 import mmap
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -80,12 +81,22 @@ class Daemon:
         self.proc.wait()
         subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False, capture_output=True)
 
-    def wait_log(self, text: str, count: int, timeout: float = 600) -> None:
+    def settle(self, timeout: float = 600) -> tuple[float, float]:
+        """Wait for this start's catalog load and GC walk; their durations as logged."""
+        done: dict[str, float] = {}
         deadline = time.monotonic() + timeout
-        while self.log.read_text(errors="replace").count(text) < count:
+        while len(done) < 2:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{text!r} not logged {count} times")
+                raise TimeoutError("no catalog load and GC after the mount")
             time.sleep(0.05)
+            text = self.log.read_text(errors="replace")
+            this_start = text[text.rindex("kvchunkfs.fuse.daemon: mounted ") :]
+            for key, pattern in (("catalog", r"catalog: \d+ snapshots read in ([\d.]+)s"),
+                                 ("gc", r"gc finished: .*; ([\d.]+)s; every stub read")):  # fmt: skip
+                found = re.search(pattern, this_start)
+                if found:
+                    done[key] = float(found.group(1))
+        return done["catalog"], done["gc"]
 
     def proc_status(self) -> tuple[float, int]:
         """(RSS MiB, open fds) of the daemon."""
@@ -153,15 +164,13 @@ def main() -> int:
     out: dict[str, object] = {}
     try:
         daemon.start()
-        daemon.wait_log("gc finished", 1)
+        daemon.settle()
         daemon.stop()
         out["remount after a clean unmount: ready (s)"] = daemon.start()
-        daemon.wait_log("catalog:", 2)
-        daemon.wait_log("gc finished", 2)
+        daemon.settle()
         daemon.kill()
         out["remount after kill -9: ready (s)"] = daemon.start()
-        daemon.wait_log("catalog:", 3)
-        daemon.wait_log("gc finished", 3)
+        out["catalog load after it (s)"], out["GC walk at mount (s)"] = daemon.settle()
         client = DaemonClient(args.store, timeout=600)
         names = sorted(p.relative_to(mnt).as_posix() for p in (mnt / "00").iterdir())
         probe = mnt / names[0]
@@ -176,7 +185,9 @@ def main() -> int:
         out["GET /prefix-tree after a change"] = during(probe, lambda: client.request("GET", "/prefix-tree"))
         out["GET /metrics x20"] = during(probe, lambda: [client.request("GET", "/metrics") for _ in range(20)])
         rss, fds = daemon.proc_status()
-        out["daemon RSS after all (MiB)"], out["daemon open fds"] = rss, fds
+        out["daemon RSS right after (MiB)"], out["daemon open fds"] = rss, fds
+        time.sleep(4)  # no file open for 2 s: the daemon gives freed heap back (fuse/daemon.py trim_when_idle)
+        out["daemon RSS when idle (MiB)"] = daemon.proc_status()[0]
         daemon.stop()
     finally:
         if daemon.proc is not None and daemon.proc.poll() is None:

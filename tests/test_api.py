@@ -554,3 +554,18 @@ def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None
         r = api.http.request(method.upper(), path.replace("{path}", "nope"))
         assert r.status_code != 405, (path, method)
         assert r.status_code != 404 or "no such endpoint" not in r.text, (path, method)
+
+
+def test_big_answers_are_encoded_in_pieces_to_the_same_json() -> None:
+    """Long lists and big tree nodes go through orjson a piece at a time (the FUSE thread gets the
+    GIL between pieces); the bytes must parse to the same answer."""
+    from kvchunkfs.service.api import PIECE, _dumps
+    from kvchunkfs.service.prefixtree import build_tree, to_json
+
+    rows = [{"path": f"p{i}", "size": i, "labels": {"k": "v"}, "score": 0.5} for i in range(2 * PIECE + 7)]
+    for answer in ({"count": len(rows), "snapshots": rows, "next": None}, {"snapshots": rows[:PIECE]},
+                   {"empty": [], "n": 1}, {1: "non-str key"}, [1, 2]):  # fmt: skip
+        assert json.loads(_dumps(answer)) == json.loads(json.dumps(answer))
+    items = {f"s{i}": [1, 2, 3] + [i % 7, i % 11, i] for i in range(3 * PIECE)}
+    tree = {"snapshots": len(items), "skipped": [], "tree": to_json(build_tree(items))}
+    assert json.loads(_dumps(tree)) == tree

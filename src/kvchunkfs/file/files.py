@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvchunkfs.file.content import ChunkPool, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.file.predict import Successors
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
@@ -54,6 +55,9 @@ class Files:
         # for locations looked up at open. Only touched under store.lock, in load.
         # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
         self._loaded: OrderedDict[str, tuple[bytes, Index, dict[bytes, Location]]] = OrderedDict()
+        # The chunk that followed each recently cut (or, in a ``cdc`` store, opened) chunk: a next
+        # turn's save takes those bytes without cutting them (file/predict.py).
+        self.successors = Successors() if s.predict_chunks else None
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -79,6 +83,7 @@ class Files:
             self.pool,
             keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
+            successors=self.successors,
         )
 
     def load(self, rel: str) -> FileContent:
@@ -124,12 +129,23 @@ class Files:
         bad = self.repo.store.length_mismatch(index, found)
         if bad is not None:
             raise StubError(f"{rel}: {bad}")
+        self._learn(index)
         if len(found) == len(dict.fromkeys(index.ids)):
             self._loaded[rel] = (data, index.copy(), found)
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
         return index, found
+
+    def _learn(self, index: Index) -> None:
+        """A restored snapshot of a ``cdc`` store predicts its next turn's chunks too. Every stub of
+        such a store was cut by plain FastCDC with the sizes its header names, so each chunk but
+        the last ended at a content-defined cut (a ``format`` store's chunks mostly did not: there
+        only chunks this daemon cut itself are learned)."""
+        cutter = self.repo.chunker
+        sizes = (index.chunk_min, index.chunk_avg, index.chunk_max) == (cutter.min, cutter.avg, cutter.max)
+        if self.successors is not None and cutter.kind == "cdc" and sizes:
+            self.successors.learn_index(index)
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

@@ -109,33 +109,35 @@ class Files:
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found = self._checked_index(rel)
+            index, found, decoded = self._checked_index(rel)
             content = self.content(index)
+        if decoded:  # outside the lock: saves wait for it
+            self._learn(index)
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
         return content
 
-    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location]]:
+    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], bool]:
         """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
         checked against the map; remembered while the stub's bytes stay the same, if the map had
-        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
+        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery).
+        The flag: decoded now (not remembered)."""
         path = self.repo.path(rel)
         data, size = stubs.read_stub(path)
         hit = self._loaded.get(rel)
         if hit is not None and hit[0] == data and size in (None, hit[1].size):
             self._loaded.move_to_end(rel)
-            return hit[1].copy(), hit[2]
+            return hit[1].copy(), hit[2], False
         index = stubs.decode_stub(data, size, path)
         found = self.repo.store.locate_many(index.ids)
         bad = self.repo.store.length_mismatch(index, found)
         if bad is not None:
             raise StubError(f"{rel}: {bad}")
-        self._learn(index)
         if len(found) == len(dict.fromkeys(index.ids)):
             self._loaded[rel] = (data, index.copy(), found)
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
-        return index, found
+        return index, found, True
 
     def _learn(self, index: Index) -> None:
         """A restored snapshot of a ``cdc`` store predicts its next turn's chunks too. Every stub of

@@ -123,6 +123,11 @@ def test_only_content_defined_cuts_are_learned():
     noise = random.Random(1).randbytes(300000)
     stream(c, noise, [1 << 20], succ, 1 << 20)
     assert len(succ) == len(whole(c, noise)) - 1  # every chunk but the one the file's end cut
+    # A state file with opaque bytes after it, cut in one window: only the opaque part's chunks.
+    succ = Successors()
+    stream(c, data + noise, [1 << 20], succ, 1 << 20)
+    opaque = whole(Cutter(*SIZES, "cdc"), noise)
+    assert sorted(g.cid for _, g in succ.pairs()) == sorted(opaque[:-1])
 
 
 def test_wrong_guesses_are_rejected_and_cut():

@@ -55,8 +55,8 @@ class Files:
         # for locations looked up at open. Only touched under store.lock, in load.
         # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
         self._loaded: OrderedDict[str, tuple[bytes, Index, dict[bytes, Location]]] = OrderedDict()
-        # The chunk that followed each recently cut (or, in a ``cdc`` store, opened) chunk: a next
-        # turn's save takes those bytes without cutting them (file/predict.py).
+        # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
+        # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
@@ -109,24 +109,21 @@ class Files:
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found, decoded = self._checked_index(rel)
+            index, found = self._checked_index(rel)
             content = self.content(index)
-        if decoded:  # outside the lock: saves wait for it
-            self._learn(index)
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
         return content
 
-    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], bool]:
+    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location]]:
         """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
         checked against the map; remembered while the stub's bytes stay the same, if the map had
-        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery).
-        The flag: decoded now (not remembered)."""
+        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
         data, size = stubs.read_stub(path)
         hit = self._loaded.get(rel)
         if hit is not None and hit[0] == data and size in (None, hit[1].size):
             self._loaded.move_to_end(rel)
-            return hit[1].copy(), hit[2], False
+            return hit[1].copy(), hit[2]
         index = stubs.decode_stub(data, size, path)
         found = self.repo.store.locate_many(index.ids)
         bad = self.repo.store.length_mismatch(index, found)
@@ -137,23 +134,7 @@ class Files:
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
-        return index, found, True
-
-    def _learn(self, index: Index) -> None:
-        """A restored snapshot of a ``cdc`` store predicts its next turn's chunks too. Every stub of
-        such a store was cut by plain FastCDC with the sizes its header names, so each chunk but
-        the last ended at a content-defined cut (a ``format`` store's chunks mostly did not: there
-        only chunks this daemon cut itself are learned). On a pool thread, so the open does not
-        wait (~10 ms per 400 MiB), from a copy (the open file's worker may change its index)."""
-        cutter = self.repo.chunker
-        sizes = (index.chunk_min, index.chunk_avg, index.chunk_max) == (cutter.min, cutter.avg, cutter.max)
-        successors = self.successors
-        if successors is not None and cutter.kind == "cdc" and sizes:
-            copy = index.copy()
-            try:
-                self.pool.submit(lambda: successors.learn_index(copy))
-            except RuntimeError:  # the pool is shut down: the daemon is exiting
-                pass
+        return index, found
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

@@ -3,8 +3,9 @@
 A next turn repeats a known snapshot almost everywhere. ``Successors`` remembers, for a chunk id,
 the chunk that followed it last time, provided that chunk's end was a content-defined cut (see
 docs/design.md, "Predicted chunks", for why only those may be accepted). The streaming chunker
-hashes the next ``length`` queued bytes and, when they hash to the predicted id, takes them as that
-chunk without running FastCDC over them. The check is the SHA-256 the id needs anyway, so a
+hashes the next ``length`` queued bytes and, when they hash to the predicted id and the byte after
+them is the one that followed the chunk before, takes them as that chunk without running FastCDC
+over them. The check is the SHA-256 the id needs anyway, so a
 prediction adds no collision risk beyond the content addressing itself; a miss costs one chunk's
 hash (rarely: a 16-byte probe of the chunk's end rejects most misses first).
 
@@ -23,7 +24,6 @@ from itertools import accumulate, islice
 
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
-from kvchunkfs.format.index import Index
 
 START = b""  # the key of a file's first chunk
 PROBE = 16  # trailing bytes of a chunk kept to reject a wrong guess without hashing
@@ -36,11 +36,13 @@ Chunks = list[tuple[bytes, Buffer]]
 
 @dataclass(frozen=True, slots=True)
 class Guess:
-    """The chunk expected next: its id, length, and its last PROBE bytes (None: not known)."""
+    """The chunk expected next: its id, its length, its last PROBE bytes, and the byte that followed
+    it when it was cut (FastCDC's hit at a cut is computed over that byte too: docs/design.md)."""
 
     cid: bytes
     length: int
-    probe: bytes | None
+    probe: bytes
+    after: int
 
 
 class Successors:
@@ -73,13 +75,6 @@ class Successors:
                 # Dropping the older half at once keeps eviction O(1) per insert without an
                 # OrderedDict (twice the memory per entry).
                 self._next = dict(islice(nxt.items(), len(nxt) - self.limit // 2, None))
-
-    def learn_index(self, index: Index) -> None:
-        """A stored snapshot cut by plain FastCDC (a ``cdc`` store): every chunk but the last ended
-        at a content-defined cut, so each is a valid guess after its predecessor."""
-        ids = index.ids
-        pairs = [(ids[i - 1] if i else START, Guess(ids[i], index.length(i), None)) for i in range(len(ids) - 1)]
-        self.learn(pairs)
 
 
 class Pieces:
@@ -138,7 +133,7 @@ def cut_batch(
         size = rest if whole else min(rest, max(window, 4 * cutter.max))
         data = memoryview(batch.span(pos, size))
         pieces, after = cutter.cut(state, data, final=False)
-        done = _take_cut(pieces, state.pos, after, prev, out, learned)
+        done = _take_cut(pieces, data, state.pos, after, prev, out, learned)
         prev = out[-1][0] if pieces else prev
         pos, state = pos + done, after
         if size == rest:
@@ -159,11 +154,11 @@ def _follow(
     wait = False
     while (guess := successors.get(prev)) is not None:
         end = pos + guess.length
-        if end > batch.size:
+        if end >= batch.size:  # the chunk and the byte after it are needed
             wait = True
             break
         probe = guess.probe
-        if probe is not None and batch.span(end - len(probe), len(probe)) != probe:
+        if batch.span(end, 1)[0] != guess.after or batch.span(end - len(probe), len(probe)) != probe:
             break
         data = batch.span(pos, guess.length)
         if chunk_id(data) != guess.cid:
@@ -175,19 +170,20 @@ def _follow(
 
 
 def _take_cut(
-    pieces: list[memoryview], base: int, after: CutState, prev: bytes, out: Chunks,
+    pieces: list[memoryview], data: memoryview, base: int, after: CutState, prev: bytes, out: Chunks,
     learned: list[tuple[bytes, Guess]],
 ) -> int:
-    """Hash the cutter's chunks into ``out``; learn those that ended at a content-defined cut:
-    chunks of a cut with more bytes to come that lie in the open FastCDC segment the state ends in
-    (a format's grid cuts and segment ends are not content-defined). Returns the bytes taken."""
+    """Hash the cutter's chunks (of ``data``, which starts at file offset ``base``) into ``out``;
+    learn those that ended at a content-defined cut: chunks of a cut with more bytes to come that
+    lie in the open FastCDC segment the state ends in (a format's grid cuts and segment ends are not
+    content-defined), with the byte after them. Returns the bytes taken."""
     cdc_from = after.segments[0].start if after.plain_cdc else None
-    pos = base
+    off = 0
     for p in pieces:
         cid = chunk_id(p)
         out.append((cid, p))
-        if cdc_from is not None and pos >= cdc_from:
-            learned.append((prev, Guess(cid, len(p), bytes(p[-PROBE:]))))
+        off += len(p)
+        if cdc_from is not None and base + off - len(p) >= cdc_from and off < len(data):
+            learned.append((prev, Guess(cid, len(p), bytes(p[-PROBE:]), data[off])))
         prev = cid
-        pos += len(p)
-    return pos - base
+    return off

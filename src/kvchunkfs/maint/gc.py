@@ -408,6 +408,11 @@ class GarbageCollector:
         self._wake: trio.Event | None = None
         # Called after every run, periodic or on demand (the metrics count GC runs and bytes freed).
         self.observers: list[Callable[[GCReport], None]] = []
+        # ``local_cache_size`` (maint/evict.py): run after every collection and by ``evict_soon``,
+        # under ``_lock`` (it uses the namespace log and compaction, as GC does).
+        self.evictor: Callable[[threading.Event], Any] | None = None
+        self._evict_thread: threading.Thread | None = None
+        self._evict_lock = threading.Lock()  # leaf: starting the eviction thread
 
     def run(self) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one)."""
@@ -418,10 +423,41 @@ class GarbageCollector:
             self.runs += 1
             clean = not (report.errors or report.unreadable or report.interrupted)
             self._clean_at = state if clean else None
+            self._evict_locked()
         log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
         for observe in self.observers:
             observe(report)
         return report
+
+    def _evict_locked(self) -> None:
+        if self.evictor is None or self._stop.is_set():
+            return
+        try:
+            self.evictor(self._stop)
+        except Exception:  # nothing is evicted in the failing phase; the next run tries again
+            log.exception("eviction failed")
+
+    def evict_soon(self) -> None:
+        """Run an eviction pass in a thread of its own unless one is running or waiting (never
+        blocks: the upload thread calls it when its queue drains)."""
+        if self.evictor is None or self._stop.is_set():
+            return
+        with self._evict_lock:
+            if self._evict_thread is not None and self._evict_thread.is_alive():
+                return
+            self._evict_thread = threading.Thread(target=self._evict_now, name="kvcfs-evict", daemon=True)
+            self._evict_thread.start()
+
+    def close(self, timeout: float = 60) -> None:
+        """At unmount: stop a compaction between batches and wait for an eviction thread."""
+        self._stop.set()
+        thread = self._evict_thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _evict_now(self) -> None:
+        with self._lock:
+            self._evict_locked()
 
     def _state(self) -> tuple[int, int]:
         return self.repo.ns_gen, self.repo.store.counters.chunks_written

@@ -126,6 +126,7 @@ class Repository:
         self._bump(rel)
         self.touched(rel)
         if self.remote is not None:
+            self.remote.mark_partial(rel, False)  # a save's chunks are all local (written or pinned)
             self.remote.changed(rel)
 
     def install_fetched(self, tmp: Path, rel: str) -> None:
@@ -161,6 +162,7 @@ class Repository:
         self._bump(new)
         self.touched(old, new)
         if self.remote is not None:
+            self.remote.renamed(old, new)
             self.remote.changed(new, old)  # the new name up before the old one goes: never neither
 
     def unlink(self, rel: str) -> None:
@@ -168,6 +170,7 @@ class Repository:
         self._bump(None)
         self.touched(rel)
         if self.remote is not None:
+            self.remote.mark_partial(rel, False)
             self.remote.changed(rel)
 
     def rmdir(self, rel: str) -> None:

@@ -211,9 +211,10 @@ def run_eviction(repo: Repository, tier: RemoteTier, limit: int, stop: threading
 
 def _done(tier: RemoteTier, report: EvictReport, start: float) -> EvictReport:
     report.duration_s = time.monotonic() - start
+    report.pack_bytes_after = report.pack_bytes_after or report.pack_bytes_before
     e = tier.eviction
     e.limit = report.limit
-    e.local_bytes = report.pack_bytes_after or report.pack_bytes_before
+    e.local_bytes = report.pack_bytes_after
     e.runs += 1
     e.evicted_chunks += report.evicted_chunks
     e.evicted_bytes += report.evicted_bytes

@@ -463,6 +463,8 @@ def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts
     assert s["local_cache_size"] == 6 * MiB and s["local_bytes"] <= 6 * MiB
     evicted = {n for n in files if unmapped(a, n)}
     assert "c1" in evicted and "c0" not in evicted and "c4" not in evicted  # least recently used first
+    for name in files:  # the header and token list stay local (the catalog reads them unopened)
+        assert stubs.read_index(a.store / "snapshots" / name).ids[0] not in unmapped(a, name)
     # partly evicted snapshots stay listed, with their size and xattrs, and say where they are
     for name, data in files.items():
         assert os.stat(a.path(name)).st_size == len(data)

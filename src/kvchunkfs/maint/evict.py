@@ -13,7 +13,11 @@ least recently used snapshots' chunks first, and compaction gives their bytes ba
    its upload, changed since, or replaced in the bucket by another host protects its chunks;
 2. no stub created during the walk names it (the namespace log, exactly as GC's catch-up, checked
    under ``store.lock`` right before the rows go);
-3. it is not pinned (an open file, a save in progress, a fetch), checked under the same lock.
+3. it is not pinned (an open file, a save in progress, a fetch), checked under the same lock;
+4. it does not hold any of a snapshot's first ``KEEP_HEAD`` bytes: the header and token list,
+   which the daemon's catalog reads without opening the file (``prefix-match``, the proxy's
+   routing, the prefix tree) and which must stay readable after a restart. 256 KiB holds the
+   tokens of a 64k-token context (4 bytes a token); it costs at most that per snapshot.
 
 A bucket that cannot be listed evicts nothing. Victims: each candidate chunk is as recent as the
 most recently used confirmed snapshot naming it (``user.kvcfs.last_use``, else ``created``, else
@@ -36,7 +40,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -44,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvchunkfs.format import index as idx
-from kvchunkfs.maint.gc import MAX_CATCH_UPS, GCReport, reclaim_packs, salvage_ids, walk_stubs
+from kvchunkfs.maint.gc import MAX_CATCH_UPS, GCReport, created_entries, reclaim_packs, salvage_ids, walk_stubs
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packs import PackStore
@@ -54,13 +57,14 @@ from kvchunkfs.store.repository import Repository
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # evict down to this share of the limit
+KEEP_HEAD = 256 << 10  # a snapshot's first bytes (header, token list) are never evicted
 
 
 @dataclass
 class EvictReport:
     limit: int = 0
     pack_bytes_before: int = 0
-    pack_bytes_after: int = 0
+    pack_bytes_after: int = -1  # -1 until measured (a pass that stopped early: the same as before)
     confirmed: int = 0  # snapshots provably in the bucket
     evicted_chunks: int = 0
     evicted_bytes: int = 0
@@ -164,6 +168,10 @@ class _Walk:
             self.protected.update(index.ids)
             return
         self.last_use[entry.rel] = used
+        head = 0
+        while head < len(index) and index.start(head) < KEEP_HEAD:
+            self.protected.add(index.ids[head])
+            head += 1
         for i, cid in enumerate(index.ids):
             seen = self.uses.get(cid)
             if seen is None or seen[0] < used:
@@ -211,7 +219,8 @@ def run_eviction(repo: Repository, tier: RemoteTier, limit: int, stop: threading
 
 def _done(tier: RemoteTier, report: EvictReport, start: float) -> EvictReport:
     report.duration_s = time.monotonic() - start
-    report.pack_bytes_after = report.pack_bytes_after or report.pack_bytes_before
+    if report.pack_bytes_after < 0:
+        report.pack_bytes_after = report.pack_bytes_before
     e = tier.eviction
     e.limit = report.limit
     e.local_bytes = report.pack_bytes_after
@@ -242,8 +251,8 @@ def _evict(repo: Repository, walk: _Walk, limit: int, report: EvictReport) -> se
     gen = walk.gen
     for _ in range(MAX_CATCH_UPS):
         now, created = repo.created_since(gen)
-        for rel in dict.fromkeys(created):
-            _add_created(repo, walk, rel)
+        for entry in created_entries(repo, created):
+            walk.add(entry, created=True)
         gen = now
         ranked = [(cid, n) for cid, n in rank(walk.uses, walk.protected) if cid in walk.mapped]
         need = store.stats()[1] - int(limit * LOW_WATER)  # live bytes: compaction frees the rest
@@ -257,20 +266,6 @@ def _evict(repo: Repository, walk: _Walk, limit: int, report: EvictReport) -> se
             return set(victims)
     report.errors.append(f"snapshots kept changing during {MAX_CATCH_UPS} catch-ups; nothing evicted")
     return set()
-
-
-def _add_created(repo: Repository, walk: _Walk, rel: str) -> None:
-    path = repo.path(rel)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        with contextlib.suppress(FileNotFoundError):
-            for entry in stubs.walk(path):
-                walk.add(entry, created=True)
-    elif stat.S_ISREG(mode):
-        walk.add(stubs.entry_at(path, rel), created=True)
 
 
 def _partial(repo: Repository, walk: _Walk, evicted: set[bytes]) -> set[str]:
@@ -295,9 +290,11 @@ class Evictor:
         self.tier = tier
         self.limit = limit
         self.last: EvictReport | None = None
+        self._uploads_seen = -1  # the tier's uploaded_indexes when the last pass started
         tier.eviction.limit = limit
 
     def __call__(self, stop: threading.Event) -> EvictReport:
+        self._uploads_seen = self.tier.uploaded_indexes
         report = run_eviction(self.repo, self.tier, self.limit, stop)
         self.last = report
         level = logging.ERROR if report.errors else logging.INFO if report.evicted_chunks else logging.DEBUG
@@ -305,9 +302,12 @@ class Evictor:
         return report
 
     def wanted(self) -> bool:
-        """Over the limit and grown since the last pass (a pass that could not get below the limit,
-        e.g. everything not yet uploaded, is not repeated until something changes). Cheap: a
-        listing of packs/ and a stat per pack."""
+        """Over the limit, and the packs grew or a snapshot was uploaded since the last pass (a pass
+        that could not get below the limit, e.g. with the bucket down, is not repeated until
+        something changes). Cheap: a listing of packs/ and a stat per pack."""
         now = pack_bytes(self.repo.store)
         self.tier.eviction.local_bytes = now
-        return now > self.limit and (self.last is None or now > self.last.pack_bytes_after)
+        if now <= self.limit:
+            return False
+        last = self.last
+        return last is None or now > last.pack_bytes_after or self.tier.uploaded_indexes != self._uploads_seen

@@ -171,7 +171,13 @@ def _add_entry(entry: stubs.Entry, named: set[bytes], report: GCReport) -> None:
 
 
 def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: GCReport) -> None:
-    """Read what namespace changes created during the walk (a renamed directory: its whole subtree)."""
+    """Read what namespace changes created during the walk."""
+    for entry in created_entries(repo, paths):
+        _add_entry(entry, named, report)
+
+
+def created_entries(repo: Repository, paths: list[str]) -> Iterator[stubs.Entry]:
+    """The stubs at paths namespace changes created (a renamed directory: its whole subtree)."""
     for rel in dict.fromkeys(paths):
         path = repo.path(rel)
         try:
@@ -180,10 +186,9 @@ def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: 
             continue
         if stat.S_ISDIR(mode):
             with contextlib.suppress(FileNotFoundError):
-                for entry in stubs.walk(path):
-                    _add_entry(entry, named, report)
+                yield from stubs.walk(path)
         elif stat.S_ISREG(mode):
-            _add_entry(stubs.entry_at(path, rel), named, report)
+            yield stubs.entry_at(path, rel)
 
 
 # -- sweep ----------------------------------------------------------------------------------------

@@ -64,8 +64,6 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
                 return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
-            if os.environ.get("KVCFS_NO_STREAM") != "1":  # TEMP: A/B measurement
-                files.fetcher.remote = repo.remote.get_chunks  # restores stream what the packs lack
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
         if repo.remote is not None and cfg.local_cache_size:
             _cache_locally(repo, repo.remote, collector, cfg.local_cache_size)

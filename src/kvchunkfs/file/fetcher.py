@@ -4,21 +4,15 @@ A restore is one sequential reader. On sequential access the next ``readahead`` 
 are fetched by a pool of workers into an LRU cache; chunks that lie back to back in one pack are
 read with a single pread (a "run"). Every chunk being fetched has one Future in ``_inflight``, so
 a chunk is read from disk once however many requests want it at the same time.
-
-With a shared tier (``remote``), chunks the map lacks (a snapshot another host saved, chunks evicted
-under ``local_cache_size``) are fetched from the bucket by the same workers, in groups, as the
-reader reaches them: the open does not wait for the whole snapshot, and the fetched chunks are
-stored in the local packs and served from memory (no read back from the pack).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,9 +26,6 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 
 RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to spread over workers
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
-REMOTE_GROUP = 16  # chunks fetched from the shared tier per worker task (~1 MiB at 64 KiB)
-# The shared tier's chunk fetch: the chunks' bytes, checked against their ids (blocking).
-RemoteGet = Callable[[Sequence[bytes]], list[bytes]]
 
 
 class Run:
@@ -153,8 +144,6 @@ class Fetcher:
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk
-        # Set with a shared tier (store/remote.py): where chunks the map lacks come from.
-        self.remote: RemoteGet | None = None
 
     # -- public -----------------------------------------------------------------------------
 
@@ -262,19 +251,14 @@ class Fetcher:
     def _runs(
         self, futures: dict[bytes, Future[Buffer]], known: dict[bytes, Location] | None = None
     ) -> list[list[tuple[bytes, Location]]]:
-        """Group chunks into runs of back-to-back bytes in one pack; those not in the map fail, or
-        with a shared tier are fetched from it in the background."""
+        """Group chunks into runs of back-to-back bytes in one pack; fail those not in the map."""
         if known is not None and all(cid in known for cid in futures):
             found = {cid: known[cid] for cid in futures}
-        elif known is not None and self.remote is not None:
-            # A streamed restore: this may be the FUSE thread, so no map query here; the
-            # background task looks the rest up first (another handle may have fetched them).
-            found = {cid: known[cid] for cid in futures if cid in known}
         else:
             found = self._locate(list(futures), futures)
-        lacking = [cid for cid in futures if cid not in found and not futures[cid].done()]
-        if lacking:
-            self._lacking(lacking, futures, known)
+        for cid in futures:
+            if cid not in found:
+                self._fail(cid, futures[cid], ChunkMissing(cid.hex()))
         runs: list[list[tuple[bytes, Location]]] = []
         run_bytes = 0
         for cid, loc in sorted(found.items(), key=lambda kv: (kv[1].pack, kv[1].offset)):
@@ -291,64 +275,6 @@ class Fetcher:
                 runs.append([(cid, loc)])
                 run_bytes = loc.length
         return runs
-
-    def _lacking(
-        self, ids: list[bytes], futures: dict[bytes, Future[Buffer]], known: dict[bytes, Location] | None
-    ) -> None:
-        remote = self.remote
-        if remote is None:
-            for cid in ids:
-                self._fail(cid, futures[cid], ChunkMissing(cid.hex()))
-            return
-        for i in range(0, len(ids), REMOTE_GROUP):
-            self.pool.submit(self._from_remote, remote, ids[i : i + REMOTE_GROUP], futures, known)
-
-    def _from_remote(
-        self,
-        remote: RemoteGet,
-        ids: list[bytes],
-        futures: dict[bytes, Future[Buffer]],
-        known: dict[bytes, Location] | None,
-    ) -> None:
-        """A worker: chunks the caller did not find in the map, from the packs if they are there
-        now, else from the bucket (stored in the local packs, then handed to the readers)."""
-        try:
-            found = self.store.locate_many(ids)
-            if found:
-                if known is not None:
-                    known.update(found)  # the handle's locations: later windows read them locally
-                sub = {cid: futures[cid] for cid in found}
-                for run in self._runs(sub, found):
-                    self._read_run(run, sub)
-            rest = [cid for cid in ids if cid not in found]
-            if not rest:
-                return
-            datas = remote(rest)
-        except Exception as e:  # the bucket unreachable, a chunk it lacks: these reads fail (EIO)
-            log.error("fetching %d chunks from the shared tier failed: %s", len(ids), e)
-            err = e if isinstance(e, ChunkMissing | ChunkCorrupt | OSError) else OSError(errno.EIO, str(e))
-            for cid in ids:
-                self._fail(cid, futures[cid], err)
-            return
-        self._keep(rest, datas)
-        buf = memoryview(b"".join(datas))  # one buffer: a read across these chunks is one slice of it
-        good: list[tuple[bytes, Buffer, int]] = []
-        at = 0
-        for cid, data in zip(rest, datas, strict=True):
-            good.append((cid, buf[at : at + len(data)], at))
-            at += len(data)
-        self._publish(Run(len(buf), buf), good, futures, from_disk=False)
-
-    def _keep(self, ids: list[bytes], datas: list[bytes]) -> None:
-        """Store fetched chunks in the local packs (the next restore is local). The open file's pins
-        hold them already; a failure (a full disk) is logged and the read is still answered."""
-        owner = object()
-        try:
-            self.store.put_many(list(zip(ids, datas, strict=True)), owner)
-        except OSError as e:
-            log.warning("chunks fetched from the shared tier not stored locally: %s", e)
-        finally:
-            self.store.unpin(owner)
 
     def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
         start = run[0][1]
@@ -381,18 +307,14 @@ class Fetcher:
         self._publish(buffer, good, futures)
 
     def _publish(
-        self,
-        buffer: Run,
-        good: list[tuple[bytes, Buffer, int]],
-        futures: dict[bytes, Future[Buffer]],
-        from_disk: bool = True,
+        self, buffer: Run, good: list[tuple[bytes, Buffer, int]], futures: dict[bytes, Future[Buffer]]
     ) -> None:
         """A run's checked chunks: cached before they leave ``_inflight`` (a reader that finds
         neither would read them again), then handed to the readers waiting on them. One lock
         round each for the whole run: the FUSE thread takes the same locks for every read."""
         self.cache.put_many(buffer, good)
         with self._lock:
-            self.chunks_read += len(good) if from_disk else 0
+            self.chunks_read += len(good)
             for cid, _, _ in good:
                 self._inflight.pop(cid, None)
         for cid, piece, _ in good:

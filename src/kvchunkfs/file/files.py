@@ -96,8 +96,6 @@ class Files:
         if len(content.locations or ()) == len(set(content.index.ids)):
             remote.mark_partial(rel, False)
             return content
-        if self.fetcher.remote is not None:
-            return content  # streamed: the read-ahead fetches what the packs lack as the reader nears it
         # Chunks only the bucket has (a snapshot another host saved, or chunks evicted under
         # local_cache_size): fetch them into the local packs, outside the lock (network), then
         # load again; their pins hold until then.
@@ -140,22 +138,6 @@ class Files:
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
         return index, found
-
-    def release(self, content: FileContent, rel: str | None) -> None:
-        """The last handle of an open file is gone: unpin its chunks (blocking: store.lock). A
-        snapshot that was partly in the bucket only is local now if its read fetched every chunk."""
-        content.close()
-        remote = self.repo.remote
-        if rel is None or remote is None or not remote.is_partial(rel):
-            return
-        ids = set(content.index.ids)
-        try:
-            local = len(self.repo.store.locate_many(ids)) == len(ids)
-        except Exception as e:  # noqa: BLE001 - only the "where" column is at stake: it stays "remote"
-            log.warning("checking whether %s is all local failed: %s", rel, e)
-            return
-        if local:
-            remote.mark_partial(rel, False)
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

@@ -540,7 +540,7 @@ class Operations(pyfuse3.Operations):
             finally:
                 if node.opens == 0 and node.content is content:
                     node.content = None
-                    await self._thread(self.files.release, content, node.path)  # unpins: takes store.lock
+                    await self._thread(content.close)  # unpins: takes store.lock
                     self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
                     if self.open_files == 0:
                         self.idle_gen += 1

@@ -40,7 +40,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,7 +237,6 @@ class RemoteTier:
         # Called on the uploader thread whenever the queue has drained (the daemon: evict if over
         # the local limit, in a thread of its own). Must not block.
         self.on_idle: Callable[[], None] | None = None
-        self._poked = 0.0  # when a streamed fetch last called on_idle
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -663,28 +662,6 @@ class RemoteTier:
                 fut.cancel()
         self._poke()  # the packs grew: maybe past local_cache_size
         return len(missing)
-
-    def get_chunks(self, ids: Sequence[bytes]) -> list[bytes]:
-        """The chunks' bytes from the bucket, each checked against its id (parallel GETs; blocking):
-        a streamed restore's read-ahead (file/fetcher.py). ChunkMissing if the bucket lacks one."""
-        futures = [self._fetches.submit(self.bucket.get_chunk, cid) for cid in ids]
-        out: list[bytes] = []
-        try:
-            for cid, fut in zip(ids, futures, strict=True):
-                data = fut.result()
-                if hashlib.sha256(data).digest() != cid:
-                    raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
-                out.append(data)
-        except FileNotFoundError as e:
-            raise ChunkMissing(str(e)) from None
-        finally:
-            for fut in futures:
-                fut.cancel()
-        now = time.monotonic()
-        if now - self._poked >= 1.0:  # at most once a second: a restore fetches many groups
-            self._poked = now
-            self._poke()
-        return out
 
     def _poke(self) -> None:
         if self.on_idle is not None:

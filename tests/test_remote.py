@@ -472,9 +472,10 @@ def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts
     where = ls_where(a)
     assert {n for n, w in where.items() if w == "remote"} == evicted
     assert all(where[n] == "both" for n in set(files) - evicted)
-    fsck_clean(a)  # live: evicted chunks are in the bucket, not missing
+    a.stop()
+    fsck_clean(a)  # evicted chunks are in the bucket, not missing (offline: no pass compacts meanwhile)
     # Read everything back with eviction off (so no pass races the counts): only evicted chunks are fetched.
-    a.remount(hosts.args("--pack-size", "1MiB"))
+    a.start(hosts.args("--pack-size", "1MiB"))
     for name, data in files.items():
         lacked = unmapped(a, name)
         before = a.stats()["remote_chunk_gets"]

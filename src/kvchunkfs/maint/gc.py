@@ -45,6 +45,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
+from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class GCReport:
     live_chunks: int = 0
     snapshots: int = 0
     unreadable_snapshots: int = 0
-    missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
+    missing_chunks: int = 0  # named by a stub but neither in the store nor in the shared tier (fsck tells which)
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     unreadable: list[str] = field(default_factory=list)  # entries that could not be read: nothing was freed
     walks: int = 0
@@ -210,7 +211,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(store, named, report)
+        candidates = _candidates(repo, named, report)
         with store.lock:
             if repo.ns_gen == gen:
                 _sweep(store, candidates, report)
@@ -220,11 +221,26 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
     log.warning("gc: %s", report.errors[-1])
 
 
-def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[bytes, int]:
+def _candidates(repo: Repository, named: set[bytes], report: GCReport) -> dict[bytes, int]:
     """Mapped chunks no stub names (id -> length); pins are subtracted under the lock."""
-    mapped = store.chunk_lengths()
-    report.missing_chunks = sum(1 for cid in named if cid not in mapped)
+    mapped = repo.store.chunk_lengths()
+    missing = {cid for cid in named if cid not in mapped}
+    report.missing_chunks = len(missing - _in_bucket(repo) if missing else missing)
     return {cid: n for cid, n in mapped.items() if cid not in named}
+
+
+def _in_bucket(repo: Repository) -> set[bytes]:
+    """Ids named by stubs the shared tier holds whole (their content is the version ``remote.db``
+    says was synced): evicted or not yet fetched, not missing. Empty without a shared tier."""
+    out: set[bytes] = set()
+    for rel, sha in read_synced(repo.root).items():
+        try:
+            data, _ = stubs.read_stub(repo.path(rel))
+        except OSError:
+            continue
+        if hashlib.sha256(data).digest() == sha:
+            out.update(stub_ids(data) or ())
+    return out
 
 
 def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:

@@ -522,25 +522,35 @@ def test_eviction_never_takes_chunks_not_yet_in_the_bucket(hosts: Hosts, weed: W
 
 def test_kill9_during_eviction_leaves_a_store_fsck_accepts(hosts: Hosts) -> None:
     a = hosts.new("a", "--pack-size", "1MiB")
-    files = {f"k{i}": rand_bytes(2 * MiB + i, 400 + i) for i in range(6)}
+    files = {f"k{i}": rand_bytes(4 * MiB + i, 400 + i) for i in range(8)}  # 32 MiB in 1 MiB packs
     for name, data in files.items():
         write_in_pieces(a.path(name), data, MiB)
     drained(a)
     a.stop()
-    # Each mount's first GC evicts (smaller limits each time); kill -9 somewhere in it.
-    for limit, delay in (("8MiB", 0.0), ("6MiB", 0.05), ("4MiB", 0.15), ("3MiB", 0.3), ("2MiB", 0.6)):
-        a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", limit))
-        time.sleep(delay)
+    # Each mount's first GC is followed by an eviction pass (the limit shrinks, so each has work).
+    # kill -9 in it: as soon as its compaction has started a new pack (rows dropped, copies under
+    # way), a few ms later, or at a fixed delay. Whatever the moment: recovery, then fsck is clean.
+    for step, limit in enumerate((28, 24, 20, 16, 12, 9, 6, 3)):
+        packs = {p.name for p in (a.store / "packs").iterdir()}
+        a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", f"{limit}MiB"))
+        if step % 3 == 2:
+            time.sleep(0.02 * step)
+        else:
+            deadline = time.monotonic() + 10
+            while not {p.name for p in (a.store / "packs").iterdir()} - packs and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.005 * (step % 3))
         a.kill()
-        a.start(hosts.args("--pack-size", "1MiB"))  # recovery, with eviction off
+        a.start_settled(hosts.args("--pack-size", "1MiB"))  # recovery, with eviction off
         a.stop()
         fsck_clean(a)
-    a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", "2MiB"))
+    a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", "3MiB"))
     wait_for(lambda: a.stats().get("evictions", 0) > 0, "an eviction pass")
     a.kill()
-    a.start(hosts.args("--pack-size", "1MiB"))
+    a.start_settled(hosts.args("--pack-size", "1MiB"))
     assert "the store does not have" not in a.log()  # recovery: evicted chunks are in the bucket, not lost
+    assert unmapped(a, "k0")  # evicted (least recently used) ...
     for name, data in files.items():
-        assert read_direct(a.path(name)) == data
+        assert read_direct(a.path(name)) == data  # ... and read back from the bucket
     a.stop()
     fsck_clean(a)

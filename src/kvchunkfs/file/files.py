@@ -98,13 +98,15 @@ class Files:
             return content
         # Chunks only the bucket has (a snapshot another host saved, or chunks evicted under
         # local_cache_size): fetch them into the local packs, outside the lock (network), then
-        # load again; their pins hold until then.
-        content.close()
+        # load again. The first load's pins hold every chunk of the snapshot until the second
+        # load has pinned them again: eviction must not take the local ones meanwhile.
         owner = object()
+        first = content
         try:
-            remote.fetch_missing(content.index.ids, owner)
+            remote.fetch_missing(first.index.ids, owner)
             content = self._load(rel)
         finally:
+            first.close()
             self.repo.store.unpin(owner)
         remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
         return content

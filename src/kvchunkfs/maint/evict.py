@@ -21,8 +21,9 @@ least recently used snapshots' chunks first, and compaction gives their bytes ba
 
 A bucket that cannot be listed evicts nothing. Victims: each candidate chunk is as recent as the
 most recently used confirmed snapshot naming it (``user.kvcfs.last_use``, else ``created``, else
-mtime), oldest first, until the live bytes fit 90% of the limit (a low-water mark, so every save
-does not trigger another pass).
+mtime), oldest first (within a snapshot from its end backwards: whole packs go, little is copied),
+until the live bytes fit 90% of the limit (a low-water mark, so every save does not trigger
+another pass).
 
 Crash safety is GC's: rows are deleted in one transaction (the pack bytes stay described, so a
 crash before compaction leaves dead space, no dangling row), then packs are compacted or deleted
@@ -103,12 +104,19 @@ def pack_bytes(store: PackStore) -> int:
 # -- victim selection (pure) ----------------------------------------------------------------------
 
 
-def rank(uses: dict[bytes, tuple[float, int]], protected: Iterable[bytes]) -> list[tuple[bytes, int]]:
-    """(id, length) of the candidates, least recently used first (ties by id: deterministic).
+Use = tuple[float, int, int]  # (last use, -position in the snapshot, length)
 
-    ``uses``: id -> (last use of the most recently used confirmed snapshot naming it, length)."""
+
+def rank(uses: dict[bytes, Use], protected: Iterable[bytes]) -> list[tuple[bytes, int]]:
+    """(id, length) of the candidates, least recently used first; within one snapshot from its end
+    backwards (a snapshot's chunks lie in save order in the packs, so a partial eviction frees whole
+    packs instead of leaving every pack part live for compaction to copy); then by id.
+
+    ``uses``: id -> (last use of the most recently used confirmed snapshot naming it, minus the
+    chunk's position in that snapshot, length)."""
     keep = set(protected)
-    return [(cid, n) for cid, (_, n) in sorted(uses.items(), key=lambda kv: (kv[1][0], kv[0])) if cid not in keep]
+    ordered = sorted(uses.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))
+    return [(cid, n) for cid, (_, _, n) in ordered if cid not in keep]
 
 
 def choose_victims(ranked: Sequence[tuple[bytes, int]], skip: set[bytes], need: int) -> list[bytes]:
@@ -133,7 +141,7 @@ class _Walk:
     confirmed: dict[str, bytes]  # rel -> sha256 of the stub content in the bucket
     mapped: dict[bytes, int]  # the map before the walk
     gen: int  # the namespace generation the walk started at
-    uses: dict[bytes, tuple[float, int]] = field(default_factory=dict)
+    uses: dict[bytes, Use] = field(default_factory=dict)
     protected: set[bytes] = field(default_factory=set)
     last_use: dict[str, float] = field(default_factory=dict)  # confirmed rel -> its last use
     lacking: set[str] = field(default_factory=set)  # rels naming a chunk the map lacked
@@ -175,7 +183,7 @@ class _Walk:
         for i, cid in enumerate(index.ids):
             seen = self.uses.get(cid)
             if seen is None or seen[0] < used:
-                self.uses[cid] = (used, index.length(i))
+                self.uses[cid] = (used, -i, index.length(i))
 
 
 def _last_use(fd: int) -> float:

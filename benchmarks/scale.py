@@ -11,7 +11,9 @@ at 50,000). Then measures, in one process over the same code the daemon runs (``
 * the catalog's one-time load (in the background after mounting) and the process RSS after it;
 * ``GET /snapshots`` in full and its first page, ``GET /stats``, ``GET /prefix-tree``, ``GET /metrics``
   (each rendered to JSON/text as the API does), and a listing right after one more save;
-* GC with nothing to free; and the old way (``catalog.snapshots``: every stub read per listing).
+* GC: a walk of every stub with nothing to free; a collection of the changes with nothing to
+  free and after deleting 100 snapshots (then a walk, which must find nothing more); and the old
+  way (``catalog.snapshots``: every stub read per listing).
 
     python3 benchmarks/scale.py                      # N = 1000 10000 50000
     python3 benchmarks/scale.py --sizes 1000 10000 --keep /tmp/stores
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvchunkfs.config import Config  # noqa: E402
 from kvchunkfs.file.files import Files  # noqa: E402
 from kvchunkfs.format.index import Index  # noqa: E402
-from kvchunkfs.maint.gc import run_gc  # noqa: E402
+from kvchunkfs.maint.gc import collect_changes, run_gc  # noqa: E402
 from kvchunkfs.maint.recovery import recover  # noqa: E402
 from kvchunkfs.service import catalog, prefixtree  # noqa: E402
 from kvchunkfs.service.api import JSONResponse, Service  # noqa: E402
@@ -52,6 +54,7 @@ TURN_CHUNKS = 2  # chunks each turn adds to its conversation (later turns name t
 OWN_CHUNKS = 4
 CHUNK = 512
 BATCH = 250  # snapshots per add_chunks call
+DELETE = 100  # snapshots deleted before a GC of the changes (the same at every N: its cost should not grow)
 
 
 def _data(key: str, size: int = CHUNK) -> bytes:
@@ -173,12 +176,26 @@ def measure(root: Path, n: int, old_way: bool) -> dict[str, float]:
     assert service.metrics is not None
     out["GET /metrics"] = timed(service.metrics.render)
     out["save + next listing page"] = timed(lambda: save_and_list(repo, service, n), runs=1)
-    out["GC, nothing to free"] = timed(lambda: run_gc(repo, 0.5), runs=1)
+    out["GC walk, nothing to free"] = timed(lambda: run_gc(repo, 0.5), runs=1)
+    out["GC of the changes, nothing to free"] = timed(lambda: collect_changes(repo, live, 0.5))
+    doomed = [p for p in live.sorted_paths()[:: max(1, n // DELETE)]][:DELETE]
+    for rel in doomed:
+        repo.unlink(rel)
+    t0 = time.perf_counter()
+    report = collect_changes(repo, live, 0.5)
+    out[f"GC of the changes after deleting {DELETE} snapshots"] = time.perf_counter() - t0
+    assert report is not None and report.chunks_freed > 0, report
+    out["GC walk right after it (frees nothing more)"] = timed(lambda: _walk_frees_nothing(repo), runs=1)
     if old_way:
         out["old: every stub read per listing"] = timed(lambda: catalog.snapshots(root / "snapshots"), runs=1)
     files.close()
     repo.close()
     return out
+
+
+def _walk_frees_nothing(repo: Repository) -> None:
+    report = run_gc(repo, 0.5)
+    assert report.chunks_freed == 0, report.summary()
 
 
 def save_and_list(repo: Repository, service: Service, n: int) -> None:

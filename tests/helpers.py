@@ -6,7 +6,9 @@ import hashlib
 import mmap
 import os
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -85,3 +87,27 @@ def wait_closed(m: HasStats, timeout: float = 30) -> None:
     while m.stats()["open_files"]:
         assert time.monotonic() < deadline, f"files still open: {m.stats()}"
         time.sleep(0.02)
+
+
+def loop_beside(step: Callable[[], None], work: Callable[[], None]) -> list[BaseException]:
+    """Call ``step`` over and over on another thread while ``work`` runs here; what ``step`` raised
+    (it stops at the first error)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 - returned to the caller
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        work()
+    finally:
+        stop.set()
+        thread.join()
+    return errors

@@ -459,8 +459,12 @@ def test_prefix_tree_from_plain_and_packed_snapshots(api: Api) -> None:
     assert body["snapshots"] == 4
     assert {s["path"] for s in body["skipped"]} == {"junk", "empty"}
     assert "magic" in {s["path"]: s["reason"] for s in body["skipped"]}["junk"]
-    shared = max(body["tree"]["children"], key=lambda child: len(child["shared_by"]))
-    assert shared["prefix_tokens"] == len(system) and len(shared["shared_by"]) == 3
+    shared = max(body["tree"]["children"], key=lambda child: child["shared_count"])
+    assert shared["prefix_tokens"] == len(system) and shared["shared_count"] == 3 and "shared_by" not in shared
+    named = api.http.get("/prefix-tree", params={"shared_by": "true"}).json()["tree"]
+    assert named == to_json(build_tree(tokens), shared_by=True)
+    assert sorted(max(named["children"], key=lambda child: child["shared_count"])["shared_by"]) == [
+        "chat/one", "chat/three", "chat/two"]
     assert api.http.get("/prefix-tree", params={"prefix": "chat/"}).json()["tree"] == to_json(
         build_tree({k: v for k, v in tokens.items() if k.startswith("chat/")})
     )
@@ -528,7 +532,7 @@ def test_stats(api: Api) -> None:
 def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None:
     served = api.http.get("/openapi.json").json()
     committed = json.loads((ROOT / "docs" / "openapi.json").read_text())
-    assert served == committed, "regenerate: python -m kvchunkfs.openapi > docs/openapi.json"
+    assert served == committed, "regenerate: python -m kvchunkfs.service.openapi > docs/openapi.json"
     assert served["openapi"].startswith("3.")
     described = {(path, method) for path, ops in served["paths"].items() for method in ops if method != "parameters"}
     # Exactly the app's routes are described.
@@ -550,3 +554,18 @@ def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None
         r = api.http.request(method.upper(), path.replace("{path}", "nope"))
         assert r.status_code != 405, (path, method)
         assert r.status_code != 404 or "no such endpoint" not in r.text, (path, method)
+
+
+def test_big_answers_are_encoded_in_pieces_to_the_same_json() -> None:
+    """Long lists and big tree nodes go through orjson a piece at a time (the FUSE thread gets the
+    GIL between pieces); the bytes must parse to the same answer."""
+    from kvchunkfs.service.api import PIECE, _dumps
+    from kvchunkfs.service.prefixtree import build_tree, to_json
+
+    rows = [{"path": f"p{i}", "size": i, "labels": {"k": "v"}, "score": 0.5} for i in range(2 * PIECE + 7)]
+    for answer in ({"count": len(rows), "snapshots": rows, "next": None}, {"snapshots": rows[:PIECE]},
+                   {"empty": [], "n": 1}, {1: "non-str key"}, [1, 2]):  # fmt: skip
+        assert json.loads(_dumps(answer)) == json.loads(json.dumps(answer))
+    items = {f"s{i}": [1, 2, 3] + [i % 7, i % 11, i] for i in range(3 * PIECE)}
+    tree = {"snapshots": len(items), "skipped": [], "tree": to_json(build_tree(items))}
+    assert json.loads(_dumps(tree)) == tree

@@ -132,9 +132,26 @@ def test_mounted_store_is_checked_read_only(kvfs) -> None:
     write_in_pieces(kvfs.path("a"), rand_bytes(2 * MiB, 20), MiB)
     r = fsck_cli(kvfs.store, "--verify-data")
     assert r.returncode == 0, r.stdout
-    assert "(mounted: read-only check)" in summary(r)
+    assert "(mounted: read-only check; the daemon's reference counts compared for 1 snapshots)" in summary(r)
     r = fsck_cli(kvfs.store, "--repair")
     assert r.returncode == 2 and "unmount it to repair" in r.stderr
+
+
+def test_a_stale_daemon_catalog_is_a_problem(kvfs) -> None:
+    """GC without a walk trusts the daemon's reference counts: fsck compares them with the stubs. A
+    stub rewritten in place behind the daemon's back (its directory's mtime unchanged) is missed
+    by the catalog, and fsck says so."""
+    write_in_pieces(kvfs.path("a"), rand_bytes(2 * MiB, 22), MiB)
+    write_in_pieces(kvfs.path("b"), rand_bytes(3 * MiB, 23), MiB)
+    snaps = kvfs.store / "snapshots"
+    assert fsck_cli(kvfs.store).returncode == 0
+    mtime = os.stat(snaps).st_mtime_ns
+    with open(snaps / "a", "r+b") as f:  # b's index in a's file: a valid stub naming b's chunks
+        f.write((snaps / "b").read_bytes())
+    assert os.stat(snaps).st_mtime_ns == mtime
+    r = fsck_cli(kvfs.store)
+    assert r.returncode == 1
+    assert "the daemon's catalog row of a" in r.stdout and "remount to rebuild it" in r.stdout
 
 
 def test_progress_bar_only_on_a_terminal(kvfs) -> None:

@@ -145,7 +145,7 @@ def check_invariants(items: dict[str, list[int]], root: Node) -> None:
     assert root.snapshots == sorted(items)
     for node, parent in walk(root):
         below = set(node.ends).union(*(c.snapshots for c in node.children))
-        assert node.snapshots == sorted(below) and len(node.snapshots) == len(below)
+        assert node.snapshots == sorted(below) and len(node.snapshots) == len(below) == node.count
         assert node.ends == sorted(node.ends)
         firsts = [c.edge[0] for c in node.children]
         assert firsts == sorted(set(firsts)), "children must start with distinct tokens, in order"
@@ -195,12 +195,15 @@ def test_tree_invariants(items: dict[str, list[int]]) -> None:
 @given(items=snapshot_sets())
 def test_json_mirrors_tree(items: dict[str, list[int]]) -> None:
     root = build_tree(items)
-    data = json.loads(json.dumps(to_json(root)))
+    data = json.loads(json.dumps(to_json(root, shared_by=True)))
+    assert json.loads(json.dumps(to_json(root))) == _without_names(data)
     pairs = [(root, data)]
     for node, node_json in pairs:
         assert node_json["prefix_tokens"] == node.depth
         assert node_json["edge_tokens"] == node.length
-        assert node_json["shared_by"] == node.snapshots
+        assert node_json["shared_by"] == node.snapshots and node_json["shared_count"] == len(node.snapshots)
+        below = set(node_json["ends_here"]).union(*(_subtree_ends(c) for c in node_json["children"]))
+        assert sorted(below) == node_json["shared_by"]  # the names below a node: its subtree's ends
         assert node_json["ends_here"] == node.ends
         assert node_json["first_tokens"] == node.edge[:8]
         assert len(node_json["children"]) == len(node.children)
@@ -276,3 +279,13 @@ def test_fifty_long_snapshots_are_fast() -> None:
     check_invariants(items, root)
     assert text.count("\n") > 50
     assert elapsed < 2.0, f"build took {elapsed:.2f}s"
+
+
+def _without_names(node_json: dict) -> dict:
+    out = {k: v for k, v in node_json.items() if k != "shared_by"}
+    out["children"] = [_without_names(c) for c in node_json["children"]]
+    return out
+
+
+def _subtree_ends(node_json: dict) -> set[str]:
+    return set(node_json["ends_here"]).union(*(_subtree_ends(c) for c in node_json["children"]))

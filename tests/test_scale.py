@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import loop_beside
 
 from kvchunkfs.config import Config
 from kvchunkfs.file.files import Files
@@ -61,6 +62,14 @@ def _assert_matches_full_scan(service: Service) -> None:
     full = [_fields(r) for r in catalog.snapshots(service.repo.snapshots)]
     assert live == full
     assert {p: (u, s) for p, u, s in ((r[0], r[4], r[5]) for r in live)} == service.live.recount()
+    live = service.live
+    with live._lock:  # the neighbours' common prefixes kept beside the token order (prefix tree)
+        order = live._by_tokens
+        assert live._lcp == [0] * bool(order) + [prefixtree.common_prefix_len(order[i - 1][0], order[i][0])
+                                   for i in range(1, len(order))]  # fmt: skip
+    for prefix in ("", "d1/"):
+        tokens = {p: list(e.tokens) for p, e in live.entries.items() if e.tokens is not None and p.startswith(prefix)}
+        assert prefixtree.to_json(live.token_tree(prefix)[0]) == prefixtree.to_json(prefixtree.build_tree(tokens))
     totals = service.totals()
     expected = catalog.store_totals(service.repo.root)
     for name in ("snapshots", "logical_bytes", "referenced_bytes", "stored_bytes", "chunks", "broken"):
@@ -115,28 +124,16 @@ def test_live_catalog_equals_full_scan_after_any_changes(service: Service) -> No
 
 
 def test_live_catalog_right_while_changes_race_listings(service: Service) -> None:
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def list_both() -> None:
+        service.snapshots()
+        service.prefix_tree_body("", "json")
 
-    def lister() -> None:
-        while not stop.is_set():
-            try:
-                service.snapshots()
-                service.prefix_tree_body("", "json")
-            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-                errors.append(e)
-                return
-
-    thread = threading.Thread(target=lister)
-    thread.start()
-    try:
+    def changes() -> None:
         rng = random.Random(11)
         for _ in range(200):
             _random_op(service.repo, rng, 15)
-    finally:
-        stop.set()
-        thread.join()
-    assert not errors
+
+    assert not loop_beside(list_both, changes)
     _assert_matches_full_scan(service)
 
 

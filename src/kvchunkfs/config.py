@@ -213,6 +213,9 @@ SETTINGS: dict[str, Setting] = {
                 "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
                 lo=0),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
+        Setting("gc_walk_interval", "duration", 86400,
+                "a GC run reads every stub at least this often (others look only at what changed; 0 = at mount only)",
+                lo=0),
         Setting("gc_compact_threshold", "float", 0.5, "compact packs whose live share falls below this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
         Setting("api_address", "address", "", "host:port of the HTTP API; a bare port means 127.0.0.1 (empty = off)"),
@@ -269,6 +272,7 @@ class Config:
     writeback_cache: bool = SETTINGS["writeback_cache"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
     gc_interval: int = SETTINGS["gc_interval"].default
+    gc_walk_interval: int = SETTINGS["gc_walk_interval"].default
     gc_compact_threshold: float = SETTINGS["gc_compact_threshold"].default
     durability: str = SETTINGS["durability"].default
     api_address: str = SETTINGS["api_address"].default

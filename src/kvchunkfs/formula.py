@@ -32,7 +32,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 FIELDS: tuple[str, ...] = (
@@ -53,6 +53,10 @@ MAX_DEPTH = 60
 
 Fields = Mapping[str, float]
 Evaluator = Callable[[Fields], float]
+Columns = Mapping[str, Sequence[float]]
+# The same formula over columns (one list of values per field, n rows): a listing of 50,000 rows
+# evaluates each operator once per column through ``map`` instead of walking the closures per row.
+ColumnEvaluator = Callable[[Columns, int], Sequence[float]]
 
 
 class FormulaError(ValueError):
@@ -135,6 +139,7 @@ class Formula:
     text: str
     names: frozenset[str]
     _fn: Evaluator = field(repr=False, compare=False)
+    _columns: ColumnEvaluator = field(repr=False, compare=False)
 
     def evaluate(self, fields: Fields) -> float:
         missing = sorted(n for n in self.names if n not in fields)
@@ -142,6 +147,14 @@ class Formula:
             raise FormulaError(f"score formula needs field(s) {', '.join(missing)}")
         result = self._fn(fields)
         return 0.0 if math.isnan(result) else result
+
+    def evaluate_many(self, columns: Columns, n: int) -> list[float]:
+        """``evaluate`` for ``n`` rows at once: ``columns`` maps each field in ``names`` to its
+        ``n`` values (floats); the same results, in row order."""
+        missing = sorted(name for name in self.names if name not in columns)
+        if missing:
+            raise FormulaError(f"score formula needs field(s) {', '.join(missing)}")
+        return [0.0 if r != r else r for r in self._columns(columns, n)]  # r != r: NaN
 
 
 def compile_formula(text: str, names: Iterable[str] = FIELDS) -> Formula:
@@ -151,8 +164,8 @@ def compile_formula(text: str, names: Iterable[str] = FIELDS) -> Formula:
     tree = _parse(text)
     _check_depth(tree.body, 0)
     compiler = _Compiler(frozenset(names))
-    fn = compiler.build(tree.body)
-    return Formula(text=text, names=frozenset(compiler.used), _fn=fn)
+    fn, columns = compiler.build(tree.body)
+    return Formula(text=text, names=frozenset(compiler.used), _fn=fn, _columns=columns)
 
 
 def _parse(text: str) -> ast.Expression:
@@ -173,14 +186,21 @@ def _check_depth(node: ast.AST, depth: int) -> None:
         _check_depth(child, depth + 1)
 
 
+# Float addition, subtraction and multiplication never raise (they overflow to inf): over columns
+# they run in C through ``map`` without the ``_safe`` wrapper.
+_NEVER_RAISE = frozenset({ast.Add, ast.Sub, ast.Mult})
+Both = tuple[Evaluator, ColumnEvaluator]
+
+
 class _Compiler:
-    """Turns a whitelisted AST into nested closures, recording the field names used."""
+    """Turns a whitelisted AST into nested closures (one per row, one over columns), recording the
+    field names used."""
 
     def __init__(self, allowed: frozenset[str]) -> None:
         self.allowed = allowed
         self.used: set[str] = set()
 
-    def build(self, node: ast.AST) -> Evaluator:
+    def build(self, node: ast.AST) -> Both:
         if isinstance(node, ast.Constant):
             return self._constant(node)
         if isinstance(node, ast.Name):
@@ -193,7 +213,7 @@ class _Compiler:
             return self._call(node)
         raise FormulaError(f"unsupported syntax at column {_col(node)}: {_describe(node)}")
 
-    def _constant(self, node: ast.Constant) -> Evaluator:
+    def _constant(self, node: ast.Constant) -> Both:
         # bool is an int subclass: reject True/False explicitly.
         if type(node.value) not in (int, float):
             raise FormulaError(f"unsupported constant {node.value!r} at column {_col(node)}")
@@ -201,9 +221,9 @@ class _Compiler:
             value = float(node.value)  # type: ignore[arg-type]  # int or float, checked above
         except OverflowError:
             raise FormulaError(f"number too large at column {_col(node)}") from None
-        return lambda fields: value
+        return (lambda fields: value), (lambda cols, n: [value] * n)
 
-    def _name(self, node: ast.Name) -> Evaluator:
+    def _name(self, node: ast.Name) -> Both:
         name = node.id
         if name not in self.allowed:
             if name in _FUNCTIONS:
@@ -211,20 +231,24 @@ class _Compiler:
             known = ", ".join(sorted(self.allowed))
             raise FormulaError(f"unknown name {name!r} at column {_col(node)} (known fields: {known})")
         self.used.add(name)
-        return lambda fields: _field(fields, name)
+        return (lambda fields: _field(fields, name)), (lambda cols, n: cols[name])
 
-    def _binop(self, node: ast.BinOp) -> Evaluator:
-        op = _safe(_BINOPS[type(node.op)])
-        left, right = self.build(node.left), self.build(node.right)
-        return lambda fields: op(left(fields), right(fields))
+    def _binop(self, node: ast.BinOp) -> Both:
+        raw = _BINOPS[type(node.op)]
+        op = _safe(raw)
+        fast = raw if type(node.op) in _NEVER_RAISE else op
+        (left, left_cols), (right, right_cols) = self.build(node.left), self.build(node.right)
+        return (lambda fields: op(left(fields), right(fields))), (
+            lambda cols, n: list(map(fast, left_cols(cols, n), right_cols(cols, n)))
+        )
 
-    def _unary(self, node: ast.UnaryOp) -> Evaluator:
-        operand = self.build(node.operand)
+    def _unary(self, node: ast.UnaryOp) -> Both:
+        operand, operand_cols = self.build(node.operand)
         if isinstance(node.op, ast.USub):
-            return lambda fields: -operand(fields)
-        return operand
+            return (lambda fields: -operand(fields)), (lambda cols, n: list(map(operator.neg, operand_cols(cols, n))))
+        return operand, operand_cols
 
-    def _call(self, node: ast.Call) -> Evaluator:
+    def _call(self, node: ast.Call) -> Both:
         if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
             known = ", ".join(sorted(_FUNCTIONS))
             raise FormulaError(f"unknown function {_describe(node.func)} at column {_col(node)} (known: {known})")
@@ -235,9 +259,13 @@ class _Compiler:
         if len(node.args) < lo or (hi is not None and len(node.args) > hi):
             expected = f"{lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}"
             raise FormulaError(f"{name}() takes {expected} argument(s), got {len(node.args)}")
-        args = [self.build(a) for a in node.args]
+        built = [self.build(a) for a in node.args]
+        args = [b[0] for b in built]
+        arg_cols = [b[1] for b in built]
         safe = _safe(fn)
-        return lambda fields: safe(*(a(fields) for a in args))
+        return (lambda fields: safe(*(a(fields) for a in args))), (
+            lambda cols, n: list(map(safe, *(a(cols, n) for a in arg_cols)))
+        )
 
 
 def _field(fields: Fields, name: str) -> float:

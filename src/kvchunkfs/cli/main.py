@@ -64,7 +64,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
                 return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
-        collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval)
+        collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
         if repo.remote is not None and cfg.local_cache_size:
             _cache_locally(repo, repo.remote, collector, cfg.local_cache_size)
         try:
@@ -73,6 +73,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         except (OSError, RuntimeError) as e:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
+        collector.names = api.service.live  # its reference counts: GC runs without reading every stub
         try:
             daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task],
                          cfg.memory_trim_above)
@@ -158,7 +159,7 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     lock_fd = try_lock_store(root)
     try:
         if lock_fd is None:
-            result = _through_daemon(root, "POST", "/gc")
+            result = _through_daemon(root, "POST", "/gc", {"walk": "1"} if args.walk else None)
         else:
             moved_aside = prepare_map_file(root)  # an unreadable chunks.db is rebuilt from the packs
             repo = open_repo(cfg)
@@ -177,11 +178,11 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     return 1 if result.get("errors") else 0
 
 
-def _through_daemon(root: Path, method: str, path: str) -> dict[str, Any]:
+def _through_daemon(root: Path, method: str, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
     from kvchunkfs.service.apiclient import DaemonClient
 
     try:
-        return DaemonClient(root).json(method, path)
+        return DaemonClient(root).json(method, path, params)
     except OSError as e:
         sock = Layout(root).socket
         raise OSError(e.errno, f"the store is mounted but its daemon does not answer on {sock}: {e}") from e
@@ -199,6 +200,11 @@ def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         return 2
     finally:
         bar.done()
+    if report.live:  # a daemon serves the store: its reference counts against the stubs
+        from kvchunkfs.service.catalog import compare_with_daemon
+
+        report.counts_compared, differ, report.counts_skipped = compare_with_daemon(Path(cfg.store))
+        report.problems += differ
     for line in report.problems:
         print(f"problem: {line}")
     for line in report.repaired:
@@ -334,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)",
             conflict_handler="resolve")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--walk", action="store_true",
+                   help="read every stub (a mounted daemon otherwise looks only at what changed since its last run)")
     p.add_argument("--remote", nargs="?", const=_CONFIGURED, default=None, metavar="s3://BUCKET/PREFIX",
                    help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)")
     p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")

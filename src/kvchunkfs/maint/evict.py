@@ -216,7 +216,7 @@ def run_eviction(repo: Repository, tier: RemoteTier, limit: int, stop: threading
         report.partial = len(partial)
     if over:
         gc = GCReport()
-        reclaim_packs(repo, 1.0, gc, stop)
+        store.revisit(reclaim_packs(repo, 1.0, gc, stop))  # what it left (interrupted): GC looks again
         report.disk_bytes_freed = gc.disk_bytes_freed
         report.errors += gc.errors
     elif not report.skipped:
@@ -265,7 +265,7 @@ def _evict(repo: Repository, walk: _Walk, limit: int, report: EvictReport) -> se
         ranked = [(cid, n) for cid, n in rank(walk.uses, walk.protected) if cid in walk.mapped]
         need = store.stats()[1] - int(limit * LOW_WATER)  # live bytes: compaction frees the rest
         with store.lock:
-            if repo.ns_gen != gen:
+            if not repo.ns_settled(gen):  # a change began or ended meanwhile, or is in flight
                 continue
             if need <= 0:
                 return set()

@@ -23,7 +23,9 @@ that describes a chunk the map has not dropped as unreferenced.
 
 On a mounted store fsck checks read-only and skips what a running daemon legitimately has in
 flight (pack tails, unused packs, temp files, garbage); a stub that fails is read again in case it
-was replaced meanwhile.
+was replaced meanwhile. ``kv-chunk-fs fsck`` then also compares the daemon's kept rows and
+reference counts (what GC without a walk relies on) with a recount of every stub
+(``service.catalog.compare_with_daemon``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class FsckReport:
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     in_bucket: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks only the shared tier has
     live: bool = False  # checked while a daemon serves the store
+    counts_compared: int = 0  # live: rows of the daemon's catalog compared with a recount of the stubs
+    counts_skipped: str = ""  # live: why they were not compared
     duration_s: float = 0.0
 
     @property
@@ -106,7 +110,11 @@ class FsckReport:
         if self.repaired:
             text += f"; {len(self.repaired)} repairs"
         if self.live:
-            text += " (mounted: read-only check)"
+            text += " (mounted: read-only check; "
+            if self.counts_skipped:
+                text += f"the daemon's reference counts not compared: {self.counts_skipped})"
+            else:
+                text += f"the daemon's reference counts compared for {self.counts_compared} snapshots)"
         return text + f"; {self.duration_s:.2f}s"
 
 

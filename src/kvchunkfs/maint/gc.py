@@ -19,6 +19,12 @@
 A save waits for GC only while the sweep deletes rows (one SQL transaction) and while one batch
 of moved rows is committed; renames and unlinks never wait for GC. Copying and deleting packs
 never blocks either.
+
+In the daemon most runs do not walk: ``collect_changes`` looks only at the chunks that may have
+become garbage since the last run (ids the store mapped meanwhile, ids whose last snapshot went:
+the daemon's catalog counts references, service/live.py), and reclaims only the packs it freed
+rows in. A walk (``run_gc``) is the safety net: at mount, every ``gc_walk_interval``, on request,
+and whenever the catalog cannot tell (an unreadable stub, too many changes kept).
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -52,12 +58,20 @@ log = logging.getLogger(__name__)
 
 MAX_CATCH_UPS = 20  # rounds of reading what renames created during the walk before giving up
 COPY_BATCH = 4 << 20  # bytes copied (and rows moved) per step of a compaction
+SWEEP_BATCH = 2048  # rows a collection of the changes deletes per hold of ``store.lock``
 _ITEMS_AT = 64  # where a caibx item table starts: 48-byte header + 16-byte table header
 _ITEM = 40
 
 
+class NameIndex(Protocol):
+    """What ``collect_changes`` asks of the daemon's catalog (``service.live.LiveCatalog``)."""
+
+    def unnamed(self, ids: Iterable[bytes]) -> set[bytes] | None: ...
+
+
 @dataclass
 class GCReport:
+    mode: str = "walk"  # "walk": every stub read; "changes": only what changed since the last run
     chunks_freed: int = 0
     bytes_freed: int = 0  # chunk bytes whose map rows were deleted
     disk_bytes_freed: int = 0  # pack file bytes given back to the filesystem
@@ -86,11 +100,14 @@ class GCReport:
 
 def format_summary(r: dict[str, Any]) -> str:
     """One line for a report (also for the JSON a daemon sends back)."""
+    where = f" in {r['snapshots']} snapshots" if r.get("mode", "walk") == "walk" else ""
     text = (
-        f"gc finished: freed {r['chunks_freed']} chunks ({r['bytes_freed']} bytes), deleted {r['packs_deleted']} "
+        f"gc finished: freed {r['chunks_freed']} chunks ({r['bytes_freed']} bytes), "
+        f"deleted {r['packs_deleted']} "
         f"packs, compacted {r['packs_compacted']} ({r['bytes_moved']} bytes moved), {r['disk_bytes_freed']} bytes "
-        f"of disk reclaimed; {r['live_chunks']} live chunks in {r['snapshots']} snapshots; {r['duration_s']:.2f}s"
+        f"of disk reclaimed; {r['live_chunks']} live chunks{where}; {r['duration_s']:.2f}s"
     )
+    text += "; every stub read" if r.get("mode", "walk") == "walk" else "; only the changes since the last run"
     if r.get("missing_chunks"):
         text += f"; {r['missing_chunks']} chunks missing (run fsck)"
     if r.get("skipped"):  # the first few by name; the report has them all
@@ -108,7 +125,8 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
     start = time.monotonic()
     report = GCReport()
     mark_and_sweep(repo, report)
-    reclaim_packs(repo, threshold, report, stop)
+    repo.store.take_revisit()  # every pack is looked at now
+    repo.store.revisit(reclaim_packs(repo, threshold, report, stop))
     report.duration_s = time.monotonic() - start
     return report
 
@@ -213,7 +231,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         gen = now
         candidates = _candidates(repo, named, report)
         with store.lock:
-            if repo.ns_gen == gen:
+            if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
                 return
         report.catch_ups += 1
@@ -256,19 +274,98 @@ def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> 
     report.live_chunks = store.stats()[0]
 
 
+# -- a collection of the changes -----------------------------------------------------------------
+
+
+def collect_changes(
+    repo: Repository, names: NameIndex, threshold: float, stop: threading.Event | None = None
+) -> GCReport | None:
+    """Free the chunks that became garbage since the last run without walking the stubs; None
+    if the catalog cannot tell which those are (the caller walks instead).
+
+    Candidates: ids the store mapped since the last run and ids whose last snapshot went. The
+    catalog keeps those not named by any snapshot after applying every reported change. The check
+    is the walk's: ``ns_gen`` is read before asking and checked under ``store.lock`` at each batch of
+    the sweep (``Repository.ns_settled``: no change began or ended meanwhile, none in flight). A
+    change is reported to the catalog before it ends, so a settled generation means the answer saw
+    every change; a save installs its stub before it unpins its chunks, so a stub installed after
+    the answer still has its chunks pinned.
+    Pinned candidates (open files, saves in progress) are kept for the next run.
+    """
+    start = time.monotonic()
+    store = repo.store
+    report = GCReport(mode="changes")
+    candidates = store.take_fresh()
+    if candidates is None:
+        return None
+    packs: set[int] = set()
+    try:
+        for _ in range(MAX_CATCH_UPS):
+            gen = repo.ns_gen
+            dead = names.unnamed(candidates)
+            if dead is None:
+                store.requeue_fresh(candidates)  # a walk follows; keep them in case it fails
+                return None
+            candidates = dead
+            if _sweep_while(repo, gen, candidates, report, packs):
+                break
+            report.catch_ups += 1
+        else:
+            report.errors.append(f"snapshots kept changing during {MAX_CATCH_UPS} catch-ups; rest left for next time")
+            log.warning("gc: %s", report.errors[-1])
+    finally:
+        store.requeue_fresh(candidates)  # what is left (pinned, or not yet decided) is looked at next time
+    packs |= store.take_revisit()
+    store.revisit(reclaim_packs(repo, threshold, report, stop, packs))
+    report.live_chunks = store.stats()[0]
+    report.duration_s = time.monotonic() - start
+    return report
+
+
+def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, packs: set[int]) -> bool:
+    """Delete the rows of ``ids`` but pinned ones, a batch per hold of ``store.lock`` (a save waits
+    for one batch at most), while ``repo.ns_settled(gen)``. Decided ids leave ``ids``; pinned ones
+    stay in it. False if a namespace change came first (what is left must be asked about again)."""
+    store = repo.store
+    todo = list(ids)
+    for i in range(0, len(todo), SWEEP_BATCH):
+        batch = todo[i : i + SWEEP_BATCH]
+        with store.lock:
+            if not repo.ns_settled(gen):
+                return False
+            dead = [cid for cid in batch if not store.is_pinned(cid)]
+            rows = store.drop_rows(dead)
+        ids.difference_update(dead)
+        report.chunks_freed += len(rows)
+        report.bytes_freed += sum(n for _, n in rows)
+        packs.update(pack for pack, _ in rows)
+    return True
+
+
 # -- packs ----------------------------------------------------------------------------------------
 
 
-def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: threading.Event | None) -> None:
+def reclaim_packs(
+    repo: Repository, threshold: float, report: GCReport, stop: threading.Event | None,
+    only: Iterable[int] | None = None,
+) -> set[int]:
+    """Delete, trim or compact packs with dead bytes: every pack, or ``only`` these. Returns the
+    packs it left alone (the open one, the rest after an interruption): a later run looks again."""
     store = repo.store
     out = _PackWriter(store)
+    packs = store.pack_ids() if only is None else sorted(only)
+    left: set[int] = set()
     try:
-        usage = store.pack_usage()
-        for pack in store.pack_ids():
+        usage = store.pack_usage(None if only is None else packs)
+        for n, pack in enumerate(packs):
             if stop is not None and stop.is_set():
                 report.interrupted = True
-                return
-            if pack == store.open_pack or pack in out.packs:
+                left.update(packs[n:])
+                return left
+            if pack == store.open_pack:
+                left.add(pack)
+                continue
+            if pack in out.packs:
                 continue
             size = file_size(store.pack_path(pack))
             live = usage[pack][1] if pack in usage else 0
@@ -284,6 +381,7 @@ def reclaim_packs(repo: Repository, threshold: float, report: GCReport, stop: th
                 _compact_logged(store, pack, size, out, report, stop)
     finally:
         out.close()
+    return left
 
 
 def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
@@ -412,18 +510,28 @@ class _PackWriter:
 
 class GarbageCollector:
     """One GC at a time for a mounted store: at start, every ``interval`` seconds, on SIGUSR1 and on
-    demand (``run()``, e.g. the API's POST /gc)."""
+    demand (``run()``, e.g. the API's POST /gc).
 
-    def __init__(self, repo: Repository, threshold: float = 0.5, interval: int = 3600) -> None:
+    With ``names`` (the daemon's catalog) a run collects only the changes since the last run; it
+    walks every stub at mount, when asked to, when the last walk is ``walk_interval`` old, and
+    whenever a collection of the changes cannot tell (see ``collect_changes``)."""
+
+    def __init__(self, repo: Repository, threshold: float = 0.5, interval: int = 3600, walk_interval: int = 86400
+                 ) -> None:  # fmt: skip
         self.repo = repo
         self.threshold = threshold
         self.interval = interval
+        self.walk_interval = walk_interval
+        self.names: NameIndex | None = None
         self.last: GCReport | None = None
         self.runs = 0
+        self.walks = 0
         self.idle_skips = 0  # timer runs skipped: nothing could have become garbage since the last run
         # (namespace generation, chunks written) when the last clean run started: while both stay
         # the same, no stub was replaced or deleted and no chunk was added, so a walk would free nothing.
         self._clean_at: tuple[int, int] | None = None
+        # monotonic start of the last clean walk; None: the changes since are not all known, walk next
+        self._walked_at: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set at unmount: a long compaction stops between batches
         self._wake: trio.Event | None = None
@@ -435,11 +543,18 @@ class GarbageCollector:
         self._evict_thread: threading.Thread | None = None
         self._evict_lock = threading.Lock()  # leaf: starting the eviction thread
 
-    def run(self) -> GCReport:
-        """Collect now (waits for a collection already running, then starts a new one)."""
+    def run(self, walk: bool = False) -> GCReport:
+        """Collect now (waits for a collection already running, then starts a new one); ``walk``:
+        read every stub even if the changes are known."""
         with self._lock:
             state = self._state()
-            report = run_gc(self.repo, self.threshold, self._stop)
+            report = None if walk else self._collect_changes()
+            if report is None:
+                started = time.monotonic()
+                report = run_gc(self.repo, self.threshold, self._stop)
+                self.walks += 1
+                clean_walk = not (report.errors or report.unreadable or report.interrupted)
+                self._walked_at = started if clean_walk else None
             self.last = report
             self.runs += 1
             clean = not (report.errors or report.unreadable or report.interrupted)
@@ -480,6 +595,22 @@ class GarbageCollector:
         with self._lock:
             self._evict_locked()
 
+    def _collect_changes(self) -> GCReport | None:
+        """A run without a walk, if the changes since the last clean walk are all known."""
+        walked = self._walked_at
+        if self.names is None or walked is None:
+            return None
+        if self.walk_interval and time.monotonic() - walked >= self.walk_interval:
+            log.info("gc: the last walk of every stub is %s s old: walking", int(time.monotonic() - walked))
+            return None
+        self._walked_at = None  # until it succeeds: what it took from the store is not known twice
+        report = collect_changes(self.repo, self.names, self.threshold, self._stop)
+        if report is None:
+            log.info("gc: the changes since the last run are not all known (an unreadable stub?): walking")
+            return None
+        self._walked_at = walked
+        return report
+
     def _state(self) -> tuple[int, int]:
         return self.repo.ns_gen, self.repo.store.counters.chunks_written
 
@@ -488,13 +619,13 @@ class GarbageCollector:
         changes made behind the mount's back are not seen; SIGUSR1 or POST /gc always collect)."""
         return self._clean_at is not None and self._clean_at == self._state()
 
-    def _run_logged(self, timer: bool = False) -> None:
+    def _run_logged(self, timer: bool = False, walk: bool = False) -> None:
         if timer and self.unchanged():
             self.idle_skips += 1
             log.info("gc skipped: nothing was saved, renamed or deleted since the last collection")
             return
         try:
-            self.run()
+            self.run(walk)
         except Exception:
             log.exception("gc failed; nothing was deleted in the failing phase")
 
@@ -510,9 +641,11 @@ class GarbageCollector:
 
     async def _loop(self) -> None:
         timer = False  # the run at mount always walks: it is what finds a crash's leftovers
+        walk = True
         while True:
             self._wake = wake = trio.Event()  # a request during this run triggers one more run
-            await trio.to_thread.run_sync(self._run_logged, timer)
+            await trio.to_thread.run_sync(self._run_logged, timer, walk)
+            walk = False
             with trio.move_on_after(self.interval or math.inf):
                 await wake.wait()
             timer = not wake.is_set()

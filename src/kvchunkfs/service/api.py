@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote_to_bytes
 
+import orjson
 import trio
 import uvicorn
 from starlette.applications import Starlette
@@ -56,7 +57,7 @@ from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, logbuffer, prefixtree
 from kvchunkfs.service.apiclient import daemon_listening, short_path, socket_path
 from kvchunkfs.service.history import History
-from kvchunkfs.service.live import LiveCatalog, direct_reader
+from kvchunkfs.service.live import LiveCatalog, cyclic_gc_paused, direct_reader
 from kvchunkfs.service.metrics import CONTENT_TYPE, Metrics
 from kvchunkfs.service.openapi import spec
 from kvchunkfs.store import stubs
@@ -74,7 +75,7 @@ class Collector(Protocol):
 
     observers: list[Callable[[Any], None]]  # told about every run (the metrics count them)
 
-    def run(self) -> Any: ...  # a report with to_dict()
+    def run(self, walk: bool = False) -> Any: ...  # a report with to_dict()
 
 
 class JSONResponse(_StarletteJSONResponse):
@@ -84,9 +85,38 @@ class JSONResponse(_StarletteJSONResponse):
 
     def render(self, content: Any) -> bytes:
         try:  # almost always: no name with bytes that are not UTF-8, and no walk of a big answer
+            return _dumps(content)
+        except TypeError:  # orjson.JSONEncodeError: such a name (a surrogate), an int past 64 bits, ...
+            pass
+        try:
             return super().render(content)
         except UnicodeEncodeError:
             return super().render(_displayable(content))
+
+
+PIECE = 1000  # list items (rows, snapshots below a tree node) encoded per orjson call
+
+
+def _dumps(content: Any) -> bytes:
+    """orjson, in pieces: orjson holds the GIL for a whole call (40 ms for 50,000 rows), and the
+    FUSE thread needs it to answer; between pieces it gets it. A top-level object's long lists go
+    ``PIECE`` items at a time; a prefix tree node below which more than ``PIECE`` snapshots lie,
+    one child at a time."""
+    if not isinstance(content, dict) or not all(isinstance(k, str) for k in content):
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+    return b"{" + b",".join(orjson.dumps(k) + b":" + _dumps_value(v) for k, v in content.items()) + b"}"
+
+
+def _dumps_value(value: Any, depth: int = 0) -> bytes:
+    if isinstance(value, list) and len(value) > PIECE:
+        pieces = (orjson.dumps(value[i : i + PIECE])[1:-1] for i in range(0, len(value), PIECE))
+        return b"[" + b",".join(pieces) + b"]"
+    if isinstance(value, dict) and value.get("shared_count", 0) > PIECE and depth < 100:  # a big tree node
+        children = value.get("children", [])
+        head = orjson.dumps({k: v for k, v in value.items() if k != "children"})
+        kids = b",".join(_dumps_value(child, depth + 1) for child in children)
+        return head[:-1] + b',"children":[' + kids + b"]}"
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _displayable(value: Any) -> Any:
@@ -120,7 +150,7 @@ class Service:
         self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
         repo.watchers.append(self.live.changed)
         self._tree_lock = threading.Lock()
-        self._tree_cache: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self._tree_cache: dict[tuple[str, str, bool], tuple[int, bytes]] = {}
         self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
@@ -147,6 +177,10 @@ class Service:
     def listing(self, params: Mapping[str, str]) -> dict[str, Any]:
         """Rows for ``GET /snapshots``: a page in path order straight from the catalog, else every row
         filtered and sorted; ``next`` is the ``after`` of the next page when this one is full."""
+        with cyclic_gc_paused():
+            return self._listing(params)
+
+    def _listing(self, params: Mapping[str, str]) -> dict[str, Any]:
         page = catalog.page_params(params)
         if page is not None:
             after, limit, prefix, descending = page
@@ -195,6 +229,7 @@ class Service:
         packs = [store.pack_path(p) for p in store.pack_ids()]
         out = catalog.totals([], (chunks, stored), packs).to_dict()
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
+        out["catalog_generation"] = self.live.generation  # moves with every row added or dropped (fsck)
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
         remote = self.repo.remote
@@ -208,6 +243,7 @@ class Service:
         out["gc"] = {
             "runs": getattr(self.collector, "runs", 0),
             "idle_skips": getattr(self.collector, "idle_skips", 0),
+            "walks": getattr(self.collector, "walks", 0),
             "last": _report_dict(last) if last else None,
             "interval_s": interval,
             "last_finished": finished,
@@ -234,11 +270,11 @@ class Service:
             else:
                 os.setxattr(target, name, value.encode(), follow_symlinks=False)
 
-    def run_gc(self) -> dict[str, Any]:
-        """One collection now; the collector serializes it with periodic runs."""
+    def run_gc(self, walk: bool = False) -> dict[str, Any]:
+        """One collection now (``walk``: read every stub); the collector serializes it with periodic runs."""
         if self.collector is None:
             raise HTTPException(503, "garbage collection is not available in this daemon")
-        return _report_dict(self.collector.run())
+        return _report_dict(self.collector.run(walk))
 
     def observe_gc(self) -> None:
         """Count every run of the collector in the metrics, periodic and SIGUSR1 ones too."""
@@ -256,31 +292,31 @@ class Service:
     def prefix_tree(self, prefix: str) -> tuple[prefixtree.Node, dict[str, str]]:
         return self.live.token_tree(prefix)
 
-    def prefix_tree_body(self, prefix: str, fmt: str) -> bytes:
+    def prefix_tree_body(self, prefix: str, fmt: str, shared_by: bool = False) -> bytes:
         """The rendered tree, kept until the catalog changes: scrapes of an idle store cost nothing."""
         gen = self.live.current_generation()
-        key = (prefix, fmt)
+        key = (prefix, fmt, shared_by)
         with self._tree_lock:
             cached = self._tree_cache.get(key)
             if cached is not None and cached[0] == gen:
                 return cached[1]
-            root, skipped = self.prefix_tree(prefix)
-            if fmt == "text":
-                body = prefixtree.render_text(root, skipped).encode()
-            else:
-                body = bytes(
-                    JSONResponse(
-                        {
-                            "snapshots": len(root.snapshots),
-                            "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
-                            "tree": prefixtree.to_json(root),
-                        }
-                    ).body
-                )
+            with cyclic_gc_paused():
+                body = self._render_tree(prefix, fmt, shared_by)
             if len(self._tree_cache) >= 8:
                 self._tree_cache.clear()
             self._tree_cache[key] = (gen, body)
             return body
+
+    def _render_tree(self, prefix: str, fmt: str, shared_by: bool) -> bytes:
+        root, skipped = self.prefix_tree(prefix)
+        if fmt == "text":
+            return prefixtree.render_text(root, skipped).encode()
+        answer = {
+            "snapshots": root.count,
+            "skipped": [{"path": p, "reason": r} for p, r in sorted(skipped.items())],
+            "tree": prefixtree.to_json(root, shared_by),
+        }
+        return bytes(JSONResponse(answer).body)
 
     def prefix_match(self, query: PrefixQuery) -> dict[str, Any]:
         matches = self.live.prefix_match(query.tokens, query.prefix, query.exclude_suffix, query.limit)
@@ -321,6 +357,16 @@ def _params(request: Request, allowed: frozenset[str] | None = None) -> dict[str
             raise HTTPException(400, f"unknown query parameter {name!r} (known: {', '.join(sorted(allowed))})")
         out[name] = value
     return out
+
+
+def _flag(params: Mapping[str, str], name: str) -> bool:
+    """A yes/no query parameter: absent or 0/false/no is no, empty or 1/true/yes is yes; 400 otherwise."""
+    value = params.get(name)
+    if value is None or value.lower() in ("0", "false", "no"):
+        return False
+    if value.lower() in ("", "1", "true", "yes"):
+        return True
+    raise HTTPException(400, f"query parameter {name!r} must be true or false, not {value!r}")
 
 
 def _int_param(params: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -504,9 +550,10 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(await run_in_threadpool(service.totals))
 
     async def post_gc(request: Request) -> Response:
-        _params(request, frozenset())
-        log.info("API GC requested by %s", caller(request))
-        return JSONResponse(await run_in_threadpool(service.run_gc))
+        params = _params(request, frozenset({"walk"}))
+        walk = _flag(params, "walk")
+        log.info("API GC requested by %s%s", caller(request), " (walk every stub)" if walk else "")
+        return JSONResponse(await run_in_threadpool(service.run_gc, walk))
 
     async def get_logs(request: Request) -> Response:
         params = _params(request, frozenset({"level", "limit"}))
@@ -527,11 +574,12 @@ def create_app(service: Service) -> Starlette:
         return Response(body, media_type=CONTENT_TYPE)
 
     async def get_prefix_tree(request: Request) -> Response:
-        params = _params(request, frozenset({"prefix", "format"}))
+        params = _params(request, frozenset({"prefix", "format", "shared_by"}))
         fmt = params.get("format", "json")
         if fmt not in ("json", "text"):
             raise HTTPException(400, f"format={fmt!r}: use json or text")
-        body = await run_in_threadpool(service.prefix_tree_body, params.get("prefix", ""), fmt)
+        shared_by = _flag(params, "shared_by")
+        body = await run_in_threadpool(service.prefix_tree_body, params.get("prefix", ""), fmt, shared_by)
         if fmt == "text":
             return Response(body, media_type="text/plain; charset=utf-8")
         return Response(body, media_type="application/json")

@@ -213,6 +213,9 @@ _PATHS: dict[str, Any] = {
             "parameters": [
                 _query("prefix", "only snapshot paths starting with this"),
                 _query("format", "json (default) or text", {"type": "string", "enum": ["json", "text"]}),
+                _query("shared_by", "true: every node also lists the names of all snapshots below it "
+                       "(N x depth names; by default each name appears once, in ends_here)",
+                       {"type": "boolean"}),
             ],
             "responses": {
                 "200": {
@@ -269,8 +272,9 @@ _TREE_NODE = {
     "properties": {
         "prefix_tokens": {"type": "integer", "description": "prefix length at the end of this node's edge"},
         "edge_tokens": {"type": "integer"},
-        "shared_by": {"type": "array", "items": {"type": "string"}},
-        "ends_here": {"type": "array", "items": {"type": "string"}},
+        "shared_count": {"type": "integer", "description": "snapshots whose tokens pass through or end here"},
+        "shared_by": {"type": "array", "items": {"type": "string"}, "description": "only with ?shared_by=true"},
+        "ends_here": {"type": "array", "items": {"type": "string"}, "description": "snapshots ending here"},
         "first_tokens": {"type": "array", "items": {"type": "integer"}},
         "children": {"type": "array", "items": {"$ref": "#/components/schemas/TreeNode"}},
     },

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import BinaryIO
@@ -94,18 +95,35 @@ def _signed(word: int) -> int:
 
 @dataclass(eq=False)
 class Node:
-    """A radix-tree node: the tokens on the edge into it and the snapshots below it."""
+    """A radix-tree node: the tokens on the edge into it and the snapshots below it.
+
+    Each snapshot is named once, at the node where its tokens end (``ends``); the names below a
+    node are listed only when asked (``snapshots``): every node listing all of them would make a
+    tree of N snapshots N x depth names (23 MB of JSON at 50,000)."""
 
     edge: Sequence[int]  # a list, or an array slice when built from the catalog's token arrays
     depth: int  # prefix length in tokens at the end of this node's edge
-    snapshots: list[str]  # every snapshot whose tokens pass through or end here, sorted
-    ends: list[str] = field(default_factory=list)  # snapshots whose tokens end exactly here
+    count: int  # snapshots whose tokens pass through or end here
+    ends: list[str] = field(default_factory=list)  # snapshots whose tokens end exactly here, sorted
     children: list[Node] = field(default_factory=list)  # ordered by first edge token
+    _below: tuple[Entries, int, int] | None = field(default=None, repr=False)  # (entries, lo, hi)
+
+    @property
+    def _lo(self) -> int:
+        return self._below[1] if self._below is not None else 0
 
     @property
     def length(self) -> int:
         """Tokens on this node's edge."""
         return len(self.edge)
+
+    @property
+    def snapshots(self) -> list[str]:
+        """Every snapshot whose tokens pass through or end here, sorted (computed per call)."""
+        if self._below is None:
+            return []
+        entries, lo, hi = self._below
+        return sorted(map(itemgetter(1), entries[lo:hi]))
 
 
 def build_tree(items: Mapping[str, Sequence[int]]) -> Node:
@@ -114,49 +132,55 @@ def build_tree(items: Mapping[str, Sequence[int]]) -> Node:
     return build_sorted(sorted((list(tokens), name) for name, tokens in items.items()))
 
 
-def build_sorted(entries: Sequence[tuple[Sequence[int], str]]) -> Node:
+def build_sorted(entries: Sequence[tuple[Sequence[int], str]], lcp: list[int] | None = None) -> Node:
     """``build_tree`` of (tokens, name) pairs already in token order (the live catalog keeps its rows
-    so, as ``array('i')``: no sort and no list copies; slices and comparisons of arrays run in C)."""
-    lcp = [0] + [common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
-    root = Node(edge=[], depth=0, snapshots=sorted(name for _, name in entries))
-    # Explicit stack: a chain of snapshots that extend each other would be too deep to recurse.
-    stack = [(root, 0, len(entries))]
-    while stack:
-        node, lo, hi = stack.pop()
-        for child_lo, child_hi in _split(node, entries, lcp, lo, hi):
-            child = _make_node(entries, lcp, child_lo, child_hi, node.depth)
-            node.children.append(child)
-            stack.append((child, child_lo, child_hi))
+    so, as ``array('i')``: no sort and no list copies; slices and comparisons of arrays run in C).
+    ``lcp[i]``: tokens entry i shares with entry i-1, if the caller keeps them (0 for the first).
+
+    One pass in token order (as a suffix tree is built from its LCP array): ``path`` holds the
+    nodes from the root to the last entry's; an entry sharing ``lcp[i]`` tokens with the one
+    before closes the nodes deeper than that, splits the edge it falls inside, and hangs its own
+    leaf there. Each entry adds at most two nodes, so the cost is linear in the entries.
+    """
+    if lcp is None:
+        lcp = [0] + [common_prefix_len(entries[i - 1][0], entries[i][0]) for i in range(1, len(entries))]
+    root = Node(edge=[], depth=0, count=0, _below=(entries, 0, 0))
+    path = [root]
+    for i, (tokens, name) in enumerate(entries):
+        shared = lcp[i] if i else 0
+        last = None
+        while path[-1].depth > shared:
+            last = path.pop()
+            _close(last, i)
+        top = path[-1]
+        if top.depth < shared:  # the entry leaves ``last``'s edge part way: a node where they part
+            assert last is not None
+            cut = shared - top.depth
+            fork = Node(edge=last.edge[:cut], depth=shared, count=0, _below=(entries, last._lo, 0))
+            last.edge = last.edge[cut:]
+            fork.children.append(last)
+            top.children[-1] = fork
+            path.append(fork)
+            top = fork
+        if len(tokens) == shared:
+            top.ends.append(name)
+        else:
+            leaf = Node(edge=tokens[shared:], depth=len(tokens), count=0, _below=(entries, i, 0))
+            leaf.ends.append(name)
+            top.children.append(leaf)
+            path.append(leaf)
+    for node in reversed(path):
+        _close(node, len(entries))
     return root
 
 
-def _split(node: Node, entries: Entries, lcp: list[int], lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    """Record the entries ending at ``node`` and yield the ranges of its children."""
-    depth = node.depth
-    start = lo
-    # Sorted order puts the entries that end here first.
-    while start < hi and len(entries[start][0]) == depth:
-        start += 1
-    node.ends = sorted(name for _, name in entries[lo:start])
-    # Entries i-1 and i differ at the token just past this node where lcp[i] == depth; list.index
-    # finds those boundaries in C, which matters for long chains of snapshots extending each other.
-    i = start + 1
-    while i < hi:
-        try:
-            i = lcp.index(depth, i, hi)
-        except ValueError:
-            break
-        yield start, i
-        start, i = i, i + 1
-    if start < hi:
-        yield start, hi
-
-
-def _make_node(entries: Entries, lcp: list[int], lo: int, hi: int, parent_depth: int) -> Node:
-    tokens = entries[lo][0]
-    depth = len(tokens) if hi - lo == 1 else min(lcp[lo + 1 : hi])
-    names = sorted(map(itemgetter(1), entries[lo:hi]))
-    return Node(edge=tokens[parent_depth:depth], depth=depth, snapshots=names)
+def _close(node: Node, hi: int) -> None:
+    """The entries below ``node`` end before entry ``hi``."""
+    entries, lo, _ = node._below  # type: ignore[misc]
+    node._below = (entries, lo, hi)
+    node.count = hi - lo
+    if len(node.ends) > 1:
+        node.ends.sort()
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -174,34 +198,42 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def to_json(node: Node) -> dict:
-    """A JSON-serialisable dict of the tree rooted at ``node``."""
-    out = _node_json(node)
+def to_json(node: Node, shared_by: bool = False) -> dict:
+    """A JSON-serialisable dict of the tree rooted at ``node``; ``shared_by``: list at every node
+    the names of all the snapshots below it too (N x depth names), not only their count."""
+    out = _node_json(node, shared_by)
     stack = [(node, out)]
     while stack:
         current, current_json = stack.pop()
         for child in current.children:
-            child_json = _node_json(child)
+            child_json = _node_json(child, shared_by)
             current_json["children"].append(child_json)
             stack.append((child, child_json))
     return out
 
 
-def _node_json(node: Node) -> dict:
-    return {
+def _node_json(node: Node, shared_by: bool) -> dict:
+    out = {
         "prefix_tokens": node.depth,
         "edge_tokens": node.length,
-        "shared_by": list(node.snapshots),
-        "ends_here": list(node.ends),
-        "first_tokens": list(node.edge[:FIRST_TOKENS]),
+        "shared_count": node.count,
+        "ends_here": node.ends,
+        "first_tokens": _as_list(node.edge[:FIRST_TOKENS]),
         "children": [],
     }
+    if shared_by:
+        out["shared_by"] = node.snapshots
+    return out
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    return tokens.tolist() if type(tokens) is array else list(tokens)  # an array slice: converted in C
 
 
 def render_text(node: Node, skipped: Mapping[str, str] | None = None, max_names: int = 8) -> str:
     """An indented tree, e.g. ``├─ 1200 tokens shared by a, b, c`` / ``│  └─ +340 tokens: a``, then
     one line per snapshot ``skipped`` (path -> why it is not in the tree)."""
-    count = len(node.snapshots)
+    count = node.count
     after = f" after {node.depth} tokens" if node.depth else ""
     lines = [f"{count} snapshot{'s' if count != 1 else ''}{after}{_ends_note(node, max_names)}"]
     # (node, indent, is_last, top_level); children pushed in reverse so they pop in order.
@@ -218,7 +250,7 @@ def render_text(node: Node, skipped: Mapping[str, str] | None = None, max_names:
 
 def _label(node: Node, top: bool, max_names: int) -> str:
     size = f"{node.length} tokens" if top else f"+{node.length} tokens"
-    if len(node.snapshots) == 1:
+    if node.count == 1:
         who = f": {node.snapshots[0]}"
     else:
         who = f" shared by {_names(node.snapshots, max_names)}"

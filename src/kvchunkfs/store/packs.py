@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 _SQL_BATCH = 500
 _IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
 MAX_FDS = 64  # read fds kept open (least recently used idle ones are closed)
+FRESH_MAX = 1 << 18  # new ids kept for GC between collections (~30 MB; 16 GB of 64 KiB chunks)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
     id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
@@ -138,6 +139,11 @@ class PackStore:
         # (rows, bytes) of the map, counted once and then kept up to date by every write; None:
         # count again. Read without a lock (metrics), written under _db_lock.
         self._map_stats: tuple[int, int] | None = None
+        # Ids mapped since GC last took them (under ``lock``): with the catalog's dropped ids, what
+        # a collection of the changes looks at (maint/gc.py). None once too many piled up: the
+        # next collection must walk every stub.
+        self._fresh: set[bytes] | None = set()
+        self._revisit: set[int] = set()  # packs with dead bytes GC left alone (e.g. the open one)
         # Bumped whenever rows of chunks a snapshot may name are dropped (eviction to the shared
         # tier): locations remembered from before (``Files``' reopen cache) may now lack chunks.
         self.drop_gen = 0
@@ -250,11 +256,44 @@ class PackStore:
         with self._db_lock:
             return dict(self.db.execute("SELECT id, length FROM chunks"))
 
-    def pack_usage(self) -> dict[int, tuple[int, int, int]]:
-        """pack -> (mapped chunks, mapped bytes, end of its last mapped chunk)."""
-        q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
-        with self._db_lock:
-            return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
+    def pack_usage(self, packs: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
+        """pack -> (mapped chunks, mapped bytes, end of its last mapped chunk), for every mapped
+        pack or only ``packs`` (one covering-index range each, not a walk of the map)."""
+        if packs is None:
+            q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
+            with self._db_lock:
+                return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
+        out = {}
+        q = "SELECT count(*), coalesce(sum(length), 0), coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
+        for pack in packs:
+            with self._db_lock:  # per pack: a save's map write waits for one range at most
+                n, total, end = self.db.execute(q, (pack,)).fetchone()
+            if n:
+                out[pack] = (n, total, end)
+        return out
+
+    def take_fresh(self) -> set[bytes] | None:
+        """The ids mapped since the last call (None: too many to have kept; walk every stub)."""
+        with self.lock:
+            fresh, self._fresh = self._fresh, set()
+        return fresh
+
+    def revisit(self, packs: Iterable[int]) -> None:
+        """Packs a later GC should look at again (dead bytes it could not reclaim yet)."""
+        with self.lock:
+            self._revisit.update(packs)
+
+    def take_revisit(self) -> set[int]:
+        with self.lock:
+            packs, self._revisit = self._revisit, set()
+        return packs
+
+    def _note_fresh(self, ids: Iterable[bytes]) -> None:
+        """Under ``lock``."""
+        if self._fresh is not None:
+            self._fresh.update(ids)
+            if len(self._fresh) > FRESH_MAX:
+                self._fresh = None
 
     def mapped_packs(self) -> list[int]:
         """Packs some row points into: one index seek per pack, not a walk of every row."""
@@ -334,19 +373,23 @@ class PackStore:
 
     def delete_chunks(self, ids: Iterable[bytes]) -> int:
         """Drop map rows (GC's sweep: call under ``lock``); the pack bytes become dead space."""
+        return len(self.drop_rows(ids))
+
+    def drop_rows(self, ids: Iterable[bytes]) -> list[tuple[int, int]]:
+        """``delete_chunks``, returning (pack, length) of each row deleted."""
         with self._db_lock:
             self._check_db()
             self.db.execute("BEGIN")
             try:
-                sql = "DELETE FROM chunks WHERE id = ? RETURNING length"
-                lengths = [n for cid in ids for (n,) in self.db.execute(sql, (cid,))]
+                sql = "DELETE FROM chunks WHERE id = ? RETURNING pack, length"
+                rows = [row for cid in ids for row in self.db.execute(sql, (cid,))]
                 self.db.execute("COMMIT")
             except sqlite3.Error:
                 with contextlib.suppress(sqlite3.Error):
                     self.db.execute("ROLLBACK")
                 raise
-            self._count_rows(-len(lengths), -sum(lengths))
-        return len(lengths)
+            self._count_rows(-len(rows), -sum(n for _, n in rows))
+        return rows
 
     def evict_chunks(self, ids: Sequence[bytes]) -> tuple[int, int]:
         """Drop the rows of ``ids`` that are not pinned (eviction: the chunks are safely in the
@@ -393,6 +436,7 @@ class PackStore:
         ]
         with self.lock:
             added = self._commit([*steps, (_UPSERT_END, [(pack, end)])]) - 1
+            self._note_fresh(r[0] for r in rows)  # adopted rows may name no snapshot: GC looks at them
             self._map_stats = None  # replaced rows change lengths: count again when asked
             return added
 
@@ -560,6 +604,7 @@ class PackStore:
                 raise
             # add_chunks found none of these ids in the map under ``lock``: every row is new.
             self._count_rows(len(rows), sum(r[3] for r in rows))
+        self._note_fresh(r[0] for r in rows)
 
     def _open_pack(self) -> tuple[int, int, int]:
         if self._pack_id is None:
@@ -633,6 +678,15 @@ class PackStore:
             for ids in self.pins.values():
                 out |= ids
             return out
+
+    def is_pinned(self, cid: bytes) -> bool:
+        """Under ``lock`` (GC's sweep): one lookup per pin owner, not a union of every pin."""
+        return any(cid in ids for ids in self.pins.values())
+
+    def requeue_fresh(self, ids: Iterable[bytes]) -> None:
+        """Give ids back to the next ``take_fresh`` (GC could not decide on them this time)."""
+        with self.lock:
+            self._note_fresh(ids)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ class Repository:
         self._ns_lock = threading.Lock()
         self._ns_log: list[str | None] = []
         self._ns_base = 0
+        self._ns_busy = 0  # changes begun and not yet ended
         self.ns_gen = 0
         # Called with the paths a change touched, after it (service/live.py): must not block.
         self.watchers: list[Callable[..., None]] = []
@@ -122,30 +123,30 @@ class Repository:
 
     def install(self, tmp: Path, rel: str) -> None:
         """The commit point of a save: the complete new stub replaces the old one."""
-        os.rename(tmp, self.path(rel))
-        self._bump(rel)
-        self.touched(rel)
+        with self._changing(rel):
+            os.rename(tmp, self.path(rel))
+            self.touched(rel)
         if self.remote is not None:
             self.remote.mark_partial(rel, False)  # a save's chunks are all local (written or pinned)
             self.remote.changed(rel)
 
     def install_fetched(self, tmp: Path, rel: str) -> None:
         """Replace a snapshot by the remote's newer version (not reported back to the remote)."""
-        os.rename(tmp, self.path(rel))
-        self._bump(rel)
-        self.touched(rel)
+        with self._changing(rel):
+            os.rename(tmp, self.path(rel))
+            self.touched(rel)
 
     def install_new(self, tmp: Path, rel: str) -> bool:
         """Install a complete stub only if ``rel`` does not exist (a snapshot fetched from the
         remote: a local file always wins). False, and ``tmp`` removed, if it exists."""
-        try:
-            os.link(tmp, self.path(rel))
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        self._bump(rel)
-        self.touched(rel)
+        with self._changing(rel):
+            try:
+                os.link(tmp, self.path(rel))
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            self.touched(rel)
         return True
 
     def sync(self) -> None:
@@ -158,34 +159,52 @@ class Repository:
         src, dst = self.path(old), self.path(new)
         if _is_file(dst) and _is_file(src):
             stubs.carry_metadata(dst, src)
-        os.rename(src, dst)
-        self._bump(new)
-        self.touched(old, new)
+        with self._changing(new):
+            os.rename(src, dst)
+            self.touched(old, new)
         if self.remote is not None:
             self.remote.renamed(old, new)
             self.remote.changed(new, old)  # the new name up before the old one goes: never neither
 
     def unlink(self, rel: str) -> None:
-        os.unlink(self.path(rel))
-        self._bump(None)
-        self.touched(rel)
+        with self._changing(None):
+            os.unlink(self.path(rel))
+            self.touched(rel)
         if self.remote is not None:
             self.remote.mark_partial(rel, False)
             self.remote.changed(rel)
 
     def rmdir(self, rel: str) -> None:
-        os.rmdir(self.path(rel))
-        self._bump(None)
+        with self._changing(None):
+            os.rmdir(self.path(rel))
 
     def touched(self, *rels: str) -> None:
         """Tell the watchers that ``rels`` changed (also for metadata and creates made elsewhere)."""
         for watch in self.watchers:
             watch(*rels)
 
-    def _bump(self, created: str | None) -> None:
+    @contextlib.contextmanager
+    def _changing(self, created: str | None) -> Iterator[None]:
+        """Around a namespace change and the report of it to the watchers: the generation moves
+        when it starts and when it ends, and GC sweeps only while none is in flight (``ns_settled``).
+        A walk or a catalog refresh running beside a rename across directories can see the old
+        name gone and the new one not yet there; so GC must know the change began."""
         with self._ns_lock:
-            self._ns_log.append(created)  # one entry per generation; None: nothing new to read
+            self._ns_log.append(None)  # one entry per generation; None: nothing new to read
             self.ns_gen += 1
+            self._ns_busy += 1
+        try:
+            yield
+        finally:
+            with self._ns_lock:
+                self._ns_log.append(created)  # logged once done: a catch-up then finds it there
+                self.ns_gen += 1
+                self._ns_busy -= 1
+
+    def ns_settled(self, gen: int) -> bool:
+        """No namespace change began or ended since generation ``gen`` and none is in flight."""
+        with self._ns_lock:
+            return self.ns_gen == gen and self._ns_busy == 0
 
     def ns_mark(self) -> int:
         """GC, before its walk: forget older changes and return the current generation."""

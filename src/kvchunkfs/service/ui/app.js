@@ -438,11 +438,11 @@ function treeNode(n, maxDepth, isRoot = false) {
   const width = Math.max(0.5, 100 * n.edge_tokens / maxDepth);
   const bar = el("div", { class: "tbar" }, el("span", { style: "margin-left:" + start.toFixed(2) + "%;width:" + width.toFixed(2) + "%" }));
   const label = isRoot
-    ? "all snapshots (" + num(n.shared_by.length) + ")"
-    : "+" + num(n.edge_tokens) + " tokens → " + num(n.prefix_tokens) + " · shared by " + num(n.shared_by.length)
+    ? "all snapshots (" + num(n.shared_count) + ")"
+    : "+" + num(n.edge_tokens) + " tokens → " + num(n.prefix_tokens) + " · shared by " + num(n.shared_count)
       + (n.children.length ? " · " + n.children.length + " branch" + (n.children.length > 1 ? "es" : "") : "")
       + (n.ends_here.length ? " · ends: " + n.ends_here.slice(0, 2).join(", ") + (n.ends_here.length > 2 ? " …" : "") : "");
-  const row = el("div", { class: "trow", "data-prefix": String(n.prefix_tokens), "data-shared": String(n.shared_by.length) }, toggle, el("span", { class: "tlabel" }, label), bar);
+  const row = el("div", { class: "trow", "data-prefix": String(n.prefix_tokens), "data-shared": String(n.shared_count) }, toggle, el("span", { class: "tlabel" }, label), bar);
   let built = false;
   const expand = (on) => {
     if (on && !built) { kids.replaceChildren(...n.children.map((c) => treeNode(c, maxDepth))); built = true; }
@@ -462,12 +462,16 @@ function treeNode(n, maxDepth, isRoot = false) {
 
 function treeDetail(n) {
   const d = $("#tree-detail");
-  const names = n.shared_by.slice().sort();
+  // Each name is in the ends_here of the node its tokens end at: collect them below this node.
+  const names = [], stack = [n];
+  while (stack.length) { const c = stack.pop(); names.push(...c.ends_here); stack.push(...c.children); }
+  names.sort();
+  const ends = new Set(n.ends_here);
   const shown = names.slice(0, 500);
   d.replaceChildren(
     el("h3", {}, num(n.prefix_tokens) + " tokens shared by " + num(names.length) + " snapshot" + (names.length === 1 ? "" : "s")),
     el("p", { class: "hint" }, "first tokens of this run: " + n.first_tokens.join(" ") + (n.edge_tokens > n.first_tokens.length ? " …" : "")),
-    el("ul", { class: "tree-list" }, ...shown.map((p) => el("li", { class: n.ends_here.includes(p) ? "ends" : "" }, p))),
+    el("ul", { class: "tree-list" }, ...shown.map((p) => el("li", { class: ends.has(p) ? "ends" : "" }, p))),
     names.length > shown.length ? el("p", {}, "… and " + (names.length - shown.length) + " more") : "");
 }
 

@@ -11,8 +11,9 @@ least recently used snapshots' chunks first, and compaction gives their bytes ba
    index object (same ETag). The bucket never holds an index naming a missing chunk (index last),
    and ``gc --remote`` never deletes a named chunk, so the chunk is in the bucket. A stub waiting for
    its upload, changed since, or replaced in the bucket by another host protects its chunks;
-2. no stub created during the walk names it (the namespace log, exactly as GC's catch-up, checked
-   under ``store.lock`` right before the rows go);
+2. no stub created during the walk names it (the namespace log, exactly as GC's catch-up; under
+   ``store.lock`` right before the rows go, ``Repository.ns_settled``: no change began or ended
+   since, none is in flight);
 3. it is not pinned (an open file, a save in progress, a fetch), checked under the same lock;
 4. it does not hold any of a snapshot's first ``KEEP_HEAD`` bytes: the header and token list,
    which the daemon's catalog reads without opening the file (``prefix-match``, the proxy's

@@ -239,7 +239,9 @@ def mount_config(extra: list[str]) -> cfgmod.Config:
     return cfgmod.load(build_parser().parse_args(["mount", *extra, "MOUNTPOINT"]))
 
 
-def make_targets(work: Path, extra: list[str], baseline_src: Path | None = None) -> list[Target]:
+def make_targets(
+    work: Path, extra: list[str], baseline_src: Path | None = None, baseline_extra: list[str] | None = None
+) -> list[Target]:
     cfg = mount_config(extra)
     py = sys.executable
     fs_argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", str(work / "store"), *extra, str(work / "mnt")]
@@ -260,7 +262,7 @@ def make_targets(work: Path, extra: list[str], baseline_src: Path | None = None)
         Target(
             FS, work / "mnt", Mount(fs_argv, work / "mnt", work / "daemon.log", cfg.kernel_readahead_kb, "gc finished")
         ),
-        *_baseline(work, extra, cfg.kernel_readahead_kb, baseline_src),
+        *_baseline(work, extra if baseline_extra is None else baseline_extra, cfg.kernel_readahead_kb, baseline_src),
     ]
 
 
@@ -322,7 +324,8 @@ def run(args: argparse.Namespace) -> dict:
     res = Results(size)
     targets: list[Target] = []
     try:
-        targets = make_targets(work, args.mount_args.split(), args.baseline_src)
+        base_extra = None if args.baseline_mount_args is None else args.baseline_mount_args.split()
+        targets = make_targets(work, args.mount_args.split(), args.baseline_src, base_extra)
         for t in targets:
             if t.mount is not None:
                 t.mount.start()
@@ -443,6 +446,8 @@ def main() -> None:
     p.add_argument("--dir", default="/var/tmp", help="where plain files and the store go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
     p.add_argument("--baseline-src", type=Path, help="also measure kv-chunk-fs from this src/ (e.g. an older commit's)")
+    p.add_argument("--baseline-mount-args", help="the baseline's mount flags (default: --mount-args); "
+                   "with --baseline-src src, an A/B of a setting in one interleaved run")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon logs)")
     args = p.parse_args()

@@ -346,6 +346,7 @@ METRIC_NAMES = (
     "kvcfs_written_bytes_total",
     "kvcfs_new_bytes_total",
     "kvcfs_deduped_bytes_total",
+    "kvcfs_predicted_bytes_total",
     "kvcfs_dedup_ratio",
     "kvcfs_saves_total",
     "kvcfs_restores_total",
@@ -381,6 +382,7 @@ def test_metrics_names_and_movement(api: Api) -> None:
     assert m1["kvcfs_written_bytes_total"] == 2 * len(data)
     assert m1["kvcfs_dedup_ratio"] == pytest.approx(2.0)
     assert m1["kvcfs_saved_new_bytes_total"] == len(data), "the second save added nothing new"
+    assert m1["kvcfs_predicted_bytes_total"] > len(data) // 2, "the second save followed the first's chunks"
     assert m1["kvcfs_store_bytes"] == len(data) and m1["kvcfs_store_chunks"] > 0
     assert m1["kvcfs_packs"] == 1 and len(data) < m1["kvcfs_pack_file_bytes"] < len(data) * 1.001  # + batch records
     assert read_direct(api.mnt / "x") == data

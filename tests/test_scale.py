@@ -62,6 +62,10 @@ def _assert_matches_full_scan(service: Service) -> None:
     full = [_fields(r) for r in catalog.snapshots(service.repo.snapshots)]
     assert live == full
     assert {p: (u, s) for p, u, s in ((r[0], r[4], r[5]) for r in live)} == service.live.recount()
+    clock = ("age_hours", "idle_hours", "score")
+    page, _ = service.live.page(None, "", 1 << 30)
+    assert [{k: v for k, v in r.items() if k not in clock} for r in page] == [
+        {k: v for k, v in r.to_dict().items() if k not in clock} for r in service.snapshots()]
     live = service.live
     with live._lock:  # the neighbours' common prefixes kept beside the token order (prefix tree)
         order = live._by_tokens

@@ -208,6 +208,8 @@ SETTINGS: dict[str, Setting] = {
                 lo=1, hi=1 << 50),
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
+        Setting("predict_chunks", "bool", True,
+                "saving: bytes that hash to the chunk that followed the last one before are not cut again"),
         Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
         Setting("memory_trim_above", "size", 448 * MiB,
                 "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
@@ -269,6 +271,7 @@ class Config:
     max_file_size: int = SETTINGS["max_file_size"].default
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
+    predict_chunks: bool = SETTINGS["predict_chunks"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
     gc_interval: int = SETTINGS["gc_interval"].default

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index
@@ -67,12 +68,6 @@ def _extents(fd: int) -> Iterator[bytes | int]:
                 return  # truncated under us: a later commit sees the change
             yield piece
             pos += len(piece)
-
-
-def _plain_cdc(state: CutState) -> bool:
-    """From ``state`` on the cut is plain FastCDC from the tentative chunk's start (no format known)."""
-    segs = state.segments
-    return state.next is None and len(segs) == 1 and segs[0].end is None and segs[0].unit == 0
 
 
 def _zero_batches(n: int) -> Iterator[bytes]:
@@ -174,6 +169,7 @@ class FileContent:
         pool: ChunkPool,
         keep_partial_page: bool = False,
         max_size: int = 1 << 62,
+        successors: Successors | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -186,6 +182,7 @@ class FileContent:
         # rewrites bytes already sent, so the worker takes everything.
         self.keep_partial_page = keep_partial_page
         self.max_size = max_size
+        self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -513,15 +510,14 @@ class FileContent:
                 taken = self.buf.take(keep=keep)
                 self.inflight, self.tail = taken, b""
                 state = self.cut_state
+                prev = self.index.ids[-1] if len(self.index) else START
         if stop:
             self._step("exit")
             return False
         self._step("taken")
-        # The join copies megabytes: outside the lock, so FUSE writes can keep queueing meanwhile.
-        data = memoryview(b"".join(taken))
-        pieces, state = self.chunker.cut(state, data, final=False)  # more bytes may follow
-        last = bytes(data[sum(len(p) for p in pieces) :])  # tentative: cut again with the next batch
-        chunks = [(chunk_id(p), p) for p in pieces]
+        # Outside the lock (joins copy megabytes), so FUSE writes can keep queueing meanwhile.
+        # ``last`` is tentative: cut again with the next batch, since more bytes may follow.
+        chunks, last, state = cut_batch(self.chunker, state, Pieces(taken), prev, self.successors)
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:
@@ -594,7 +590,7 @@ class FileContent:
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
         state, tail = self.chunker.initial(), b""
         for part in _extents(fd):
-            if isinstance(part, int) and _plain_cdc(state):
+            if isinstance(part, int) and state.plain_cdc:
                 stream = StreamChunker(self.chunker.cdc, tail)
                 runs = stream.feed_zeros(part)
                 self._store_runs(index, runs)

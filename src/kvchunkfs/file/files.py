@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvchunkfs.file.content import ChunkPool, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.file.predict import Successors
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
@@ -55,6 +56,9 @@ class Files:
         # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
         # Also keyed by the store's ``drop_gen``: eviction drops rows a remembered load relied on.
         self._loaded: OrderedDict[str, tuple[bytes, int, Index, dict[bytes, Location]]] = OrderedDict()
+        # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
+        # without cutting them (file/predict.py).
+        self.successors = Successors() if s.predict_chunks else None
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -80,6 +84,7 @@ class Files:
             self.pool,
             keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
+            successors=self.successors,
         )
 
     def load(self, rel: str) -> FileContent:

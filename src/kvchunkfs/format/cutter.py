@@ -48,6 +48,13 @@ class CutState:
     segments: tuple[Segment, ...]
     next: ls.State | None
 
+    @property
+    def plain_cdc(self) -> bool:
+        """From here to the end of the file the cut is FastCDC from each chunk's start (a ``cdc``
+        store, or an opaque segment that runs to the end of the file)."""
+        segs = self.segments
+        return self.next is None and len(segs) == 1 and segs[0].end is None and segs[0].unit == 0
+
 
 class Cutter:
     def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format") -> None:

@@ -779,6 +779,7 @@ class Operations(pyfuse3.Operations):
             "open_files": self.open_files,
             "memory_trims": self.memory_trims,
             "idle_checks": self.idle_checks,
+            "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
 

@@ -68,7 +68,6 @@ class Entry:
     unique: int = 0
     tokens: array.array | None = None
     token_error: str | None = None
-    static: dict | None = None  # the row's fields that change only with the stub (built on first use)
 
     def cids(self) -> Iterable[tuple[bytes, int]]:
         ids = self.ids
@@ -285,7 +284,8 @@ class LiveCatalog:
     def _add(self, info: catalog.StubInfo, tokens: array.array | None, why: str | None) -> None:
         sid = self._next_sid
         self._next_sid += 1
-        lens = array.array("Q", info.lengths.values())
+        # Chunk lengths fit 32 bits (chunk_max <= 16 MiB): half the memory; a stub claiming more keeps 64.
+        lens = array.array("I" if max(info.lengths.values(), default=0) < 1 << 32 else "Q", info.lengths.values())
         entry = Entry(sid, info, b"".join(info.lengths), lens, len(lens), sum(lens), tokens=tokens, token_error=why)
         info.lengths = {}
         refs, by_sid = self._refs, self._by_sid
@@ -429,16 +429,30 @@ class LiveCatalog:
         return rows, hi - lo
 
     def _row_dict(self, entry: Entry, now: float) -> dict:
-        """``_row(...).to_dict()`` without building the row (no score): the stub's own fields are
-        kept per entry."""
-        if entry.static is None:
-            entry.static = self._row(entry, now).to_dict()
+        """``_row(...).to_dict()`` (without a score) built straight from the entry: a listing of
+        50,000 rows makes no ``Snapshot`` objects, and nothing per row is kept between listings."""
         info = entry.info
-        out = dict(entry.static)
-        out["unique_bytes"] = entry.unique
-        out["shared_bytes"] = entry.distinct_bytes - entry.unique
-        out["age_hours"] = max(0.0, (now - info.created) / catalog.HOUR)
-        out["idle_hours"] = max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR)
+        path = info.path
+        out = {
+            "path": path if path.isascii() else catalog.display_name(path),
+            "size": info.size,
+            "chunks": info.chunks,
+            "distinct_chunks": entry.distinct,
+            "unique_bytes": entry.unique,
+            "shared_bytes": entry.distinct_bytes - entry.unique,
+            "use_count": info.use_count,
+            "last_use": info.last_use,
+            "created": info.created,
+            "age_hours": max(0.0, (now - info.created) / catalog.HOUR),
+            "idle_hours": max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR),
+            "labels": {catalog.display_name(k): catalog.display_name(v) for k, v in info.labels.items()}
+            if info.labels else {},
+            "score": 0.0,
+        }
+        if not path.isascii():
+            out.update(catalog.path_fields(path))
+        if info.error is not None:
+            out["error"] = catalog.display_name(info.error)
         return out
 
     def _row(self, entry: Entry, now: float) -> catalog.Snapshot:

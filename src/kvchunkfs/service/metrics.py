@@ -136,6 +136,9 @@ class StoreCollector(Collector):
         yield _counter("kvcfs_deduped_bytes", "Chunk bytes the store already had", c.bytes_deduped)
         yield _counter("kvcfs_chunks_written", "Chunks appended to packs", c.chunks_written)
         yield _counter("kvcfs_chunks_deduped", "Chunks the store already had", c.chunks_deduped)
+        succ = self.files.successors
+        predicted = succ.predicted_bytes if succ is not None else 0
+        yield _counter("kvcfs_predicted_bytes", "Saved bytes taken as a predicted chunk, not cut again", predicted)
         ratio = written / c.bytes_written if c.bytes_written else 1.0
         yield _gauge("kvcfs_dedup_ratio", "Chunk bytes written per new byte stored since start", ratio)
         yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)

@@ -43,6 +43,7 @@ class StoreSettings:
     chunk_workers: int = 0  # 0: one per CPU
     max_file_size: int = 64 << 30
     verify_reads: bool = True
+    predict_chunks: bool = True  # skip the cut for chunks that repeat a known sequence (file/predict.py)
     durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
     writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
 

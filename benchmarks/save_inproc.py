@@ -1,0 +1,78 @@
+"""A save through ``FileContent`` and a real store, no FUSE: the daemon's side of a save alone.
+
+Random bytes written in 1 MiB pieces into a fresh file (as FUSE hands them over), then committed;
+"new" is a save of bytes the store lacks, "stored" the same bytes again under a new file. Each
+round uses a fresh store per setting, ``predict_chunks`` on and off, alternating; medians of wall
+and process CPU time (the chunker threads and the writer). The store goes under ``--dir``.
+
+    PYTHONPATH=src python3 benchmarks/save_inproc.py --size 200MiB --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvchunkfs import config as cfgmod  # noqa: E402
+from kvchunkfs.file.content import Action  # noqa: E402
+from kvchunkfs.file.files import Files  # noqa: E402
+from kvchunkfs.store.repository import Repository, StoreSettings  # noqa: E402
+
+MiB = 1 << 20
+
+
+def save(files: Files, data: bytes) -> tuple[float, float]:
+    """(wall, CPU) seconds of one streamed save and its commit's chunking."""
+    content = files.content(files.repo.empty_index())
+    t0, c0 = time.perf_counter(), time.process_time()
+    for off in range(0, len(data), MiB):
+        piece = data[off : off + MiB]
+        if content.plan_write(off, len(piece)) is Action.START_STREAM:
+            content.start_stream()
+        assert content.write(off, piece)
+        if content.backlogged():
+            content.wait_backlog()
+    content.prepare_commit()
+    took = time.perf_counter() - t0, time.process_time() - c0
+    content.close()
+    return took
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="200MiB")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dir", default="/var/tmp")
+    args = p.parse_args()
+    size = cfgmod.parse_size(args.size)
+    res: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    for rnd in range(args.rounds):
+        data = os.urandom(size)
+        for predict in (True, False) if rnd % 2 == 0 else (False, True):
+            root = Path(tempfile.mkdtemp(prefix="kvcfs-inproc-", dir=args.dir))
+            files = Files(Repository(root, StoreSettings(predict_chunks=predict)))
+            try:
+                for op in ("new", "stored"):
+                    res.setdefault((op, predict), []).append(save(files, data))
+            finally:
+                files.close()
+                files.repo.close()
+                shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.size}, {args.rounds} rounds, medians: wall s / CPU s")
+    for op in ("new", "stored"):
+        on, off = res[(op, True)], res[(op, False)]
+        cells = [f"{statistics.median(x[i] for x in runs):.3f}" for runs in (off, on) for i in (0, 1)]
+        print(f"{op:7} predict off {cells[0]} / {cells[1]}   on {cells[2]} / {cells[3]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -288,6 +288,14 @@ def test_chunk_order_is_checked(env: dict[str, str]) -> None:
         load({"pack_size": 1024}, env)
 
 
+def test_local_cache_size_needs_a_remote(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"local_cache_size = 1073741824 \(flag:--local-cache-size\) needs remote"):
+        load({"local_cache_size": "1GiB"}, env)
+    cfg = load({"local_cache_size": "1GiB", "remote": "s3://bucket/prefix"}, env)
+    assert cfg.local_cache_size == 1 << 30
+    assert load(None, env).local_cache_size == 0  # the default: never evict
+
+
 def test_chunk_sizes_need_not_be_powers_of_two(env: dict[str, str]) -> None:
     cfg = load({"chunk_min": 1000, "chunk_avg": 3000, "chunk_max": 10000}, env)
     assert (cfg.chunk_min, cfg.chunk_avg, cfg.chunk_max) == (1000, 3000, 10000)

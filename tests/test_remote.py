@@ -412,3 +412,145 @@ def test_an_unlink_not_yet_in_the_bucket_does_not_come_back(hosts: Hosts) -> Non
     drained(a)
     assert set(hosts.bucket.list_indexes()) == {"big"}
     assert not os.path.exists(a.path("x"))
+
+
+# -- local_cache_size: the local store as a cache of the bucket ----------------------------------------
+
+CACHE = ["--pack-size", "1MiB", "--local-cache-size", "6MiB"]
+
+
+def pack_bytes(m: Mount) -> int:
+    return sum(p.stat().st_size for p in (m.store / "packs").iterdir())
+
+
+def unmapped(m: Mount, name: str) -> set[bytes]:
+    """Chunks of ``name`` the local map lacks (evicted, or not fetched yet)."""
+    from kvchunkfs.store.layout import Layout
+    from kvchunkfs.store.packs import MapReader
+
+    reader = MapReader.open(Layout(m.store))
+    try:
+        return {cid for cid in local_ids(m, name) if reader.locate(cid) is None}
+    finally:
+        reader.close()
+
+
+def ls_where(m: Mount) -> dict[str, str]:
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    return {r["path"]: r["where"] for r in DaemonClient(m.store).json("GET", "/snapshots")["snapshots"]}
+
+
+def fsck_clean(m: Mount) -> None:
+    from kvchunkfs.maint import fsck
+
+    report, _ = fsck.check(m.store)
+    assert report.ok, report.problems
+
+
+def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts) -> None:
+    a = hosts.new("a", *CACHE)
+    files = {f"c{i}": rand_bytes(2 * MiB + i, 200 + i) for i in range(5)}  # 10 MiB > 6 MiB
+    for name, data in files.items():
+        write_in_pieces(a.path(name), data, MiB)
+        time.sleep(0.05)  # distinct creation times: the LRU order is c0 first
+    assert read_direct(a.path("c0")) == files["c0"]  # c0 is now the most recently used
+    wait_closed(a)
+    drained(a)
+    wait_for(lambda: a.stats()["evicted_chunks"] > 0, f"an eviction ({a.log()[-2000:]})")
+    wait_for(lambda: pack_bytes(a) <= 6 * MiB, f"packs under the limit ({pack_bytes(a)}; {a.log()[-2000:]})")
+    s = a.stats()
+    assert s["local_cache_size"] == 6 * MiB and s["local_bytes"] <= 6 * MiB
+    evicted = {n for n in files if unmapped(a, n)}
+    assert "c1" in evicted and "c0" not in evicted and "c4" not in evicted  # least recently used first
+    for name in files:  # the header and token list stay local (the catalog reads them unopened)
+        assert stubs.read_index(a.store / "snapshots" / name).ids[0] not in unmapped(a, name)
+    # partly evicted snapshots stay listed, with their size and xattrs, and say where they are
+    for name, data in files.items():
+        assert os.stat(a.path(name)).st_size == len(data)
+        assert "user.kvcfs.created" in os.listxattr(a.path(name))
+    where = ls_where(a)
+    assert {n for n, w in where.items() if w == "remote"} == evicted
+    assert all(where[n] == "both" for n in set(files) - evicted)
+    a.stop()
+    fsck_clean(a)  # evicted chunks are in the bucket, not missing (offline: no pass compacts meanwhile)
+    # Read everything back with eviction off (so no pass races the counts): only evicted chunks are fetched.
+    a.start(hosts.args("--pack-size", "1MiB"))
+    for name, data in files.items():
+        lacked = unmapped(a, name)
+        before = a.stats()["remote_chunk_gets"]
+        assert read_direct(a.path(name)) == data
+        assert a.stats()["remote_chunk_gets"] - before == len(lacked)
+        assert not unmapped(a, name)
+    wait_closed(a)
+    before = a.stats()["remote_chunk_gets"]
+    for name, data in files.items():  # the second read is local
+        assert read_direct(a.path(name)) == data
+    assert a.stats()["remote_chunk_gets"] == before
+    assert a.stats().get("evicted_chunks") is None  # without the setting nothing is ever evicted
+    a.stop()
+    fsck_clean(a)
+
+
+def test_eviction_never_takes_chunks_not_yet_in_the_bucket(hosts: Hosts, weed: Weed) -> None:
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    a = hosts.new("a", *CACHE)
+    weed.stop()
+    try:
+        files = {f"p{i}": rand_bytes(2 * MiB + i, 300 + i) for i in range(5)}
+        for name, data in files.items():
+            write_in_pieces(a.path(name), data, MiB)
+        DaemonClient(a.store).json("POST", "/gc")  # GC, then an eviction pass: the bucket cannot be listed
+        assert pack_bytes(a) > 6 * MiB
+        assert a.stats()["evicted_chunks"] == 0
+        assert all(not unmapped(a, n) for n in files)
+    finally:
+        weed.start()
+    # An open file's chunks are never evicted either: p0 (the oldest) stays open during the passes.
+    with open(a.path("p0"), "rb") as held:
+        drained(a)
+        wait_for(lambda: a.stats()["evicted_chunks"] > 0, f"an eviction once uploaded ({a.log()[-2000:]})")
+        report = DaemonClient(a.store).json("POST", "/gc")
+        assert report["missing_chunks"] == 0  # evicted chunks are in the bucket, not missing
+        assert not unmapped(a, "p0")
+        assert held.read() == files["p0"]
+    assert any(unmapped(a, n) for n in files)
+    for name, data in files.items():
+        assert read_direct(a.path(name)) == data
+
+
+def test_kill9_during_eviction_leaves_a_store_fsck_accepts(hosts: Hosts) -> None:
+    a = hosts.new("a", "--pack-size", "1MiB")
+    files = {f"k{i}": rand_bytes(4 * MiB + i, 400 + i) for i in range(8)}  # 32 MiB in 1 MiB packs
+    for name, data in files.items():
+        write_in_pieces(a.path(name), data, MiB)
+    drained(a)
+    a.stop()
+    # Each mount's first GC is followed by an eviction pass (the limit shrinks, so each has work).
+    # kill -9 in it: as soon as its compaction has started a new pack (rows dropped, copies under
+    # way), a few ms later, or at a fixed delay. Whatever the moment: recovery, then fsck is clean.
+    for step, limit in enumerate((28, 24, 20, 16, 12, 9, 6, 3)):
+        packs = {p.name for p in (a.store / "packs").iterdir()}
+        a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", f"{limit}MiB"))
+        if step % 3 == 2:
+            time.sleep(0.02 * step)
+        else:
+            deadline = time.monotonic() + 10
+            while not {p.name for p in (a.store / "packs").iterdir()} - packs and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.005 * (step % 3))
+        a.kill()
+        a.start_settled(hosts.args("--pack-size", "1MiB"))  # recovery, with eviction off
+        a.stop()
+        fsck_clean(a)
+    a.start(hosts.args("--pack-size", "1MiB", "--local-cache-size", "3MiB"))
+    wait_for(lambda: a.stats().get("evictions", 0) > 0, "an eviction pass")
+    a.kill()
+    a.start_settled(hosts.args("--pack-size", "1MiB"))
+    assert "the store does not have" not in a.log()  # recovery: evicted chunks are in the bucket, not lost
+    assert unmapped(a, "k0")  # evicted (least recently used) ...
+    for name, data in files.items():
+        assert read_direct(a.path(name)) == data  # ... and read back from the bucket
+    a.stop()
+    fsck_clean(a)

@@ -241,6 +241,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("remote_grace", "duration", 86400,
                 "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)", lo=0),
         Setting("remote_list_ttl", "duration", 5, "seconds a listing of the remote's snapshots is reused", lo=0),
+        Setting("local_cache_size", "size", 0,
+                "with remote: past this many pack bytes, evict chunks safely in the bucket, least recently used "
+                "snapshots first (they stay listed and are fetched back when opened; 0 = keep everything)", lo=0),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     )
@@ -290,6 +293,7 @@ class Config:
     remote_fetch_workers: int = SETTINGS["remote_fetch_workers"].default
     remote_grace: int = SETTINGS["remote_grace"].default
     remote_list_ttl: int = SETTINGS["remote_list_ttl"].default
+    local_cache_size: int = SETTINGS["local_cache_size"].default
     score: str = SETTINGS["score"].default
     log_level: str = SETTINGS["log_level"].default
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTINGS, "default"), compare=False)
@@ -446,6 +450,11 @@ def _check_consistency(merged: Layer) -> None:
             raise ConfigError(f"{_describe_one(merged, small)} must be less than {_describe_one(merged, big)}")
     if merged["pack_size"][0] < merged["chunk_max"][0]:
         raise ConfigError(f"{_describe_one(merged, 'pack_size')} must be at least {_describe_one(merged, 'chunk_max')}")
+    if merged["local_cache_size"][0] and not merged["remote"][0]:
+        raise ConfigError(
+            f"{_describe_one(merged, 'local_cache_size')} needs remote (s3://bucket/prefix): only chunks safely "
+            "in the bucket are evicted"
+        )
     if merged["api_token"][0] and merged["api_token_file"][0] is not None:
         raise ConfigError(
             f"api_token ({merged['api_token'][1]}) and {_describe_one(merged, 'api_token_file')} are both set; "

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchunkfs import config as cfgmod
 from kvchunkfs.cli import ops as cliops
@@ -20,6 +20,9 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
 from kvchunkfs.store.remote import RemoteTier
 from kvchunkfs.store.repository import Repository
+
+if TYPE_CHECKING:
+    from kvchunkfs.maint.gc import GarbageCollector
 
 log = logging.getLogger("kvchunkfs")
 
@@ -62,6 +65,8 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
+        if repo.remote is not None and cfg.local_cache_size:
+            _cache_locally(repo, repo.remote, collector, cfg.local_cache_size)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
             api = MountApi(cfg, files, mountpoint, collector)
@@ -74,6 +79,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                          cfg.memory_trim_above)
         finally:
             api.close()
+            collector.close()
         clean = True  # serve returned: unmounted, every save finished
     finally:
         if repo.remote is not None:
@@ -84,6 +90,21 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         repo.close()
         os.close(lock_fd)
     return 0
+
+
+def _cache_locally(repo: Repository, tier: RemoteTier, collector: GarbageCollector, limit: int) -> None:
+    """``local_cache_size``: evict after every GC run and whenever uploads drain or a fetch added
+    chunks while the packs are over the limit (in the collector's thread, never the FUSE thread)."""
+    from kvchunkfs.maint.evict import Evictor
+
+    evictor = Evictor(repo, tier, limit)
+    collector.evictor = evictor
+
+    def check() -> None:
+        if evictor.wanted():
+            collector.evict_soon()
+
+    tier.on_idle = check
 
 
 def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:

@@ -54,7 +54,8 @@ class Files:
         # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
         # for locations looked up at open. Only touched under store.lock, in load.
         # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
-        self._loaded: OrderedDict[str, tuple[bytes, Index, dict[bytes, Location]]] = OrderedDict()
+        # Also keyed by the store's ``drop_gen``: eviction drops rows a remembered load relied on.
+        self._loaded: OrderedDict[str, tuple[bytes, int, Index, dict[bytes, Location]]] = OrderedDict()
         # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
@@ -95,17 +96,25 @@ class Files:
         """
         content = self._load(rel)
         remote = self.repo.remote
-        if remote is None or len(content.locations or ()) == len(set(content.index.ids)):
+        if remote is None:
             return content
-        # Chunks only the bucket has (a snapshot another host saved): fetch them into the local
-        # packs, outside the lock (network), then load again; their pins hold until then.
-        content.close()
+        if len(content.locations or ()) == len(set(content.index.ids)):
+            remote.mark_partial(rel, False)
+            return content
+        # Chunks only the bucket has (a snapshot another host saved, or chunks evicted under
+        # local_cache_size): fetch them into the local packs, outside the lock (network), then
+        # load again. The first load's pins hold every chunk of the snapshot until the second
+        # load has pinned them again: eviction must not take the local ones meanwhile.
         owner = object()
+        first = content
         try:
-            remote.fetch_missing(content.index.ids, owner)
-            return self._load(rel)
+            remote.fetch_missing(first.index.ids, owner)
+            content = self._load(rel)
         finally:
+            first.close()
             self.repo.store.unpin(owner)
+        remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
+        return content
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
@@ -120,17 +129,18 @@ class Files:
         every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
         data, size = stubs.read_stub(path)
+        gen = self.repo.store.drop_gen
         hit = self._loaded.get(rel)
-        if hit is not None and hit[0] == data and size in (None, hit[1].size):
+        if hit is not None and hit[0] == data and hit[1] == gen and size in (None, hit[2].size):
             self._loaded.move_to_end(rel)
-            return hit[1].copy(), hit[2]
+            return hit[2].copy(), hit[3]
         index = stubs.decode_stub(data, size, path)
         found = self.repo.store.locate_many(index.ids)
         bad = self.repo.store.length_mismatch(index, found)
         if bad is not None:
             raise StubError(f"{rel}: {bad}")
         if len(found) == len(dict.fromkeys(index.ids)):
-            self._loaded[rel] = (data, index.copy(), found)
+            self._loaded[rel] = (data, gen, index.copy(), found)
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)

@@ -54,6 +54,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import MapReader
+from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
 READ_SPAN = 4 << 20
@@ -79,6 +80,7 @@ class FsckReport:
     broken: dict[str, str] = field(default_factory=dict)  # snapshot -> why it cannot be read in full
     repaired: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
+    in_bucket: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks only the shared tier has
     live: bool = False  # checked while a daemon serves the store
     counts_compared: int = 0  # live: rows of the daemon's catalog compared with a recount of the stubs
     counts_skipped: str = ""  # live: why they were not compared
@@ -103,6 +105,8 @@ class FsckReport:
         text += f", slack {self.slack_bytes} bytes ({self.unused_packs} unused packs)"
         if self.skipped:
             text += f"; {len(self.skipped)} entries that are not snapshots skipped"
+        if self.in_bucket:
+            text += f"; {len(self.in_bucket)} snapshots partly in the shared tier only (fetched when opened)"
         if self.repaired:
             text += f"; {len(self.repaired)} repairs"
         if self.live:
@@ -151,6 +155,8 @@ class _Checker:
         self.described: dict[bytes, _Row] = {}  # offline: a place each described chunk is at
         self.records: dict[int, set[tuple[bytes, int, int]]] = {}  # described pack -> its chunks
         self.record_bytes: dict[int, int] = {}  # described pack -> bytes of header and records
+        # Stubs synced with the bucket (remote.db): their unmapped chunks are in the bucket, not lost.
+        self.synced = read_synced(layout.root)
 
     def pack_path(self, pack: int) -> Path:
         return self.layout.pack_path(pack)
@@ -314,9 +320,12 @@ class _Checker:
         self.referenced.update(index.ids)
         if size != index.size:
             return f"size xattr {size} does not match the index ({index.size} bytes)"
-        return self._chunk_problems(index)
+        in_bucket = self.synced.get(entry.rel) == hashlib.sha256(data).digest()
+        return self._chunk_problems(index, entry.rel if in_bucket else None)
 
-    def _chunk_problems(self, index: idx.Index) -> str | None:
+    def _chunk_problems(self, index: idx.Index, in_bucket: str | None = None) -> str | None:
+        """What keeps ``index`` from being read; ``in_bucket``: the snapshot's path if it is the
+        version synced with the shared tier (chunks the store lacks are fetched from there)."""
         missing: list[int] = []
         damaged: list[int] = []
         remappable: list[int] = []
@@ -328,6 +337,9 @@ class _Checker:
                 damaged.append(i)
             elif self.rows[cid].length != index.length(i):
                 wrong_length.append(i)
+        if in_bucket is not None and (missing or remappable):
+            self.report.in_bucket[in_bucket] = len(missing) + len(remappable)
+            missing, remappable = [], []
         if not missing and not damaged and not wrong_length:
             if not remappable:
                 return None

@@ -51,6 +51,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
+from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class GCReport:
     live_chunks: int = 0
     snapshots: int = 0
     unreadable_snapshots: int = 0
-    missing_chunks: int = 0  # named by a stub but not in the store (fsck tells which)
+    missing_chunks: int = 0  # named by a stub but neither in the store nor in the shared tier (fsck tells which)
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     unreadable: list[str] = field(default_factory=list)  # entries that could not be read: nothing was freed
     walks: int = 0
@@ -189,7 +190,13 @@ def _add_entry(entry: stubs.Entry, named: set[bytes], report: GCReport) -> None:
 
 
 def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: GCReport) -> None:
-    """Read what namespace changes created during the walk (a renamed directory: its whole subtree)."""
+    """Read what namespace changes created during the walk."""
+    for entry in created_entries(repo, paths):
+        _add_entry(entry, named, report)
+
+
+def created_entries(repo: Repository, paths: list[str]) -> Iterator[stubs.Entry]:
+    """The stubs at paths namespace changes created (a renamed directory: its whole subtree)."""
     for rel in dict.fromkeys(paths):
         path = repo.path(rel)
         try:
@@ -198,10 +205,9 @@ def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: 
             continue
         if stat.S_ISDIR(mode):
             with contextlib.suppress(FileNotFoundError):
-                for entry in stubs.walk(path):
-                    _add_entry(entry, named, report)
+                yield from stubs.walk(path)
         elif stat.S_ISREG(mode):
-            _add_entry(stubs.entry_at(path, rel), named, report)
+            yield stubs.entry_at(path, rel)
 
 
 # -- sweep ----------------------------------------------------------------------------------------
@@ -223,7 +229,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(store, named, report)
+        candidates = _candidates(repo, named, report)
         with store.lock:
             if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
@@ -233,11 +239,26 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
     log.warning("gc: %s", report.errors[-1])
 
 
-def _candidates(store: PackStore, named: set[bytes], report: GCReport) -> dict[bytes, int]:
+def _candidates(repo: Repository, named: set[bytes], report: GCReport) -> dict[bytes, int]:
     """Mapped chunks no stub names (id -> length); pins are subtracted under the lock."""
-    mapped = store.chunk_lengths()
-    report.missing_chunks = sum(1 for cid in named if cid not in mapped)
+    mapped = repo.store.chunk_lengths()
+    missing = {cid for cid in named if cid not in mapped}
+    report.missing_chunks = len(missing - _in_bucket(repo) if missing else missing)
     return {cid: n for cid, n in mapped.items() if cid not in named}
+
+
+def _in_bucket(repo: Repository) -> set[bytes]:
+    """Ids named by stubs the shared tier holds whole (their content is the version ``remote.db``
+    says was synced): evicted or not yet fetched, not missing. Empty without a shared tier."""
+    out: set[bytes] = set()
+    for rel, sha in read_synced(repo.root).items():
+        try:
+            data, _ = stubs.read_stub(repo.path(rel))
+        except OSError:
+            continue
+        if hashlib.sha256(data).digest() == sha:
+            out.update(stub_ids(data) or ())
+    return out
 
 
 def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
@@ -516,6 +537,11 @@ class GarbageCollector:
         self._wake: trio.Event | None = None
         # Called after every run, periodic or on demand (the metrics count GC runs and bytes freed).
         self.observers: list[Callable[[GCReport], None]] = []
+        # ``local_cache_size`` (maint/evict.py): run after every collection and by ``evict_soon``,
+        # under ``_lock`` (it uses the namespace log and compaction, as GC does).
+        self.evictor: Callable[[threading.Event], Any] | None = None
+        self._evict_thread: threading.Thread | None = None
+        self._evict_lock = threading.Lock()  # leaf: starting the eviction thread
 
     def run(self, walk: bool = False) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
@@ -533,10 +559,41 @@ class GarbageCollector:
             self.runs += 1
             clean = not (report.errors or report.unreadable or report.interrupted)
             self._clean_at = state if clean else None
+            self._evict_locked()
         log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
         for observe in self.observers:
             observe(report)
         return report
+
+    def _evict_locked(self) -> None:
+        if self.evictor is None or self._stop.is_set():
+            return
+        try:
+            self.evictor(self._stop)
+        except Exception:  # nothing is evicted in the failing phase; the next run tries again
+            log.exception("eviction failed")
+
+    def evict_soon(self) -> None:
+        """Run an eviction pass in a thread of its own unless one is running or waiting (never
+        blocks: the upload thread calls it when its queue drains)."""
+        if self.evictor is None or self._stop.is_set():
+            return
+        with self._evict_lock:
+            if self._evict_thread is not None and self._evict_thread.is_alive():
+                return
+            self._evict_thread = threading.Thread(target=self._evict_now, name="kvcfs-evict", daemon=True)
+            self._evict_thread.start()
+
+    def close(self, timeout: float = 60) -> None:
+        """At unmount: stop a compaction between batches and wait for an eviction thread."""
+        self._stop.set()
+        thread = self._evict_thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _evict_now(self) -> None:
+        with self._lock:
+            self._evict_locked()
 
     def _collect_changes(self) -> GCReport | None:
         """A run without a walk, if the changes since the last clean walk are all known."""

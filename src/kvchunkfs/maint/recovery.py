@@ -47,6 +47,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import DB_NAME, file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described, Scan, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import PackStore
+from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class RecoveryReport:
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     missing: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks it needs that are gone
     mismatched: dict[str, str] = field(default_factory=dict)  # snapshot -> how its index disagrees with the map
+    in_bucket: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks only the shared tier has
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -288,13 +290,16 @@ def check_snapshots(
 
     ``since``: only stubs changed (ctime) since then; older ones were checked by an earlier recovery,
     and a crash changes no map row an older stub names (rows are committed before the stub's rename
-    and only GC deletes them).
+    and only GC deletes them; eviction only those of chunks the bucket has).
 
     Chunks a snapshot names that the map lacks are first looked for in the packs' records (not
-    for snapshots fsck already marked broken, unless ``rescue_marked``: it looked for them then).
+    for snapshots fsck already marked broken, unless ``rescue_marked``: it looked for them then),
+    unless the stub is the version this host synced with the bucket (``remote.db``): then they
+    are in the bucket (evicted under ``local_cache_size``, or not fetched yet) and not lost.
     """
     # A few changed stubs: look up their chunks; all of them: read the whole map once.
     mapped = repo.store.chunk_lengths() if since is None else {}
+    synced = read_synced(repo.root)  # with a shared tier: stubs whose chunks are all in the bucket
     missing: dict[str, set[bytes]] = {}
     wanted: set[bytes] = set()
     for entry in stubs.walk(repo.snapshots):
@@ -311,7 +316,8 @@ def check_snapshots(
                 raise entry.error
             fd = entry.open()
             try:
-                index = stubs.read_index(fd)
+                data, size = stubs.read_stub(fd)
+                index = stubs.decode_stub(data, size, rel)
                 marked = _is_marked(fd)
             finally:
                 os.close(fd)
@@ -325,10 +331,14 @@ def check_snapshots(
             mapped.update((cid, loc.length) for cid, loc in repo.store.locate_many(index.ids).items())
         _check_lengths(rel, index, mapped, report)
         lacking = {cid for cid in index.ids if cid not in mapped}
-        if lacking:
+        if lacking and synced.get(rel) == hashlib.sha256(data).digest():
+            report.in_bucket[rel] = len(lacking)  # evicted or not fetched yet: the next open fetches them
+        elif lacking:
             missing[rel] = lacking
             if rescue_marked or not marked:
                 wanted |= lacking
+    if report.in_bucket:
+        log.info("%d snapshots have chunks only in the shared tier (fetched when opened)", len(report.in_bucket))
     if wanted:
         mapped.update(rescue_chunks(repo.store, wanted, report))
     for rel, lacking in sorted(missing.items()):

@@ -200,8 +200,10 @@ class Service:
         return out
 
     def _where(self, out: dict[str, Any], prefix: str) -> None:
-        """With a remote: each row's ``where`` ("local": not in the bucket yet, "both"), and the
-        bucket's snapshots this host has no stub of (``remote_only``, paths under ``prefix``)."""
+        """With a remote: each row's ``where`` ("local": not in the bucket yet; "both": in the
+        bucket and every chunk local; "remote": in the bucket and some chunks only there: evicted
+        under ``local_cache_size`` or not fetched yet, an open fetches them), and the bucket's
+        snapshots this host has no stub of (``remote_only``, paths under ``prefix``)."""
         remote = self.repo.remote
         if remote is None:
             return
@@ -213,7 +215,8 @@ class Service:
         seen = set()
         for row in out["snapshots"]:
             seen.add(row["path"])
-            row["where"] = "both" if row["path"] in names else "local"
+            rel = row["path"]
+            row["where"] = "local" if rel not in names else "remote" if remote.is_partial(rel) else "both"
         out["remote_only"] = sorted(
             catalog.display_name(rel) for rel in names
             if rel.startswith(prefix) and rel not in seen and not os.path.lexists(self.repo.path(rel))

@@ -108,6 +108,12 @@ _REMOTE = (
     ("remote_chunk_gets", "counter", "Chunks fetched from the bucket"),
     ("remote_chunk_get_bytes", "counter", "Chunk bytes fetched from the bucket"),
     ("remote_index_gets", "counter", "Snapshot indexes fetched from the bucket"),
+    ("local_cache_size", "gauge", "local_cache_size: pack bytes above which chunks in the bucket are evicted"),
+    ("local_bytes", "gauge", "Pack bytes on disk when eviction last looked (compare with local_cache_size)"),
+    ("evictions", "counter", "Eviction passes run (local_cache_size)"),
+    ("evicted_chunks", "counter", "Chunks evicted from the local packs (they stay in the bucket)"),
+    ("evicted_bytes", "counter", "Chunk bytes evicted from the local packs"),
+    ("partial_snapshots", "gauge", "Snapshots with chunks only in the bucket (fetched when opened)"),
 )
 
 

@@ -44,8 +44,9 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
-        "where": {"type": "string", "enum": ["local", "both"],
-                  "description": "with a remote only: 'both' if the bucket has it too, 'local' if not (yet)"},
+        "where": {"type": "string", "enum": ["local", "both", "remote"],
+                  "description": "with a remote only: 'both' if the bucket has it too, 'remote' if some "
+                                 "chunks are only in the bucket (evicted or not fetched yet), 'local' if not (yet)"},
     },
 }
 

@@ -144,6 +144,9 @@ class PackStore:
         # next collection must walk every stub.
         self._fresh: set[bytes] | None = set()
         self._revisit: set[int] = set()  # packs with dead bytes GC left alone (e.g. the open one)
+        # Bumped whenever rows of chunks a snapshot may name are dropped (eviction to the shared
+        # tier): locations remembered from before (``Files``' reopen cache) may now lack chunks.
+        self.drop_gen = 0
 
     def _migrate(self) -> None:
         """Create the schema; a map without the ``packs`` table is a new or a legacy one.
@@ -387,6 +390,24 @@ class PackStore:
                 raise
             self._count_rows(-len(rows), -sum(n for _, n in rows))
         return rows
+
+    def evict_chunks(self, ids: Sequence[bytes]) -> tuple[int, int]:
+        """Drop the rows of ``ids`` that are not pinned (eviction: the chunks are safely in the
+        shared tier); returns (rows dropped, their bytes). Call under ``lock`` after checking that no
+        stub appeared meanwhile (as GC's sweep does). The pack bytes become dead space that
+        compaction gives back; the open pack is closed first if it holds one of them, so that
+        compaction may touch it (saves simply start a new pack)."""
+        with self.lock:
+            pinned = self.pinned()
+            drop = [cid for cid in ids if cid not in pinned]
+            if not drop:
+                return 0, 0
+            found = self.locate_many(drop)
+            if self._pack_id is not None and any(loc.pack == self._pack_id for loc in found.values()):
+                self._close_pack()
+            n = self.delete_chunks(drop)
+            self.drop_gen += 1
+            return n, sum(loc.length for loc in found.values())
 
     def move_chunks(self, old_pack: int, moves: Sequence[tuple[bytes, int, int]], new_end: tuple[int, int]) -> int:
         """Point rows at copies (id, new pack, new offset), each only if it is still in ``old_pack``.

@@ -22,6 +22,11 @@ it is young again before the index naming it goes up.
 ``remote_list_ttl`` seconds) and fetches the index into a local stub (create-if-absent: a local
 file always wins). Opening a snapshot fetches the chunks the local packs lack (parallel GETs,
 hashes checked) into local packs; later restores read local packs only.
+
+**Eviction (``local_cache_size``, maint/evict.py).** The tier answers which snapshots are provably
+in the bucket (``confirmed``: the stub is the version this host synced, and a fresh listing shows
+that very index object), keeps the set of snapshots whose chunks are not all local (``partial``:
+evicted, or fetched from another host and not opened yet), and counts evictions for ``stats``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,9 +154,43 @@ class SyncDb:
         with self.lock:
             return dict(self.db.execute("SELECT rel, ctime_ns FROM synced").fetchall())
 
+    def rows(self) -> dict[str, Synced]:
+        with self.lock:
+            return {rel: Synced(sha, etag, ct) for rel, sha, etag, ct in self.db.execute("SELECT * FROM synced")}
+
     def close(self) -> None:
         with self.lock:
             self.db.close()
+
+
+def read_synced(root: Path) -> dict[str, bytes]:
+    """rel -> sha256 of the index this host last put in or fetched from the bucket (``remote.db``
+    of the store at ``root``, read-only; {} without one). A stub whose content has that hash is in
+    the bucket whole (index last: the bucket never holds an index naming a missing chunk), so the
+    chunks of it the local packs lack are evicted or not fetched yet, not lost (recovery, fsck)."""
+    path = root / DB_NAME
+    if not path.exists():
+        return {}
+    try:
+        db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+        try:
+            return dict(db.execute("SELECT rel, sha FROM synced").fetchall())
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        log.warning("cannot read %s: %s", path, e)
+        return {}
+
+
+@dataclass
+class EvictionStats:
+    """What ``local_cache_size`` did (maint/evict.py writes, ``stats`` reads: plain numbers)."""
+
+    limit: int = 0
+    local_bytes: int = 0  # pack file bytes at the end of the last eviction pass
+    runs: int = 0
+    evicted_chunks: int = 0
+    evicted_bytes: int = 0
 
 
 class RemoteTier:
@@ -191,6 +230,13 @@ class RemoteTier:
         self._list_lock = threading.Lock()  # the cached listing; list operations only
         self._refreshing = False
         self._listed = threading.Event()  # the first listing is there (or failed)
+        # Snapshots with chunks only in the bucket (``ls`` says "remote"); leaf lock, set operations.
+        self._partial: set[str] = set()
+        self._partial_lock = threading.Lock()
+        self.eviction = EvictionStats()
+        # Called on the uploader thread whenever the queue has drained (the daemon: evict if over
+        # the local limit, in a thread of its own). Must not block.
+        self.on_idle: Callable[[], None] | None = None
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -239,7 +285,55 @@ class RemoteTier:
             "remote_chunk_get_bytes": c.chunk_get_bytes,
             "remote_index_gets": c.index_gets,
             "remote_lists": c.lists,
+        } | self._eviction_stats()
+
+    def _eviction_stats(self) -> dict[str, int]:
+        e = self.eviction
+        if not e.limit:
+            return {}
+        return {
+            "local_cache_size": e.limit,
+            "local_bytes": e.local_bytes,
+            "evictions": e.runs,
+            "evicted_chunks": e.evicted_chunks,
+            "evicted_bytes": e.evicted_bytes,
+            "partial_snapshots": len(self._partial),
         }
+
+    # -- where snapshots are (eviction, ls) ---------------------------------------------------
+
+    def confirmed(self) -> dict[str, bytes]:
+        """rel -> sha256 of the stub content that is provably in the bucket now: the version this
+        host last synced, whose index object a fresh listing still shows (same ETag; another
+        host's newer version would not name the same chunks). OSError if the bucket cannot be
+        listed (then nothing is provably there). Blocking: a LIST."""
+        names = self.bucket.list_indexes()
+        with self._list_lock:
+            self._listing = (time.monotonic(), names)
+        return {rel: row.sha for rel, row in self.db.rows().items() if (i := names.get(rel)) and i.etag == row.etag}
+
+    def is_partial(self, rel: str) -> bool:
+        with self._partial_lock:
+            return rel in self._partial
+
+    def set_partial(self, rels: Iterable[str]) -> None:
+        with self._partial_lock:
+            self._partial = set(rels)
+
+    def mark_partial(self, rel: str, partial: bool = True) -> None:
+        with self._partial_lock:
+            if partial:
+                self._partial.add(rel)
+            else:
+                self._partial.discard(rel)
+
+    def renamed(self, old: str, new: str) -> None:
+        """Carry the partial mark of ``old`` (a file, or a directory's subtree) to ``new``."""
+        prefix = old + "/"
+        with self._partial_lock:
+            moved = {r for r in self._partial if r == old or r.startswith(prefix)}
+            self._partial -= moved
+            self._partial |= {new + r[len(old) :] for r in moved}
 
     def _run(self) -> None:
         try:
@@ -275,6 +369,9 @@ class RemoteTier:
             finally:
                 with self._cond:
                     self._busy = 0
+                    idle = not self._queue
+                if idle:
+                    self._poke()  # uploads drained: evicting is safe for more snapshots now
 
     def _scan(self) -> None:
         """Queue every path where ``snapshots/`` and ``remote.db`` disagree (the durable queue)."""
@@ -477,6 +574,7 @@ class RemoteTier:
         ctime_ns = os.lstat(tmp).st_ctime_ns  # a link changes it: read again below
         if not self.repo.install_new(tmp, rel):
             return True  # a local file won the race
+        self.mark_partial(rel)  # its chunks come at the first open
         with contextlib.suppress(OSError):
             ctime_ns = os.lstat(path).st_ctime_ns
         self.db.put(rel, Synced(hashlib.sha256(data).digest(), etag, ctime_ns))
@@ -523,6 +621,7 @@ class RemoteTier:
         with contextlib.suppress(OSError):
             fetched.synced.ctime_ns = os.lstat(self.repo.path(fetched.rel)).st_ctime_ns
         self.db.put(fetched.rel, fetched.synced)
+        self.mark_partial(fetched.rel)  # the new version's chunks come at the next open
         self.fetched_indexes += 1
         log.info("remote: %s replaced by the bucket's newer version", fetched.rel)
 
@@ -561,7 +660,15 @@ class RemoteTier:
         finally:
             for _, fut in pending:
                 fut.cancel()
+        self._poke()  # the packs grew: maybe past local_cache_size
         return len(missing)
+
+    def _poke(self) -> None:
+        if self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception:  # a hook never fails an upload or a fetch
+                log.exception("remote: the idle hook failed")
 
 
 def remote_state(local: bool, listed: bool) -> str:

@@ -128,6 +128,7 @@ class Repository:
             os.rename(tmp, self.path(rel))
             self.touched(rel)
         if self.remote is not None:
+            self.remote.mark_partial(rel, False)  # a save's chunks are all local (written or pinned)
             self.remote.changed(rel)
 
     def install_fetched(self, tmp: Path, rel: str) -> None:
@@ -163,6 +164,7 @@ class Repository:
             os.rename(src, dst)
             self.touched(old, new)
         if self.remote is not None:
+            self.remote.renamed(old, new)
             self.remote.changed(new, old)  # the new name up before the old one goes: never neither
 
     def unlink(self, rel: str) -> None:
@@ -170,6 +172,7 @@ class Repository:
             os.unlink(self.path(rel))
             self.touched(rel)
         if self.remote is not None:
+            self.remote.mark_partial(rel, False)
             self.remote.changed(rel)
 
     def rmdir(self, rel: str) -> None:

@@ -226,6 +226,22 @@ def _node_json(node: Node, shared_by: bool) -> dict:
     return out
 
 
+def release(tree: Node | dict) -> None:
+    """Take a tree (``Node`` or ``to_json``'s dicts) apart a node at a time. Dropping the last
+    reference to the root frees every node in one C-level cascade that holds the GIL throughout
+    (~40 ms for 95,000 nodes), and the FUSE thread waits that long; freed here, other threads get
+    the GIL between nodes."""
+    stack: list[Node | dict] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Node):
+            stack.extend(node.children)
+            node.children = []
+        else:
+            stack.extend(node.get("children", ()))
+            node["children"] = []
+
+
 def _as_list(tokens: Sequence[int]) -> list[int]:
     return tokens.tolist() if type(tokens) is array else list(tokens)  # an array slice: converted in C
 

@@ -59,6 +59,7 @@ from kvchunkfs.store.repository import Repository
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # evict down to this share of the limit
+PASSES = 3  # eviction passes in a row while the packs stay above the limit
 KEEP_HEAD = 256 << 10  # a snapshot's first bytes (header, token list) are never evicted
 
 
@@ -303,11 +304,17 @@ class Evictor:
         tier.eviction.limit = limit
 
     def __call__(self, stop: threading.Event) -> EvictReport:
+        """Passes until the packs are under the limit, a pass evicts nothing, or ``PASSES`` ran: a
+        pass aims at the low-water mark by chunk bytes, and the packs can end above it (batch
+        records, a compaction's new packs); seen once in CI as a store left at 7.5 MiB of 6 MiB."""
         self._uploads_seen = self.tier.uploaded_indexes
-        report = run_eviction(self.repo, self.tier, self.limit, stop)
-        self.last = report
-        level = logging.ERROR if report.errors else logging.INFO if report.evicted_chunks else logging.DEBUG
-        log.log(level, "%s", report.summary())
+        for _ in range(PASSES):
+            report = run_eviction(self.repo, self.tier, self.limit, stop)
+            self.last = report
+            level = logging.ERROR if report.errors else logging.INFO if report.evicted_chunks else logging.DEBUG
+            log.log(level, "%s", report.summary())
+            if report.errors or not report.evicted_chunks or report.pack_bytes_after <= self.limit or stop.is_set():
+                break
         return report
 
     def wanted(self) -> bool:

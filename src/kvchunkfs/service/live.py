@@ -56,7 +56,6 @@ _MASK = (1 << 32) - 1
 FREEZE_EVERY = 4096
 DROPPED_MAX = 1 << 18  # ids kept for GC between its questions; past it GC walks every stub
 ReadChunks = Callable[[Index, int, int], bytes]
-Fetched = tuple[catalog.StubInfo, "array.array | None", "str | None"]  # (row, token prefix, why no tokens)
 
 
 @dataclass
@@ -257,25 +256,17 @@ class LiveCatalog:
             self._dirs[d] = self._dirs.get(d, 0) + step
 
     def _read(self, rel: str) -> None:
-        self._apply(rel, self._fetch(rel))
-
-    def _fetch(self, rel: str) -> Fetched | None:
-        """A stub's row and token prefix, read (any thread: it touches no catalog state); None if
-        the stub is gone."""
         index = None
         try:
             info, index = catalog.read_stub_index(self.snapshots_dir, rel)
         except FileNotFoundError:
-            return None
+            self._drop(rel)
+            return
         except OSError as e:
             info = catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e))
         tokens, why = self._tokens(index) if index is not None else (None, info.error)
-        return info, tokens, why
-
-    def _apply(self, rel: str, fetched: Fetched | None) -> None:
         self._drop(rel)
-        if fetched is not None:
-            self._add(*fetched)
+        self._add(info, tokens, why)
 
     def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
         """The token prefix, read once per change of the stub (later trees need no pack reads)."""

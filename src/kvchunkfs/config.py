@@ -196,8 +196,9 @@ SETTINGS: dict[str, Setting] = {
             "chunker",
             "choice",
             "format",
-            "how a new store cuts files: format (llama.cpp state files at their structure, else CDC) or cdc",
-            choices=("format", "cdc"),
+            "how a new store cuts files: relayout (as format, and K/V blocks stored token-major), "
+            "format (llama.cpp state files at their structure, else CDC) or cdc",
+            choices=("relayout", "format", "cdc"),
         ),
         Setting("pack_size", "size", 64 * MiB, "pack file size before a new pack is started", lo=1),
         Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),

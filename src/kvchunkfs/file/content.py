@@ -33,9 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
+from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index
+from kvchunkfs.format.llama_state import Segment
 from kvchunkfs.store.chunkstore import ChunkStore
 from kvchunkfs.store.packs import Location
 
@@ -183,6 +185,10 @@ class FileContent:
         self.keep_partial_page = keep_partial_page
         self.max_size = max_size
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
+        # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
+        self.group_w = chunker.group_w
+        self._layout: tuple[Index, int, list[Segment]] | None = None  # (index, its size, its groups)
+        self._decoded: tuple[Index, int, memoryview] | None = None  # (index, group start, file bytes)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -269,11 +275,15 @@ class FileContent:
         last_chunk = b""
         state = None
         if len(base):
-            whole, last = base.copy(), len(base) - 1
-            last_chunk = self.read_chunks(base, base.start(last), base.length(last))
-            base.ends.pop()
-            base.ids.pop()
-            state = self.chunker.resume(lambda off, n: self.read_chunks(whole, off, n), whole.size, base.size)
+            whole = base.copy()
+            read = self.read_chunks
+            state = self.chunker.resume(lambda off, n: read(whole, off, n), whole.size, base.start(len(base) - 1))
+            # The last chunk, or from the start of the stored group that holds it (cut whole).
+            last_chunk = self.read_file(whole, state.pos, whole.size - state.pos, read)
+            while base.size > state.pos:
+                base.ends.pop()
+                base.ids.pop()
+            assert base.size == state.pos
         with self.cond:
             if self.mode is Mode.CLEAN:
                 self._reset_stream(base, b"", state)
@@ -364,7 +374,7 @@ class FileContent:
             pos = 0
             while pos < index.size:
                 n = min(BATCH, index.size - pos)
-                os.pwrite(fd, self.read_chunks(index, pos, n), pos)
+                os.pwrite(fd, self.read_file(index, pos, n, self.read_chunks), pos)
                 pos += n
             os.pwrite(fd, pending, index.size)
             for off, data in ahead.items():
@@ -404,7 +414,7 @@ class FileContent:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def read(self, offset: int, size: int, read_chunks: ReadChunks) -> bytes:
+    def read(self, offset: int, size: int, read_chunks: ReadChunks) -> bytes | memoryview:
         with self.cond:
             staging_fd = self.staging_fd if self.mode is Mode.STAGING else -1
             # The worker appends to ``index`` concurrently; its first ``isize`` bytes never change.
@@ -419,10 +429,10 @@ class FileContent:
         if offset >= end:
             return b""
         if end <= isize:  # all in chunks: the common restore case, no extra copy
-            return read_chunks(index, offset, end - offset)
+            return self.read_file(index, offset, end - offset, read_chunks, isize)
         out = bytearray()
         if offset < isize:
-            out += read_chunks(index, offset, min(end, isize) - offset)
+            out += self.read_file(index, offset, min(end, isize) - offset, read_chunks, isize)
         lo = max(offset, isize)
         if lo < end:  # after the chunks: pending bytes, then zeros, with early writes laid over them
             seg = bytearray(end - lo)
@@ -434,6 +444,77 @@ class FileContent:
                     seg[a - lo : b - lo] = data[a - off : b - off]
             out += seg
         return bytes(out)
+
+    # -- stored groups (chunker relayout) ---------------------------------------------------
+
+    def read_file(
+        self, index: Index, offset: int, size: int, read_chunks: ReadChunks, isize: int | None = None
+    ) -> bytes | memoryview:
+        """The file's bytes ``[offset, offset + size)`` from the chunks of ``index`` (its first
+        ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
+        isize = index.size if isize is None else isize
+        end = offset + size
+        hit = [g for g in self._groups(index, isize, read_chunks) if g.start < end and offset < (g.end or 0)]
+        if not hit:
+            return read_chunks(index, offset, size)
+        parts: list[bytes | memoryview] = []
+        pos = offset
+        for g in hit:
+            assert g.end is not None
+            if pos < g.start:
+                parts.append(read_chunks(index, pos, g.start - pos))
+                pos = g.start
+            data = self._group_bytes(index, g, read_chunks)
+            stop = min(end, g.end)
+            parts.append(data[pos - g.start : stop - g.start])
+            pos = stop
+        if pos < end:
+            parts.append(read_chunks(index, pos, end - pos))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _groups(self, index: Index, isize: int, read_chunks: ReadChunks) -> list[Segment]:
+        """The stored groups in ``index``'s first ``isize`` bytes: parsed from their headers once
+        per index and size."""
+        if not self.group_w or not isize:
+            return []
+        known = self._layout
+        if known is not None and known[0] is index and known[1] == isize:
+            return known[2]
+        found = relayout.groups(lambda off, n: bytes(read_chunks(index, off, n)), isize, self.group_w)
+        self._layout = (index, isize, found)
+        return found
+
+    def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks) -> memoryview:
+        """A group's file bytes; the last one asked for is kept (a restore reads a group in many
+        pieces, in order). Concurrent readers may decode the same group twice: no lock to wait on."""
+        known = self._decoded
+        if known is not None and known[0] is index and known[1] == g.start:
+            return known[2]
+        assert g.end is not None
+        data = memoryview(relayout.to_file(g, read_chunks(index, g.start, g.end - g.start)))
+        self._decoded = (index, g.start, data)
+        return data
+
+    def plain_range(self, offset: int, size: int) -> bool:
+        """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
+        there), as far as known without reading: the event loop's cached-read shortcut."""
+        if not self.group_w:
+            return True
+        known = self._layout
+        if known is None or known[0] is not self.index or known[1] != self.index.size:
+            return False
+        end = offset + size
+        return not any(g.start < end and offset < (g.end or 0) for g in known[2])
+
+    def decoded(self, offset: int, size: int) -> memoryview | None:
+        """The bytes if the kept group holds all of them (no I/O: the event loop may call it)."""
+        known = self._decoded
+        if known is None or known[0] is not self.index:
+            return None
+        rel = offset - known[1]
+        if rel < 0 or rel + size > len(known[2]):
+            return None
+        return known[2][rel : rel + size]
 
     # -- the chunking worker ----------------------------------------------------------------
 

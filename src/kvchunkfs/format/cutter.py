@@ -26,17 +26,19 @@ K/V bodies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvchunkfs.format import llama_state as ls
+from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import Chunker
 from kvchunkfs.format.llama_state import Segment
 
-KINDS = ("format", "cdc")
+KINDS = ("format", "cdc", "relayout")
 LEAD = 64  # room for a segment's header in its first chunk, so a chunk never passes chunk_max
+GROUP_WIDTH = 8 << 10  # relayout: K (V) blocks grouped into records of about this many bytes a cell
+SMALL_UNIT = 64  # relayout: segments of rows this small (token ids, cell records) ...
+SMALL_STRIDE = 4 << 10  # ... are cut this finely: a turn stores each one's last stride again
 
-ReadAt = Callable[[int, int], bytes]
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,19 @@ class Cutter:
 
     @property
     def aware(self) -> bool:
-        return self.kind == "format"
+        return self.kind != "cdc"
+
+    @property
+    def group_w(self) -> int:
+        """Bytes per cell a group of blocks aims at; 0: blocks are stored as the file has them."""
+        return GROUP_WIDTH if self.kind == "relayout" else 0
+
+    def _start(self) -> ls.State:
+        return replace(ls.START, group_w=self.group_w)
 
     def initial(self) -> CutState:
         if self.aware:
-            return CutState(0, (), ls.START)
+            return CutState(0, (), self._start())
         return CutState(0, (Segment(0, None),), None)
 
     # -- cutting ----------------------------------------------------------------------------
@@ -104,6 +114,8 @@ class Cutter:
         self, seg: Segment, view: memoryview, base: int, pos: int, final: bool, out: list[memoryview]
     ) -> tuple[int, bool]:
         """Cut ``seg`` from ``pos`` as far as the data allows; (new pos, segment finished)."""
+        if seg.group is not None:
+            return self._cut_group(seg, view, base, pos, final, out)
         top = base + len(view)
         end = top if seg.end is None else min(seg.end, top)
         complete = seg.end is not None and seg.end <= top
@@ -129,6 +141,23 @@ class Cutter:
             pos = end
         return pos, False
 
+    def _cut_group(
+        self, seg: Segment, view: memoryview, base: int, pos: int, final: bool, out: list[memoryview]
+    ) -> tuple[int, bool]:
+        """A group is cut once all its bytes are here: re-laid out token-major, then cut like rows.
+        A group the end of the file cuts off is left as it is, cut by content (readers see a group
+        that passes the end and read it as it is too)."""
+        assert seg.end is not None and pos == seg.start
+        top = base + len(view)
+        if seg.end <= top:
+            stream = memoryview(relayout.to_stream(seg, view[seg.start - base : seg.end - base]))
+            rows = replace(seg, group=None)
+            return self._cut_segment(rows, stream, seg.start, seg.start, True, out)
+        if final:
+            out.extend(self.cdc.cut(view[pos - base :]))
+            return top, False
+        return pos, False
+
     def _grid(self, seg: Segment) -> tuple[int, int, int]:
         """(stride, period, shift): a whole number of units near the average, and where the grid
         starts past ``origin`` so that it is counted from token position 0."""
@@ -141,6 +170,8 @@ class Cutter:
 
     def _stride(self, unit: int) -> int:
         cap = self.max - LEAD
+        if self.kind == "relayout" and unit <= SMALL_UNIT:
+            return max(1, SMALL_STRIDE // unit) * unit
         if unit > cap:
             return self.avg  # rows larger than a chunk: plain byte stride, still from the first row
         k = max(1, round(self.avg / unit))
@@ -154,30 +185,24 @@ class Cutter:
 
     # -- append -----------------------------------------------------------------------------
 
-    def resume(self, read: ReadAt, size: int, pos: int) -> CutState:
+    def resume(self, read: ls.ReadAt, size: int, pos: int) -> CutState:
         """The state at ``pos`` (a chunk start) of a closed file of ``size`` bytes, re-parsed from
         its headers through ``read(offset, n)``. The file's end counts as the end of the data, as it
-        did when the file was cut, so the chunks before ``pos`` are the ones it has."""
+        did when the file was cut, so the chunks before ``pos`` are the ones it has. Inside a
+        re-laid-out group the state is at the group's start (``state.pos`` < ``pos``): the caller
+        feeds the file's bytes from there."""
         if not self.aware:
             return CutState(pos, (Segment(pos, None),), None)
-        nxt: ls.State | None = ls.START
+        nxt: ls.State | None = self._start()
         while nxt is not None:
-            plan = _plan_at(nxt, read, size)
+            plan = ls.plan_at(nxt, read, size)
             for i, seg in enumerate(plan.segments):
                 if seg.end is None or pos < seg.end:
+                    if seg.group is not None:
+                        pos = seg.start  # a group is cut whole (or, cut off by the end, by content)
                     return CutState(pos, plan.segments[i:], plan.next)
             nxt = plan.next
         raise AssertionError("unreachable: the last segment is open")
-
-
-def _plan_at(state: ls.State, read: ReadAt, size: int) -> ls.Plan:
-    n = 64
-    while True:
-        view = memoryview(read(state.pos, min(n, size - state.pos)))
-        plan = ls.step(state, view, state.pos + len(view) >= size)
-        if isinstance(plan, ls.Plan):
-            return plan
-        n = max(plan.n, 2 * n)
 
 
 def _next_cut(seg: Segment, pos: int, stride: int, period: int, shift: int) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 GGSQ_MAGIC = 0x67677371
@@ -72,6 +73,26 @@ class Segment:
     unit: int = 0
     period: int = 0
     phase: int = 0
+    group: Group | None = None  # chunker ``relayout``: blocks stored token-major (format/relayout.py)
+
+
+@dataclass(frozen=True)
+class Group:
+    """``count`` consecutive K (or V) blocks that the ``relayout`` chunker stores token-major.
+
+    In the file: per block a header (``lead`` + 12 bytes on the first, 12 on the others) then
+    ``cells`` rows of ``width`` bytes (``el`` > 0: transposed V, ``width // el`` runs of ``cells``
+    elements of ``el`` bytes). In the stored stream: the headers, back to back, then ``cells``
+    records, record ``p`` holding row ``p`` of every block in turn (transposed V's row ``p``: element
+    ``p`` of each run). Every block is assumed as wide as the first: only the first header is read,
+    at the same offset in the file and in the stream, so the file and the stream parse alike.
+    """
+
+    count: int
+    lead: int
+    width: int
+    el: int
+    cells: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,7 @@ class State:
     layer: int = 0
     v_trans: int = 0
     phase: int = 0  # position of the stream's first cell
+    group_w: int = 0  # > 0 (chunker ``relayout``): group blocks up to this many bytes per cell
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,7 @@ class Plan:
 
 START = State("file", 0)
 Result = Need | Plan
+ReadAt = Callable[[int, int], bytes]
 
 
 def step(state: State, view: memoryview, eof: bool) -> Result:
@@ -149,7 +172,7 @@ def _file(st: State, view: memoryview, eof: bool) -> Result:
         return opaque(0) if eof else Need(4)
     magic = _u32(view, 0)
     if magic == BLOB_MAGIC:  # a bare checkpoint blob (sidecar): magic, seq_id, sections
-        return _short(view, 8, eof, 0) or Plan((Segment(0, 8),), State("section", 8))
+        return _short(view, 8, eof, 0) or Plan((Segment(0, 8),), replace(st, step="section", pos=8))
     if magic != GGSQ_MAGIC:
         return opaque(0)
     short = _short(view, 12, eof, 0)
@@ -169,7 +192,7 @@ def _file(st: State, view: memoryview, eof: bool) -> Result:
     segments = [Segment(0, ids)]
     if end > ids:  # token ids grow at the end: whole words from the first id
         segments.append(Segment(ids, end, ids, 4))
-    return Plan(tuple(segments), State("section", end, version))
+    return Plan(tuple(segments), replace(st, step="section", pos=end, version=version))
 
 
 # -- memory sections -------------------------------------------------------------------------
@@ -194,7 +217,7 @@ def _blob(st: State, view: memoryview, eof: bool) -> Result | None:
         return None if eof else Need(8)
     if _u32(view, 0) != BLOB_MAGIC:
         return None
-    return Plan((Segment(st.pos, st.pos + 8),), State("section", st.pos + 8, 4, st.sections))
+    return Plan((Segment(st.pos, st.pos + 8),), replace(st, step="section", pos=st.pos + 8, version=4))
 
 
 def _kv_section(st: State, view: memoryview, eof: bool) -> Result | None:
@@ -320,6 +343,8 @@ def _k_block(st: State, view: memoryview, eof: bool) -> Result:
     if not _typed_row_ok(view, lead):
         return opaque(st.pos)
     row = struct.unpack_from("<Q", view, lead + 4)[0]
+    if st.group_w:
+        return _group(st, lead, row, 0)
     rows = st.pos + lead + 12
     end = rows + st.cells * row
     if st.layer + 1 < st.n_layer:
@@ -327,6 +352,26 @@ def _k_block(st: State, view: memoryview, eof: bool) -> Result:
     else:
         after = replace(st, step="v", pos=end, layer=0)
     return Plan((Segment(st.pos, end, rows, row, 0, st.phase),), after)
+
+
+def _group(st: State, lead: int, width: int, el: int) -> Plan:
+    """Blocks from layer ``layer`` on (K in step "k", V in step "v") as one ``Group``: the fewest
+    groups per kind that keep a record near ``group_w`` bytes, of equal block counts. Decided by the
+    first block's header alone (see ``Group``)."""
+    n = st.n_layer
+    parts = -(-n * width // st.group_w)
+    count = min(-(-n // parts), n - st.layer)
+    body = 12 + st.cells * width
+    end = st.pos + lead + count * body
+    if count == 1 and not el:  # one row block: stored as it is
+        seg = Segment(st.pos, end, st.pos + lead + 12, width, 0, st.phase)
+    else:
+        group = Group(count, lead, width, el, st.cells)
+        seg = Segment(st.pos, end, st.pos + lead + 12 * count, count * width, 0, st.phase, group)
+    layer = st.layer + count
+    if st.step == "k" and layer >= n:
+        return Plan((seg,), replace(st, step="v", pos=end, layer=0))
+    return Plan((seg,), replace(st, pos=end, layer=layer))
 
 
 def _v_block(st: State, view: memoryview, eof: bool) -> Result:
@@ -343,11 +388,15 @@ def _v_block(st: State, view: memoryview, eof: bool) -> Result:
         if not _typed_row_ok(view, 0):
             return step(_after_stream(st), view, eof)
         row = struct.unpack_from("<Q", view, 4)[0]
+        if st.group_w:
+            return _group(st, 0, row, 0)
         end = rows + st.cells * row
         return Plan((Segment(st.pos, end, rows, row, 0, st.phase),), replace(after, pos=end))
     typ, el, n_embd = struct.unpack_from("<iII", view, 0)
     if not (0 <= typ < MAX_TYPE and 1 <= el <= MAX_EL and 1 <= n_embd <= MAX_EMBD):
         return step(_after_stream(st), view, eof)
+    if st.group_w:
+        return _group(st, 0, n_embd * el, el)
     run = st.cells * el  # one embedding dimension across all cells
     end = rows + n_embd * run
     return Plan((Segment(st.pos, end, rows, el, run, st.phase),), replace(after, pos=end))
@@ -403,11 +452,23 @@ _STEPS = {
 }
 
 
-def segments(data: bytes | memoryview) -> list[Segment]:
+def plan_at(state: State, read: ReadAt, size: int) -> Plan:
+    """The plan at ``state.pos`` of a file of ``size`` bytes read through ``read(offset, n)``:
+    only the bytes its decision needs are read."""
+    n = 64
+    while True:
+        view = memoryview(read(state.pos, max(0, min(n, size - state.pos))))
+        plan = step(state, view, state.pos + len(view) >= size)
+        if isinstance(plan, Plan):
+            return plan
+        n = max(plan.n, 2 * n)
+
+
+def segments(data: bytes | memoryview, group_w: int = 0) -> list[Segment]:
     """Every segment of a whole file (for tests and analysis)."""
     view = memoryview(data)
     out: list[Segment] = []
-    st: State | None = START
+    st: State | None = replace(START, group_w=group_w)
     while st is not None:
         plan = step(st, view[st.pos :], True)
         assert isinstance(plan, Plan)

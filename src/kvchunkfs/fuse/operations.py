@@ -673,7 +673,10 @@ class Operations(pyfuse3.Operations):
         read_chunks = self.files.read_with(cursor)
         try:
             if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
-                data = self.files.fetcher.read_cached(content.index, off, size, cursor)
+                if content.plain_range(off, size):
+                    data = self.files.fetcher.read_cached(content.index, off, size, cursor)
+                else:  # a re-laid-out group (chunker relayout): the one put back in file order
+                    data = content.decoded(off, size)
                 if data is not None:
                     return data
             return await self._thread(content.read, off, size, read_chunks)

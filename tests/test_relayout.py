@@ -1,0 +1,136 @@
+"""Chunker ``relayout``: K/V blocks stored token-major. The stored stream is a permutation of the
+file that parses like it, so the file comes back exactly from the stream alone."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_format_cutter import LAYOUTS, SIZES, conversation, new_bytes, stream
+
+from e2e import ggsq
+from kvchunkfs.format import llama_state as ls
+from kvchunkfs.format import relayout
+from kvchunkfs.format.cutter import GROUP_WIDTH, Cutter
+
+KiB = 1 << 10
+
+
+def rl() -> Cutter:
+    return Cutter(*SIZES, "relayout")
+
+
+def back(chunks) -> bytes:
+    return relayout.file_bytes(b"".join(bytes(x) for x in chunks), GROUP_WIDTH)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_layout_round_trips_and_is_grouped(name):
+    spec = LAYOUTS[name]
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(700, seed=3), spec)
+    chunks = rl().cut_all(data)
+    assert all(0 < len(x) <= SIZES[2] for x in chunks)
+    stored = b"".join(bytes(x) for x in chunks)
+    assert len(stored) == len(data)
+    assert relayout.file_bytes(stored, GROUP_WIDTH) == data
+    segs = ls.segments(data, GROUP_WIDTH)
+    assert segs[-1] == ls.Segment(len(data), None)  # nothing left to the fallback
+    groups = [s for s in segs if s.group]
+    assert relayout.groups(lambda o, n: stored[o : o + n], len(stored), GROUP_WIDTH) == groups
+    if spec.row_bytes * spec.n_layer <= GROUP_WIDTH:  # one group for all K, one for all V
+        assert sum(1 for g in groups if g.group.count == spec.n_layer) >= 2
+    if spec.v_trans:
+        assert any(g.group.el for g in groups)
+    if groups:
+        assert stored != data
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.integers(1, 6), st.integers(1, 40), st.sampled_from([1, 2, 4]), st.integers(0, 20), st.integers(0, 16),
+    st.booleans(), st.integers(0, 2**32),
+)
+def test_to_stream_and_back(count, cells, el, runs, lead, trans, seed):
+    width = el * max(1, runs)
+    g = ls.Group(count, lead, width, el if trans else 0, cells)
+    size = lead + count * (12 + cells * width)
+    seg = ls.Segment(100, 100 + size, 100 + lead + 12 * count, count * width, 0, 0, g)
+    src = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
+    out = relayout.to_stream(seg, src)
+    assert sorted(out) == sorted(src) and relayout.to_file(seg, out) == src
+    # record p holds cell p's row of every block
+    heads = lead + 12 * count
+    if not trans:
+        for i in range(count):
+            block = lead + i * (12 + cells * width) + 12
+            p = seed % cells
+            assert out[heads + p * count * width + i * width : heads + p * count * width + (i + 1) * width] == \
+                src[block + p * width : block + (p + 1) * width]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(LAYOUTS)), st.lists(st.integers(1, 300 * KiB), max_size=12), st.integers(1, 900))
+def test_any_split_of_the_writes_gives_the_same_chunks(name, splits, n_tokens):
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(n_tokens, seed=n_tokens), LAYOUTS[name])
+    c = rl()
+    assert stream(c, data, [1, 3, 7, 12, *splits]) == [bytes(x) for x in c.cut_all(data)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**9), st.integers(0, 40))
+def test_truncated_and_damaged_files_round_trip(seed, n_flips):
+    rng = random.Random(seed)
+    spec = LAYOUTS[sorted(LAYOUTS)[seed % len(LAYOUTS)]]
+    data = bytearray(ggsq.synthetic_bytes(ggsq.synthetic_tokens(rng.randrange(1, 300), seed=seed), spec))
+    for _ in range(n_flips):
+        i = min(len(data) - 1, int(rng.expovariate(1 / 3000)))
+        data[i] = rng.randrange(256)
+    data = bytes(data[: rng.randrange(0, len(data) + 1)] if rng.random() < 0.5 else data)
+    c = rl()
+    whole = [bytes(x) for x in c.cut_all(data)]
+    assert all(0 < len(x) <= SIZES[2] for x in whole)
+    assert back(whole) == data
+    assert stream(c, data, [rng.randrange(1, 90 * KiB) for _ in range(5)]) == whole
+
+
+def test_garbage_is_plain_cdc():
+    data = random.Random(5).randbytes(900 * KiB)
+    assert [bytes(x) for x in rl().cut_all(data)] == [bytes(x) for x in Cutter(*SIZES, "cdc").cut_all(data)]
+
+
+def turn_ratios(kind: str, spec: ggsq.Spec, per_turn: int = 150) -> list[float]:
+    c, seen, out = Cutter(*SIZES, kind), set(), []
+    for i, toks in enumerate(conversation(spec, 5, per_turn=per_turn)):
+        new = new_bytes(seen, c.cut_all(ggsq.synthetic_bytes(toks, spec)))
+        if i:
+            out.append(new / (per_turn * (spec.bytes_per_token + 16)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["packed", "v_trans", "mrope_v4", "streams"])
+def test_a_turn_stores_little_more_than_its_rows(name):
+    """4 layers x 1 KiB rows: one group for K and one for V, so a turn re-stores two partial
+    strides (and the small segments' last 4 KiB) instead of one per block."""
+    spec = LAYOUTS[name]
+    after, before = turn_ratios("relayout", spec), turn_ratios("format", spec)
+    assert max(after) < 1.2, after
+    assert sum(after) < sum(before), (after, before)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_resume_inside_a_group_starts_at_the_group(name):
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(400, seed=11), LAYOUTS[name])
+    c = rl()
+    whole = [bytes(x) for x in c.cut_all(data)]
+    stored = b"".join(whole)
+    starts = [0]
+    for x in whole[:-1]:
+        starts.append(starts[-1] + len(x))
+    for i in sorted(set(random.Random(name).sample(range(len(whole)), min(12, len(whole))) + [len(whole) - 1])):
+        state = c.resume(lambda o, n: stored[o : o + n], len(stored), starts[i])
+        assert state.pos in starts and state.pos <= starts[i]
+        j = starts.index(state.pos)
+        assert [bytes(x) for x in c.cut(state, data[state.pos :], final=True)[0]] == whole[j:]

@@ -106,7 +106,7 @@ def test_append_second_pass_continues_the_chunk_list(tmp_path, name):
         index = repo.read_index("conv")
         assert index.ids == ids(repo.chunker, first + second)
         assert index.ids[: len(saved) - 1] == saved.ids[:-1]
-        assert files.read_chunks(index, 0, index.size) == first + second
+        assert files.read_file(index, 0, index.size) == first + second
     finally:
         files.close()
         repo.close()
@@ -155,10 +155,10 @@ def test_store_from_before_format_cutting_keeps_plain_cdc(tmp_path):
         repo.close()
 
 
-def test_default_store_cuts_state_files_by_format(tmp_path):
+def test_default_store_cuts_state_files_by_format_and_relayout(tmp_path):
     repo = Repository(tmp_path)
     try:
-        assert repo.chunker.kind == "format"
+        assert repo.chunker.kind == "relayout"
         data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(500), SPECS["llama"])
         assert ids(repo.chunker, data) != ids(Cutter(16 * KiB, 64 * KiB, 256 * KiB, "cdc"), data)
         other = rand_bytes(MiB, 8)

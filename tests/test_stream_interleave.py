@@ -139,7 +139,7 @@ def commit(files: Files, content: FileContent, sched: Scheduler) -> bytes:
     finally:
         sched.hold()
     content.committed(gen)
-    return files.read_chunks(index, 0, index.size)
+    return files.read_file(index, 0, index.size)
 
 
 @pytest.mark.parametrize("keep_partial_page", [True, False])

@@ -162,7 +162,7 @@ def test_file_content_matches_model(tmp_path_factory, script, seed):
             else:
                 index, gen = content.prepare_commit()
                 content.committed(gen)
-                assert files.read_chunks(index, 0, index.size + 1) == model
+                assert files.read_file(index, 0, index.size + 1) == model
             assert content.size == len(model)
             assert content.read(0, len(model) + 10, files.read_chunks) == model
     finally:

@@ -195,7 +195,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "chunker",
             "choice",
-            "format",
+            "relayout",
             "how a new store cuts files: relayout (as format, and K/V blocks stored token-major), "
             "format (llama.cpp state files at their structure, else CDC) or cdc",
             choices=("relayout", "format", "cdc"),

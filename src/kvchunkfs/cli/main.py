@@ -260,6 +260,17 @@ def cmd_export_store(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_file_order(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    """What ``casync extract`` gives for a snapshot of a ``relayout`` store is the stored stream:
+    K/V blocks token-major. This puts them back (a file with no stored group is copied as it is)."""
+    from kvchunkfs.format import relayout
+    from kvchunkfs.format.cutter import GROUP_WIDTH
+
+    data = Path(args.input).read_bytes()
+    Path(args.output).write_bytes(relayout.file_bytes(data, GROUP_WIDTH))
+    return 0
+
+
 def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """The dashboard, in this process: a separate server, so the daemon never serves a browser."""
     from kvchunkfs.service import dashboard
@@ -328,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")
+    p = add("file-order", cmd_file_order, "turn what casync extracts from a relayout store's snapshot back "
+            "into the llama.cpp state file")  # fmt: skip
+    p.add_argument("input")
+    p.add_argument("output")
     cliops.add_ls_arguments(add("ls", cliops.cmd_ls, "list snapshots: size, unique/shared bytes, uses, score"))
     p = add("stats", cliops.cmd_stats, "store totals: snapshots, logical/stored bytes, dedup ratio, chunks, packs")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -279,7 +279,7 @@ class FileContent:
             read = self.read_chunks
             state = self.chunker.resume(lambda off, n: read(whole, off, n), whole.size, base.start(len(base) - 1))
             # The last chunk, or from the start of the stored group that holds it (cut whole).
-            last_chunk = self.read_file(whole, state.pos, whole.size - state.pos, read)
+            last_chunk = bytes(self.read_file(whole, state.pos, whole.size - state.pos, read))
             while base.size > state.pos:
                 base.ends.pop()
                 base.ids.pop()

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvchunkfs.file.content import ChunkPool, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.file.predict import Successors
+from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
@@ -62,6 +63,21 @@ class Files:
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
         return self.fetcher.read(index, offset, size)
+
+    def read_file(self, index: Index, offset: int, size: int) -> bytes:
+        """The file's bytes (stored groups of chunker relayout put back): tools and tests. Open
+        files read through their ``FileContent``, which keeps the group it decoded last."""
+        read = self.read_chunks
+        found = relayout.groups(lambda off, n: read(index, off, n), index.size, self.repo.chunker.group_w)
+        out = bytearray(read(index, offset, size))
+        end = offset + len(out)
+        for g in found:
+            assert g.end is not None
+            lo, hi = max(offset, g.start), min(end, g.end)
+            if lo < hi:
+                whole = relayout.to_file(g, read(index, g.start, g.end - g.start))
+                out[lo - offset : hi - offset] = whole[lo - g.start : hi - g.start]
+        return bytes(out)
 
     def read_with(self, cursor: Cursor) -> Callable[[Index, int, int], bytes]:
         """A chunk reader that keeps ``cursor``'s read-ahead going."""

@@ -35,7 +35,7 @@ class StoreSettings:
     chunk_min: int = 16 << 10
     chunk_avg: int = 64 << 10
     chunk_max: int = 256 << 10
-    chunker: str = "format"  # for new stores: "format" (llama.cpp state files cut at their structure) or "cdc"
+    chunker: str = "relayout"  # for new stores: "relayout", "format" or "cdc" (format/cutter.py)
     pack_size: int = 64 << 20
     readahead: int = 32 << 20
     prefetch_workers: int = 8

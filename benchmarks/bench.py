@@ -36,6 +36,7 @@ from types import FrameType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT))  # e2e.ggsq: synthetic state files (--state)
 
 from kvchunkfs import config as cfgmod  # noqa: E402
 from kvchunkfs.cli.main import build_parser  # noqa: E402
@@ -220,9 +221,21 @@ def restore(path: Path, size: int) -> None:
         raise RuntimeError(f"{path}: read {n} bytes, expected {size}")
 
 
-def make_snapshot(size: int) -> bytes:
-    """Random bytes: every save is new data, no help from dedup (the worst case for saving)."""
-    return os.urandom(size)
+def make_snapshot(size: int, state: bool) -> tuple[bytes, bytes]:
+    """(snapshot, next turn). Random bytes: every save is new data, no help from dedup (the worst
+    case for saving); the turn adds TURN_NEW random bytes at the end. ``state``: a llama.cpp state
+    file instead (e2e/ggsq.py: 32 layers, 1 KiB rows, fresh contents every run), the turn the same
+    conversation TURN_NEW bytes of KV later (its rows land at the end of every K and V block)."""
+    if not state:
+        data = os.urandom(size)
+        return data, data + os.urandom(TURN_NEW)
+    from e2e import ggsq
+
+    spec = ggsq.Spec(n_layer=32, row_bytes=1024, seed=os.urandom(8))
+    per = spec.bytes_per_token
+    tokens = ggsq.synthetic_tokens(size // per, seed=int.from_bytes(os.urandom(4)))
+    more = tokens + ggsq.synthetic_tokens(TURN_NEW // per, seed=int.from_bytes(os.urandom(4)))
+    return ggsq.synthetic_bytes(tokens, spec), ggsq.synthetic_bytes(more, spec)
 
 
 def chunk_hash_throughput(data: bytes) -> float:
@@ -280,6 +293,7 @@ def _baseline(work: Path, extra: list[str], readahead_kb: int, src: Path | None)
 @dataclass
 class Results:
     size: int
+    state: bool = False  # llama.cpp state files instead of random bytes
     samples: dict[str, dict[str, list[Sample]]] = field(default_factory=dict)
     orders: list[list[str]] = field(default_factory=list)
     throughput: list[float] = field(default_factory=list)
@@ -292,10 +306,10 @@ class Results:
 
 
 def one_run(run_no: int, targets: list[Target], fs: list[Mount], res: Results) -> None:
-    size = res.size
-    data = memoryview(make_snapshot(size))
-    res.throughput.append(chunk_hash_throughput(bytes(data)))
-    turn = memoryview(bytes(data) + os.urandom(TURN_NEW))
+    first, second = make_snapshot(res.size, res.state)
+    data, turn = memoryview(first), memoryview(second)
+    size = len(first)  # a state file is whole tokens long, not exactly --size
+    res.throughput.append(chunk_hash_throughput(first))
     k = run_no % len(targets)
     order = targets[k:] + targets[:k]
     res.orders.append([t.name for t in order])
@@ -321,7 +335,7 @@ def one_run(run_no: int, targets: list[Target], fs: list[Mount], res: Results) -
 def run(args: argparse.Namespace) -> dict:
     size = cfgmod.parse_size(args.size)
     work = Path(tempfile.mkdtemp(prefix="kvcfs-bench-", dir=Path(args.dir)))
-    res = Results(size)
+    res = Results(size, args.state)
     targets: list[Target] = []
     try:
         base_extra = None if args.baseline_mount_args is None else args.baseline_mount_args.split()
@@ -458,6 +472,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="415MiB")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--state", action="store_true",
+                   help="save llama.cpp state files (32 layers, 1 KiB rows) instead of random bytes")
     p.add_argument("--dir", default="/var/tmp", help="where plain files and the store go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
     p.add_argument("--baseline-src", type=Path, help="also measure kv-chunk-fs from this src/ (e.g. an older commit's)")

@@ -50,7 +50,7 @@ def test_every_layout_round_trips_and_is_grouped(name):
 
 @settings(max_examples=50, deadline=None)
 @given(
-    st.integers(1, 6), st.integers(1, 40), st.sampled_from([1, 2, 4]), st.integers(0, 20), st.integers(0, 16),
+    st.integers(1, 6), st.integers(1, 40), st.sampled_from([1, 2, 3, 4, 8]), st.integers(0, 20), st.integers(0, 16),
     st.booleans(), st.integers(0, 2**32),
 )
 def test_to_stream_and_back(count, cells, el, runs, lead, trans, seed):

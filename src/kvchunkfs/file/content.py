@@ -189,6 +189,7 @@ class FileContent:
         self.group_w = chunker.group_w
         self._layout: tuple[Index, int, list[Segment]] | None = None  # (index, its size, its groups)
         self._decoded: tuple[Index, int, memoryview] | None = None  # (index, group start, file bytes)
+        self._decode_lock = threading.Lock()
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -486,14 +487,20 @@ class FileContent:
 
     def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks) -> memoryview:
         """A group's file bytes; the last one asked for is kept (a restore reads a group in many
-        pieces, in order). Concurrent readers may decode the same group twice: no lock to wait on."""
+        pieces, in order). One decode at a time: the kernel sends several reads of a group at once,
+        and each would otherwise fetch and invert all of it. Only reader threads wait here; the
+        event loop's ``decoded`` never takes the lock."""
         known = self._decoded
         if known is not None and known[0] is index and known[1] == g.start:
             return known[2]
-        assert g.end is not None
-        data = memoryview(relayout.to_file(g, read_chunks(index, g.start, g.end - g.start)))
-        self._decoded = (index, g.start, data)
-        return data
+        with self._decode_lock:
+            known = self._decoded
+            if known is not None and known[0] is index and known[1] == g.start:
+                return known[2]
+            assert g.end is not None
+            data = memoryview(relayout.to_file(g, read_chunks(index, g.start, g.end - g.start)))
+            self._decoded = (index, g.start, data)
+            return data
 
     def plain_range(self, offset: int, size: int) -> bool:
         """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
@@ -566,7 +573,13 @@ class FileContent:
             self.cond.notify_all()
 
     def _work_ready(self) -> bool:
-        return self._stop or len(self.buf) >= BATCH or (self._drain and bool(self.buf))
+        if self._stop or (self._drain and bool(self.buf)):
+            return True
+        if len(self.buf) < BATCH:
+            return False
+        # A group (chunker relayout) is cut once whole: until its last byte is queued a turn would
+        # only copy it again, unless the writer is held back by the backlog.
+        return self.end >= self.cut_state.waits_for or len(self.buf) > MAX_BACKLOG // 2
 
     def _run_once(self) -> bool:
         """One batch: take queued bytes, cut and store them; False when the worker should stop."""

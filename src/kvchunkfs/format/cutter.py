@@ -51,6 +51,14 @@ class CutState:
     next: ls.State | None
 
     @property
+    def waits_for(self) -> int:
+        """The file offset before which nothing can be cut: the end of a group being gathered."""
+        segs = self.segments
+        if segs and segs[0].group is not None and segs[0].end is not None:
+            return segs[0].end
+        return 0
+
+    @property
     def plain_cdc(self) -> bool:
         """From here to the end of the file the cut is FastCDC from each chunk's start (a ``cdc``
         store, or an opaque segment that runs to the end of the file)."""

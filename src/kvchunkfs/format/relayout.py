@@ -28,57 +28,81 @@ ReadAt = Callable[[int, int], bytes]
 Buffer = bytes | bytearray | memoryview
 
 
+_TYPED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_BLOCK = 64  # dimensions transposed at a time: the source rows stay in cache
+
+
 def _parts(g: Group) -> tuple[int, int]:
     """(bytes of the headers, bytes of one block's rows)."""
     return g.lead + HEAD * g.count, g.cells * g.width
 
 
-def _block_rows(g: Group, data: np.ndarray) -> np.ndarray:
-    """One block's bytes as (cells, width): rows, or a transposed V block's elements per cell."""
+def _transpose(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst`` = ``src``.T in blocks of rows (a plain transposing copy misses the cache)."""
+    for r in range(0, src.shape[0], _BLOCK):
+        dst[:, r : r + _BLOCK] = src[r : r + _BLOCK].T
+
+
+def _typed(a: np.ndarray, el: int) -> np.ndarray:
+    """``a`` (last axis a whole number of elements) seen as ``el``-byte elements."""
+    dt = _TYPED.get(el)
+    return a.view(dt) if dt is not None else a.reshape(*a.shape[:-1], -1, el)
+
+
+def _put(g: Group, records: np.ndarray, i: int, block: np.ndarray, back: bool) -> None:
+    """Copy block ``i``'s rows between the file form (``block``) and its columns of ``records``."""
+    cols = records[:, i * g.width : (i + 1) * g.width]
     if not g.el:
-        return data.reshape(g.cells, g.width)
-    return data.reshape(g.width // g.el, g.cells, g.el).transpose(1, 0, 2).reshape(g.cells, g.width)
+        rows = block.reshape(g.cells, g.width)
+        if back:
+            rows[:] = cols
+        else:
+            cols[:] = rows
+        return
+    runs = _typed(block.reshape(g.width // g.el, g.cells * g.el), g.el).reshape(g.width // g.el, g.cells, -1)
+    per_cell = _typed(cols, g.el).reshape(g.cells, g.width // g.el, -1)
+    if g.el not in _TYPED:  # an element size no integer type has: a plain (slower) transpose
+        if back:
+            runs[:] = per_cell.transpose(1, 0, 2)
+        else:
+            per_cell[:] = runs.transpose(1, 0, 2)
+        return
+    runs2, cells2 = runs[..., 0], per_cell[..., 0]
+    if back:
+        _transpose(runs2, cells2)
+    else:
+        _transpose(cells2, runs2)
 
 
-def to_stream(seg: Segment, src: Buffer) -> bytearray:
+def _permute(seg: Segment, src: Buffer, back: bool) -> memoryview:
+    g = seg.group
+    assert g is not None
+    heads, body = _parts(g)
+    s = np.frombuffer(src, np.uint8)
+    o = np.empty(len(s), np.uint8)
+    stream, file = (s, o) if back else (o, s)
+    records = stream[heads:].reshape(g.cells, g.count * g.width)
+    at, hp = 0, 0
+    for i in range(g.count):
+        h = HEAD + (g.lead if i == 0 else 0)
+        if back:
+            file[at : at + h] = stream[hp : hp + h]
+        else:
+            stream[hp : hp + h] = file[at : at + h]
+        hp, at = hp + h, at + h
+        _put(g, records, i, file[at : at + body], back)
+        at += body
+    return o.data
+
+
+def to_stream(seg: Segment, src: Buffer) -> memoryview:
     """The stored form of a group's file bytes ``src`` (exactly ``seg.end - seg.start`` bytes)."""
-    g = seg.group
-    assert g is not None
-    heads, body = _parts(g)
-    s = np.frombuffer(src, np.uint8)
-    out = bytearray(len(s))
-    o = np.frombuffer(out, np.uint8)
-    records = o[heads:].reshape(g.cells, g.count * g.width)
-    at, hp = 0, 0
-    for i in range(g.count):
-        h = HEAD + (g.lead if i == 0 else 0)
-        o[hp : hp + h] = s[at : at + h]
-        hp, at = hp + h, at + h
-        records[:, i * g.width : (i + 1) * g.width] = _block_rows(g, s[at : at + body])
-        at += body
-    return out
+    return _permute(seg, src, back=False)
 
 
-def to_file(seg: Segment, src: Buffer) -> bytearray:
+def to_file(seg: Segment, src: Buffer) -> memoryview:
     """The file bytes of a group from its stored form (the inverse of ``to_stream``)."""
-    g = seg.group
-    assert g is not None
-    heads, body = _parts(g)
-    s = np.frombuffer(src, np.uint8)
-    out = bytearray(len(s))
-    o = np.frombuffer(out, np.uint8)
-    records = s[heads:].reshape(g.cells, g.count * g.width)
-    at, hp = 0, 0
-    for i in range(g.count):
-        h = HEAD + (g.lead if i == 0 else 0)
-        o[at : at + h] = s[hp : hp + h]
-        hp, at = hp + h, at + h
-        cols = records[:, i * g.width : (i + 1) * g.width]
-        if g.el:  # back to one run per dimension
-            cols = cols.reshape(g.cells, g.width // g.el, g.el).transpose(1, 0, 2)
-        o[at : at + body] = cols.reshape(-1)
-        at += body
-    return out
+    return _permute(seg, src, back=True)
 
 
 def groups(read: ReadAt, size: int, group_w: int) -> list[Segment]:

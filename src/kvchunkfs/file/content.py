@@ -683,8 +683,9 @@ class FileContent:
         """
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
         state, tail = self.chunker.initial(), b""
+        held: list[bytes] = []  # batches held back until a group being gathered is whole
         for part in _extents(fd):
-            if isinstance(part, int) and state.plain_cdc:
+            if isinstance(part, int) and state.plain_cdc:  # never with batches held (no group)
                 stream = StreamChunker(self.chunker.cdc, tail)
                 runs = stream.feed_zeros(part)
                 self._store_runs(index, runs)
@@ -692,8 +693,12 @@ class FileContent:
                 tail = stream.tail
                 continue
             for data in _zero_batches(part) if isinstance(part, int) else (part,):
-                state, tail = self._cut_staged(index, state, tail, data, final=False)
-        self._cut_staged(index, state, tail, b"", final=True)
+                held.append(data)
+                if state.pos + len(tail) + sum(map(len, held)) < state.waits_for:
+                    continue
+                state, tail = self._cut_staged(index, state, tail, b"".join(held), final=False)
+                held.clear()
+        self._cut_staged(index, state, tail, b"".join(held), final=True)
         return index
 
     def _cut_staged(

@@ -160,6 +160,58 @@ class Action(enum.Enum):
 ReadChunks = Callable[[Index, int, int], bytes]
 
 
+class GroupDecode:
+    """One stored group (chunker relayout) being put back in file order on a thread of its own,
+    fed its chunks in order a few MiB at a time, so readers of its first block follow the fetch."""
+
+    STEP = 2 << 20  # stored bytes fetched and put in place per step
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.unpermute = relayout.Unpermute(seg)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def run(self, index: Index, reader: ReadChunks) -> None:
+        g, u = self.seg, self.unpermute
+        assert g.end is not None
+        try:
+            views = getattr(reader, "views", None)  # files.HandleReader: the chunks' own buffers
+            fed = callable(views)
+            first, last = index.find(g.start), index.find(g.end - 1)
+            i = first
+            while fed and i <= last:
+                j = i
+                while j <= last and index.start(j) - index.start(i) < self.STEP:
+                    j += 1
+                stop = index.start(j) if j <= last else g.end
+                # Chunks back to back in a run buffer come as one view: few numpy copies a step.
+                fed = u.feed(views(index, index.start(i), stop - index.start(i)))  # type: ignore[misc]
+                with self.cond:
+                    self.cond.notify_all()
+                i = j
+            if not fed or not u.done:  # records wider than a chunk: all at once
+                u.set_all(reader(index, g.start, g.end - g.start))
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                log.exception("putting a group back failed")
+            self.error = e
+        finally:
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def wait(self, off: int, size: int) -> memoryview:
+        """Group-relative file bytes, once in place (reader threads only: this waits)."""
+        u = self.unpermute
+        with self.cond:
+            self.cond.wait_for(lambda: u.ready(off, size) or self.finished)
+        if not u.ready(off, size):
+            raise self.error or OSError(errno.EIO, "a stored group could not be put back")
+        return u.data[off : off + size]
+
+
 class FileContent:
     def __init__(
         self,
@@ -188,8 +240,11 @@ class FileContent:
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.group_w = chunker.group_w
         self._layout: tuple[Index, int, list[Segment]] | None = None  # (index, its size, its groups)
-        self._decoded: tuple[Index, int, memoryview] | None = None  # (index, group start, file bytes)
+        # Groups being put back in file order: (index, {group start: its decode}), copy on write:
+        # the event loop reads it without a lock. The lock guards only this bookkeeping.
+        self._decodes: tuple[Index, dict[int, GroupDecode]] | None = None
         self._decode_lock = threading.Lock()
+        self._reading = -1  # start of the group a reader asked for last
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -465,9 +520,8 @@ class FileContent:
             if pos < g.start:
                 parts.append(read_chunks(index, pos, g.start - pos))
                 pos = g.start
-            data = self._group_bytes(index, g, read_chunks)
             stop = min(end, g.end)
-            parts.append(data[pos - g.start : stop - g.start])
+            parts.append(self._group_bytes(index, g, read_chunks, pos - g.start, stop - pos))
             pos = stop
         if pos < end:
             parts.append(read_chunks(index, pos, end - pos))
@@ -485,22 +539,50 @@ class FileContent:
         self._layout = (index, isize, found)
         return found
 
-    def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks) -> memoryview:
-        """A group's file bytes; the last one asked for is kept (a restore reads a group in many
-        pieces, in order). One decode at a time: the kernel sends several reads of a group at once,
-        and each would otherwise fetch and invert all of it. Only reader threads wait here; the
-        event loop's ``decoded`` never takes the lock."""
-        known = self._decoded
-        if known is not None and known[0] is index and known[1] == g.start:
-            return known[2]
+    def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> memoryview:
+        """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode has put them in
+        place (a thread per group; the next group is decoded ahead, at most one)."""
+        d = self._decode(index, g, read_chunks)
+        if self._reading != g.start:
+            self._reading = g.start
+            if d.finished:
+                self._decode_next(index, g, read_chunks)
+        return d.wait(off, size)
+
+    def _decode(self, index: Index, g: Segment, read_chunks: ReadChunks) -> GroupDecode:
+        """The decode of ``g``, started if needed. Groups before the one before it are dropped (a
+        late read of the previous group may still come)."""
         with self._decode_lock:
-            known = self._decoded
-            if known is not None and known[0] is index and known[1] == g.start:
-                return known[2]
-            assert g.end is not None
-            data = memoryview(relayout.to_file(g, read_chunks(index, g.start, g.end - g.start)))
-            self._decoded = (index, g.start, data)
-            return data
+            known = self._decodes
+            decodes = dict(known[1]) if known is not None and known[0] is index else {}
+            d = decodes.get(g.start)
+            if d is None:
+                d = decodes[g.start] = GroupDecode(g)
+                earlier = sorted(start for start in decodes if start < g.start)
+                for start in earlier[:-1]:
+                    del decodes[start]
+                self._decodes = (index, decodes)
+                fresh = True
+            else:
+                fresh = False
+        if fresh:
+            detached = getattr(read_chunks, "detached", None)  # files.HandleReader: a cursor of its own
+            reader = detached() if detached else read_chunks
+            threading.Thread(target=self._run_decode, args=(index, d, reader), name="group", daemon=True).start()
+        return d
+
+    def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks) -> None:
+        d.run(index, reader)
+        if self._reading == d.seg.start and not self._stop:
+            self._decode_next(index, d.seg, reader)
+
+    def _decode_next(self, index: Index, g: Segment, read_chunks: ReadChunks) -> None:
+        known = self._layout
+        if known is None or known[0] is not index:
+            return
+        later = [x for x in known[2] if x.start > g.start]
+        if later:
+            self._decode(index, later[0], read_chunks)
 
     def plain_range(self, offset: int, size: int) -> bool:
         """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
@@ -514,14 +596,16 @@ class FileContent:
         return not any(g.start < end and offset < (g.end or 0) for g in known[2])
 
     def decoded(self, offset: int, size: int) -> memoryview | None:
-        """The bytes if the kept group holds all of them (no I/O: the event loop may call it)."""
-        known = self._decoded
+        """The bytes if a group being put back holds all of them in place already (no wait, no
+        lock: the event loop calls it)."""
+        known = self._decodes
         if known is None or known[0] is not self.index:
             return None
-        rel = offset - known[1]
-        if rel < 0 or rel + size > len(known[2]):
-            return None
-        return known[2][rel : rel + size]
+        for d in known[1].values():
+            start, end = d.seg.start, d.seg.end or 0
+            if start <= offset and offset + size <= end and d.unpermute.ready(offset - start, size):
+                return d.unpermute.data[offset - start : offset - start + size]
+        return None
 
     # -- the chunking worker ----------------------------------------------------------------
 

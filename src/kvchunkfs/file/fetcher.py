@@ -156,6 +156,23 @@ class Fetcher:
         self._advance(index, end, last, offset, cursor)
         return _assemble(index, offset, end, first, last, self.get_many(index.ids[first : last + 1]))
 
+    def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
+        """``read`` as the chunks' own buffers (the first and last cut to the range), not joined."""
+        end = min(offset + size, index.size)
+        if offset >= end:
+            return []
+        first, last = index.find(offset), index.find(end - 1)
+        if cursor is not None:  # a large read (a whole group): its chunks by the workers, in runs
+            self._prefetch(index, first, end, cursor)
+        self._advance(index, end, last, offset, cursor)
+        ids = index.ids[first : last + 1]
+        datas = self.get_many(ids)
+        _check_lengths(index, first, datas)
+        views = _coalesced(self.cache.get_all(ids), datas)
+        views[-1] = views[-1][: len(views[-1]) - (index.ends[last] - end)]
+        views[0] = views[0][offset - index.start(first) :]
+        return views
+
     def read_cached(self, index: Index, offset: int, size: int, cursor: Cursor) -> Buffer | None:
         """The read if every chunk it needs is cached already, else None; never blocks.
 
@@ -350,10 +367,31 @@ def _span(located: Sequence[Located], head: int, length: int) -> memoryview | No
     return run.buf[start + head : start + head + length]
 
 
-def _assemble(index: Index, offset: int, end: int, first: int, last: int, datas: Sequence[Buffer]) -> bytes:
+def _coalesced(located: list[Located] | None, datas: Sequence[Buffer]) -> list[memoryview]:
+    """The chunks as views, neighbours that lie back to back in one run buffer as one view (a
+    restore's chunks usually do: they were saved, and are read, in order)."""
+    if located is None or any(e.data is not d for e, d in zip(located, datas, strict=True)):
+        return [memoryview(d) for d in datas]
+    out: list[memoryview] = []
+    run, start, pos = None, -1, -1
+    for e in located:
+        if run is not None and e.run is run and e.start == pos and start >= 0 and run.buf is not None:
+            pos += len(e.data)
+            out[-1] = run.buf[start:pos]
+            continue
+        out.append(memoryview(e.data))
+        run, start, pos = e.run, e.start, e.start + len(e.data)
+    return out
+
+
+def _check_lengths(index: Index, first: int, datas: Sequence[Buffer]) -> None:
     for i, data in enumerate(datas, first):
         if len(data) != index.length(i):  # the map's chunk is not the one the index means: never wrong bytes
             raise ChunkCorrupt(f"chunk {index.ids[i].hex()} is {len(data)} bytes, the index says {index.length(i)}")
+
+
+def _assemble(index: Index, offset: int, end: int, first: int, last: int, datas: Sequence[Buffer]) -> bytes:
+    _check_lengths(index, first, datas)
     head = offset - index.start(first)
     if first == last:
         return bytes(datas[0][head : head + end - offset])

@@ -15,7 +15,7 @@ in both), so ``groups`` finds the permuted ranges of a stub's stream from the st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,29 +49,43 @@ def _typed(a: np.ndarray, el: int) -> np.ndarray:
     return a.view(dt) if dt is not None else a.reshape(*a.shape[:-1], -1, el)
 
 
-def _put(g: Group, records: np.ndarray, i: int, block: np.ndarray, back: bool) -> None:
-    """Copy block ``i``'s rows between the file form (``block``) and its columns of ``records``."""
+def _put(g: Group, records: np.ndarray, i: int, block: np.ndarray, back: bool, c0: int = 0) -> None:
+    """Copy block ``i``'s rows of cells ``[c0, c0 + len(records))`` between the file form
+    (``block``: the whole block) and their columns of ``records``."""
+    k = records.shape[0]
     cols = records[:, i * g.width : (i + 1) * g.width]
     if not g.el:
-        rows = block.reshape(g.cells, g.width)
+        rows = block.reshape(g.cells, g.width)[c0 : c0 + k]
         if back:
             rows[:] = cols
         else:
             cols[:] = rows
         return
-    runs = _typed(block.reshape(g.width // g.el, g.cells * g.el), g.el).reshape(g.width // g.el, g.cells, -1)
-    per_cell = _typed(cols, g.el).reshape(g.cells, g.width // g.el, -1)
+    n = g.width // g.el
+    runs = _typed(block.reshape(n, g.cells * g.el), g.el).reshape(n, g.cells, -1)[:, c0 : c0 + k]
+    per_cell = _typed(cols, g.el).reshape(k, n, -1)
     if g.el not in _TYPED:  # an element size no integer type has: a plain (slower) transpose
         if back:
             runs[:] = per_cell.transpose(1, 0, 2)
         else:
             per_cell[:] = runs.transpose(1, 0, 2)
         return
-    runs2, cells2 = runs[..., 0], per_cell[..., 0]
     if back:
-        _transpose(runs2, cells2)
+        _transpose(runs[..., 0], per_cell[..., 0])
     else:
-        _transpose(cells2, runs2)
+        _transpose(per_cell[..., 0], runs[..., 0])
+
+
+def _heads(g: Group) -> list[tuple[int, int, int]]:
+    """Per block: (its header's offset in the stream, in the file, its length); its rows follow
+    the header in the file."""
+    out, hp, at = [], 0, 0
+    body = g.cells * g.width
+    for i in range(g.count):
+        h = HEAD + (g.lead if i == 0 else 0)
+        out.append((hp, at, h))
+        hp, at = hp + h, at + h + body
+    return out
 
 
 def _permute(seg: Segment, src: Buffer, back: bool) -> memoryview:
@@ -82,16 +96,12 @@ def _permute(seg: Segment, src: Buffer, back: bool) -> memoryview:
     o = np.empty(len(s), np.uint8)
     stream, file = (s, o) if back else (o, s)
     records = stream[heads:].reshape(g.cells, g.count * g.width)
-    at, hp = 0, 0
-    for i in range(g.count):
-        h = HEAD + (g.lead if i == 0 else 0)
+    for i, (hp, at, h) in enumerate(_heads(g)):
         if back:
             file[at : at + h] = stream[hp : hp + h]
         else:
             stream[hp : hp + h] = file[at : at + h]
-        hp, at = hp + h, at + h
-        _put(g, records, i, file[at : at + body], back)
-        at += body
+        _put(g, records, i, file[at + h : at + h + body], back)
     return o.data
 
 
@@ -103,6 +113,90 @@ def to_stream(seg: Segment, src: Buffer) -> memoryview:
 def to_file(seg: Segment, src: Buffer) -> memoryview:
     """The file bytes of a group from its stored form (the inverse of ``to_stream``)."""
     return _permute(seg, src, back=True)
+
+
+class Unpermute:
+    """A group put back in file order as its stored bytes arrive, in order: a restore reads the
+    group's first block while the rest of it is still being fetched. ``feed`` the stored chunks in
+    order; ``ready`` says whether a range (group-relative, file order) is in place; ``data`` is the
+    file form (only ranges that are ready hold their bytes)."""
+
+    def __init__(self, seg: Segment) -> None:
+        g = seg.group
+        assert g is not None
+        self.g = g
+        self.heads, self.body = _parts(g)
+        self.blocks = _heads(g)
+        self.out = np.empty(self.heads + g.count * self.body, np.uint8)
+        self.data = self.out.data
+        self._head = bytearray()
+        self.cells = 0  # cells whose rows are in place in every block
+
+    @property
+    def done(self) -> bool:
+        return self.cells == self.g.cells and len(self._head) == self.heads
+
+    def feed(self, pieces: Sequence[Buffer]) -> bool:
+        """Put the next stored bytes in place; False if a piece past the headers is not whole
+        records (records wider than a chunk): the caller then joins the group and uses ``to_file``."""
+        g, rec = self.g, self.g.count * self.g.width
+        for piece in pieces:
+            a = np.frombuffer(piece, np.uint8)
+            if len(self._head) < self.heads:
+                take = min(self.heads - len(self._head), len(a))
+                self._head += a[:take].tobytes()
+                a = a[take:]
+                if len(self._head) == self.heads:
+                    hv = np.frombuffer(self._head, np.uint8)
+                    for hp, at, h in self.blocks:
+                        self.out[at : at + h] = hv[hp : hp + h]
+            if not len(a):
+                continue
+            if len(a) % rec or self.cells + len(a) // rec > g.cells:
+                return False
+            records = a.reshape(-1, rec)
+            for i, (_hp, at, h) in enumerate(self.blocks):
+                _put(g, records, i, self.out[at + h : at + h + self.body], True, self.cells)
+            self.cells += records.shape[0]
+        return True
+
+    def set_all(self, src: Buffer) -> None:
+        """Everything at once from the joined stored form."""
+        self.out[:] = np.frombuffer(to_file_whole(self.g, src), np.uint8)
+        self._head = bytearray(self.heads)
+        self.cells = self.g.cells
+
+    def ready(self, off: int, size: int) -> bool:
+        """Whether group-relative file bytes ``[off, off + size)`` are in place."""
+        if self.done:
+            return True
+        end = off + size
+        have_heads = len(self._head) == self.heads
+        for _hp, at, h in self.blocks:
+            rows, stop = at + h, at + h + self.body
+            if end <= at or off >= stop:
+                continue
+            if off < rows and not have_heads:
+                return False
+            if end > rows:
+                filled = rows + (self.cells * self.g.width if not self.g.el else 0)
+                if end > filled:
+                    return False
+        return True
+
+
+def to_file_whole(g: Group, src: Buffer) -> memoryview:
+    seg = Segment(0, len(src), 0, 0, 0, 0, g)
+    return to_file(seg, src)
+
+
+def to_file_from(seg: Segment, pieces: Sequence[Buffer]) -> memoryview | None:
+    """``to_file`` of the stored form given as its chunks in order, without joining them; None if
+    a chunk past the headers is not whole records."""
+    u = Unpermute(seg)
+    if not u.feed(pieces) or not u.done:
+        return None
+    return u.data
 
 
 def groups(read: ReadAt, size: int, group_w: int) -> list[Segment]:

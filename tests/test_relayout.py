@@ -261,3 +261,32 @@ def test_a_group_being_put_back_is_ready_exactly_where_its_bytes_are(count, cell
         if not trans:
             assert u.ready(16 + 12, min(u.cells, cells) * width)
     assert u.done and bytes(u.data) == src
+
+
+def test_a_restore_soon_after_reuses_the_groups_put_back(kvfs):
+    """Groups put back for one open are kept (by content) for the next: a second restore fetches
+    no chunk and returns the same bytes; a rewrite with other content is not served from them."""
+    mnt = Path(kvfs.mnt)
+    spec = ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True)
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1200, 31), spec)
+    _write(mnt / "s", data)
+    kvfs.remount()  # empty caches
+    mnt = Path(kvfs.mnt)
+
+    def asked() -> int:  # chunks the daemon looked up in its cache (hit or miss)
+        st = kvfs.stats()
+        return st["cache_hits"] + st["cache_misses"]
+
+    def restore() -> int:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")  # the read must reach the daemon
+        before = asked()
+        assert (mnt / "s").read_bytes() == data
+        return asked() - before
+
+    first = restore()
+    second = restore()
+    assert first > 100 and second < first // 4, (first, second)
+    other = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1200, 32), spec)  # same shape, other rows
+    _write(mnt / "s", other)
+    assert (mnt / "s").read_bytes() == other

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import enum
 import errno
+import hashlib
 import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -160,6 +162,45 @@ class Action(enum.Enum):
 ReadChunks = Callable[[Index, int, int], bytes]
 
 
+class DecodedGroups:
+    """Groups put back lately, by content (their shape and the chunk ids of their range), for any
+    open file: a restore soon after another of the same snapshot (the page cache dropped or
+    invalidated by a touch) does not put them back again. Bounded by bytes."""
+
+    def __init__(self, capacity: int = 64 << 20) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, GroupDecode] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(index: Index, g: Segment) -> bytes:
+        assert g.end is not None and g.group is not None
+        first, last = index.find(g.start), index.find(g.end - 1)
+        shape = repr((g.group, g.start, g.end, index.start(first))).encode()  # same place, same shape
+        return hashlib.sha256(b"".join([shape, *index.ids[first : last + 1]])).digest()
+
+    def get(self, key: bytes) -> GroupDecode | None:
+        with self._lock:
+            d = self._lru.get(key)
+            if d is not None:
+                self._lru.move_to_end(key)
+            return d
+
+    def put(self, key: bytes, d: GroupDecode) -> None:
+        n = len(d.unpermute.data)
+        if n > self.capacity // 2:
+            return
+        with self._lock:
+            if key in self._lru:
+                return
+            self._lru[key] = d
+            self._size += n
+            while self._size > self.capacity:
+                _, old = self._lru.popitem(last=False)
+                self._size -= len(old.unpermute.data)
+
+
 class GroupDecode:
     """One stored group (chunker relayout) being put back in file order on a thread of its own,
     fed its chunks in order a few MiB at a time, so readers of its first block follow the fetch."""
@@ -224,6 +265,7 @@ class FileContent:
         keep_partial_page: bool = False,
         max_size: int = 1 << 62,
         successors: Successors | None = None,
+        decoded_groups: DecodedGroups | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -239,6 +281,7 @@ class FileContent:
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.group_w = chunker.group_w
+        self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
         self._layout: tuple[Index, int, list[Segment]] | None = None  # (index, its size, its groups)
         # Groups being put back in file order: (index, {group start: its decode}), copy on write:
         # the event loop reads it without a lock. The lock guards only this bookkeeping.
@@ -556,23 +599,27 @@ class FileContent:
             known = self._decodes
             decodes = dict(known[1]) if known is not None and known[0] is index else {}
             d = decodes.get(g.start)
+            fresh = d is None
             if d is None:
-                d = decodes[g.start] = GroupDecode(g)
+                key = DecodedGroups.key(index, g) if self.decoded_groups is not None else b""
+                done = self.decoded_groups.get(key) if self.decoded_groups is not None else None
+                d = decodes[g.start] = done if done is not None else GroupDecode(g)
+                fresh = done is None
                 earlier = sorted(start for start in decodes if start < g.start)
                 for start in earlier[:-1]:
                     del decodes[start]
                 self._decodes = (index, decodes)
-                fresh = True
-            else:
-                fresh = False
         if fresh:
             detached = getattr(read_chunks, "detached", None)  # files.HandleReader: a cursor of its own
             reader = detached() if detached else read_chunks
-            threading.Thread(target=self._run_decode, args=(index, d, reader), name="group", daemon=True).start()
+            args = (index, d, reader, key)
+            threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
         return d
 
-    def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks) -> None:
+    def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks, key: bytes) -> None:
         d.run(index, reader)
+        if self.decoded_groups is not None and d.error is None and d.unpermute.done:
+            self.decoded_groups.put(key, d)
         if self._reading == d.seg.start and not self._stop:
             self._decode_next(index, d.seg, reader)
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchunkfs.file.content import ChunkPool, FileContent
+from kvchunkfs.file.content import ChunkPool, DecodedGroups, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.file.predict import Successors
 from kvchunkfs.format import relayout
@@ -79,6 +79,8 @@ class Files:
         # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
+        # Groups of relayout files put back lately, for the next restore of the same snapshot.
+        self.decoded_groups = DecodedGroups()
 
     def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -115,6 +117,7 @@ class Files:
             keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
             successors=self.successors,
+            decoded_groups=self.decoded_groups,
         )
 
     def load(self, rel: str) -> FileContent:

@@ -149,6 +149,25 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     assert b.stats()["remote_chunk_gets"] == 0
 
 
+def test_a_relayout_state_file_saved_on_a_restores_on_b(hosts: Hosts) -> None:
+    """A state file of a relayout store (K/V groups stored token-major): the bucket holds the
+    stored stream, which puts back into the file; host B restores the file byte for byte."""
+    from e2e import ggsq
+    from kvchunkfs.format import relayout
+    from kvchunkfs.format.cutter import GROUP_WIDTH
+
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, 41), ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True))
+    a, b = hosts.new("a"), hosts.new("b")
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    stored = remote_bytes(hosts.bucket, "state")
+    assert len(stored) == len(data) and stored != data
+    assert relayout.file_bytes(stored, GROUP_WIDTH) == data
+    assert read_visible(b, "state") == data
+    b.remount()
+    assert read_direct(b.path("state")) == data
+
+
 def test_shared_prompt_is_stored_once_in_the_bucket(hosts: Hosts) -> None:
     prompt = rand_bytes(4 * MiB, 10)
     a, b = hosts.new("a"), hosts.new("b")

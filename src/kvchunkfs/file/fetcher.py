@@ -67,9 +67,10 @@ class ChunkCache:
             self._data.move_to_end(cid)
             return entry.data
 
-    def get_all(self, cids: Sequence[bytes]) -> list[Located] | None:
+    def get_all(self, cids: Sequence[bytes], count: bool = True) -> list[Located] | None:
         """Every chunk of a read, or None if one is missing; one lock round for all (the FUSE thread
-        calls this for every read, while the prefetch workers fill the cache). Counts the hits."""
+        calls this for every read, while the prefetch workers fill the cache). Counts the hits
+        unless ``count`` is False (the chunks were just counted by ``get_many``)."""
         out = []
         with self._lock:
             for cid in cids:
@@ -79,7 +80,8 @@ class ChunkCache:
                 out.append(entry)
             for cid in cids:
                 self._data.move_to_end(cid)
-            self.hits += len(out)
+            if count:
+                self.hits += len(out)
         return out
 
     def count(self, hits: int = 0, misses: int = 0) -> None:
@@ -168,7 +170,7 @@ class Fetcher:
         ids = index.ids[first : last + 1]
         datas = self.get_many(ids)
         _check_lengths(index, first, datas)
-        views = _coalesced(self.cache.get_all(ids), datas)
+        views = _coalesced(self.cache.get_all(ids, count=False), datas)
         views[-1] = views[-1][: len(views[-1]) - (index.ends[last] - end)]
         views[0] = views[0][offset - index.start(first) :]
         return views

@@ -86,8 +86,9 @@ class Files:
         return self.fetcher.read(index, offset, size)
 
     def read_file(self, index: Index, offset: int, size: int) -> bytes:
-        """The file's bytes (stored groups of chunker relayout put back): tools and tests. Open
-        files read through their ``FileContent``, which keeps the group it decoded last."""
+        """The file's bytes (stored groups of chunker relayout put back, each whole): tools and
+        tests. Open files read through their ``FileContent``, which puts groups back as their chunks
+        arrive and keeps them for the next reads."""
         read = self.read_chunks
         found = relayout.groups(lambda off, n: read(index, off, n), index.size, self.repo.chunker.group_w)
         out = bytearray(read(index, offset, size))

@@ -162,7 +162,8 @@ class Unpermute:
 
     def set_all(self, src: Buffer) -> None:
         """Everything at once from the joined stored form."""
-        self.out[:] = np.frombuffer(to_file_whole(self.g, src), np.uint8)
+        data = to_file(Segment(0, len(src), 0, 0, 0, 0, self.g), src)
+        self.out, self.data = np.frombuffer(data, np.uint8), data
         self._head = bytearray(self.heads)
         self.cells = self.g.cells
 
@@ -183,20 +184,6 @@ class Unpermute:
                 if end > filled:
                     return False
         return True
-
-
-def to_file_whole(g: Group, src: Buffer) -> memoryview:
-    seg = Segment(0, len(src), 0, 0, 0, 0, g)
-    return to_file(seg, src)
-
-
-def to_file_from(seg: Segment, pieces: Sequence[Buffer]) -> memoryview | None:
-    """``to_file`` of the stored form given as its chunks in order, without joining them; None if
-    a chunk past the headers is not whole records."""
-    u = Unpermute(seg)
-    if not u.feed(pieces) or not u.done:
-        return None
-    return u.data
 
 
 def groups(read: ReadAt, size: int, group_w: int) -> list[Segment]:
@@ -228,11 +215,3 @@ def file_bytes(stream: Buffer, group_w: int) -> bytes:
         out[seg.start : seg.end] = to_file(seg, view[seg.start : seg.end])
     return bytes(out)
 
-
-def containing(found: list[Segment], pos: int) -> Segment | None:
-    """The group of ``found`` whose bytes hold ``pos``, if any."""
-    for seg in found:
-        assert seg.end is not None
-        if seg.start <= pos < seg.end:
-            return seg
-    return None

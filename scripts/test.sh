@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then the test tiers in fail-fast order: lint and types, unit tests (no FUSE), the real-mount
-# suite (needs root and /dev/fuse), then a "busy machine" round: the core streaming tests again with
-# a CPU hog beside them and the chunker worker slowed and sped at random (tests/conftest.py BUSY).
+# Set up, then the test tiers in fail-fast order (Makefile): lint and types; unit tests (no FUSE);
+# the exhaustive interleavings of the streaming writer; the real-mount suite (root and /dev/fuse);
+# a "busy machine" round: the core streaming tests again with a CPU hog beside them and the chunker
+# worker slowed and sped at random (tests/conftest.py BUSY).
 # Arguments, if any, are passed to one pytest run instead of the tiers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,4 @@ bash scripts/setup.sh
 if [ $# -gt 0 ]; then
     exec python3 -m pytest -q -p no:cacheprovider "$@"
 fi
-make lint unit fuse busy
+make lint unit slow fuse busy

@@ -22,13 +22,13 @@ MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it ser
 
 # Test tiers (pytest markers, see pyproject.toml). Modules here need neither root nor FUSE; every other
 # module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
-# also start SeaweedFS or Chromium.
+# also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
 UNIT_MODULES = {
     "test_config", "test_evict_units", "test_format_cutter", "test_format_stream", "test_formula",
     "test_gc_changes", "test_layers", "test_ops_inprocess", "test_pack_store_units", "test_prefix_match",
     "test_prefixtree", "test_stream_interleave", "test_units",
 }
-EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser"}
+EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser", "test_stream_interleave": "slow"}
 
 
 def fuse_missing() -> str | None:
@@ -44,12 +44,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     missing = fuse_missing()
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in EXTRA_MARKS:
+            item.add_marker(getattr(pytest.mark, EXTRA_MARKS[module]))
         if module in UNIT_MODULES:
             item.add_marker(pytest.mark.unit)
             continue
         item.add_marker(pytest.mark.fuse)
-        if module in EXTRA_MARKS:
-            item.add_marker(getattr(pytest.mark, EXTRA_MARKS[module]))
         if missing:
             item.add_marker(pytest.mark.skip(reason=missing))
 

@@ -573,3 +573,76 @@ def test_kill9_during_eviction_leaves_a_store_fsck_accepts(hosts: Hosts) -> None
         assert read_direct(a.path(name)) == data  # ... and read back from the bucket
     a.stop()
     fsck_clean(a)
+
+
+# -- the bucket's recorded format -------------------------------------------------------------------
+
+
+def state_file(seed: int) -> bytes:
+    """A llama.cpp state file: the chunkers relayout and format store it as different streams."""
+    from e2e import ggsq
+
+    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, seed), ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True))
+
+
+def refused_mount(hosts: Hosts, name: str, *extra: str) -> str:
+    """Start host ``name``; it must refuse the bucket by failing to mount. Its log."""
+    m = Mount(hosts.tmp / name / "store", hosts.tmp / name / "mnt", hosts.tmp / name / "daemon.log", hosts.args(*extra))
+    with pytest.raises(RuntimeError, match="daemon exited 1"):
+        m.start()
+    m.stop()
+    return m.log()
+
+
+@pytest.mark.parametrize("first,second", [("format", "relayout"), ("relayout", "format")])
+def test_a_host_of_another_chunker_refuses_the_bucket(hosts: Hosts, first: str, second: str) -> None:
+    data = state_file(42)
+    a = hosts.new("a", "--chunker", first)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    fmt = json.loads(hosts.bucket.get_format(1 << 16) or b"{}")
+    assert fmt["chunker"] == first and fmt["chunk_avg"] == 64 * 1024
+    log = refused_mount(hosts, "b", "--chunker", second)
+    assert f"refused: the bucket was written with chunker '{first}'" in log
+    assert read_direct(a.path("state")) == data
+    c = hosts.new("c", "--chunker", first)  # the bucket's own chunker reads it byte for byte
+    assert read_visible(c, "state") == data
+    # other chunk sizes: refused too (nothing would deduplicate across the fleet)
+    assert "chunk_avg" in refused_mount(hosts, "d", "--chunker", first, "--chunk-avg", "32KiB")
+
+
+def test_an_index_written_for_another_stream_is_never_fetched(hosts: Hosts) -> None:
+    """Exact per snapshot: each index object says what reading its stream needs (e.g. written by a
+    host that raced this bucket's format object); a host whose store reads streams otherwise
+    leaves it alone."""
+    a = hosts.new("a")  # relayout
+    data = state_file(43)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    raw, _ = hosts.bucket.get_index("state")
+    hosts.bucket.put_index("alien", raw, "plain")  # the same index, tagged as a format/cdc store's stream
+    b = hosts.new("b")
+    assert read_visible(b, "state") == data
+    wait_for(lambda: "alien" not in os.listdir(b.mnt) and b.stats()["remote_refused_indexes"] > 0,
+             "B to refuse the alien index", 30)  # fmt: skip
+    assert not os.path.exists(b.path("alien"))
+    assert "was written by a plain store" in b.log()
+
+
+def test_a_mismatch_found_after_mount_turns_the_tier_off(hosts: Hosts, weed: Weed) -> None:
+    """The bucket down at mount: the mount goes on; once it is back, the format is checked before
+    anything is listed, fetched or uploaded."""
+    a = hosts.new("a", "--chunker", "format")
+    data = state_file(44)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    weed.stop()
+    try:
+        b = hosts.new("b")  # relayout: refused, but it cannot know yet
+        write_in_pieces(b.path("mine"), rand_bytes(MiB, 45), MiB)
+    finally:
+        weed.start()
+    wait_for(lambda: b.stats()["remote_refused"] == 1, f"B to refuse the bucket ({b.log()[-2000:]})")
+    assert not os.path.exists(b.path("state"))
+    assert set(hosts.bucket.list_indexes()) == {"state"}  # nothing of B's went up
+    assert read_direct(b.path("mine"))  # the local store goes on

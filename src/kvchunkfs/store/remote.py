@@ -48,8 +48,9 @@ from typing import Protocol
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
+from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
-from kvchunkfs.store.s3 import Bucket, ObjectInfo
+from kvchunkfs.store.s3 import Bucket, IndexObject, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +203,15 @@ class RemoteTier:
         fetch_workers: int = 8,
         grace: float = 86400,
         list_ttl: float = 5,
+        fmt: BucketFormat | None = None,
     ) -> None:
         self.repo = repo
         self.bucket = bucket
+        # What this host's store writes and can read; None (tools, tests of other parts): unchecked.
+        self.format = fmt
+        self._format_state: str | None = None if fmt is not None else "ok"  # None: not checked yet
+        self._format_lock = threading.Lock()  # held across the format object's GET/PUT (tier threads only)
+        self.refused_indexes = 0
         self.grace = grace
         self.list_ttl = list_ttl
         self.db = SyncDb(repo.snapshots.parent / DB_NAME, bucket.url)
@@ -237,6 +244,55 @@ class RemoteTier:
         # Called on the uploader thread whenever the queue has drained (the daemon: evict if over
         # the local limit, in a thread of its own). Must not block.
         self.on_idle: Callable[[], None] | None = None
+
+    # -- the bucket's format -------------------------------------------------------------------
+
+    def check_format(self) -> None:
+        """Make sure this host may use the bucket: read its format object, or create it (a
+        conditional PUT, then read back: of two hosts racing to create it, the one whose format is
+        not there refuses). FormatMismatch if the store differs (the tier then stays off: nothing
+        is uploaded, listed or fetched); OSError if the bucket cannot be reached (checked again
+        before the next use). Blocking: never on the FUSE thread."""
+        with self._format_lock:
+            if self._format_state == "ok":
+                return
+            if self._format_state is not None:
+                raise FormatMismatch(5, self._format_state)
+            assert self.format is not None
+            ours = self.format.to_json()
+            data = self.bucket.get_format(MAX_FORMAT_BYTES)
+            if data is None:
+                if self.bucket.create_format(ours):
+                    log.info("remote: %s had no format; recorded this store's (%s)", self.bucket.url, self.format)
+                data = self.bucket.get_format(MAX_FORMAT_BYTES)
+                if data is None:
+                    raise OSError(5, f"{self.bucket.url}: the format object just written is not there")
+            try:
+                why = self.format.mismatch(BucketFormat.from_json(data))
+            except FormatError as e:
+                why = f"its format object is unreadable ({e})"
+            if why is None:
+                self._format_state = "ok"
+                return
+            self._format_state = (
+                f"remote {self.bucket.url} refused: {why}. Its snapshots would not read back as their "
+                "files here; use another prefix, or a store created with the bucket's chunker and sizes"
+            )
+            log.error("%s", self._format_state)
+            raise FormatMismatch(5, self._format_state)
+
+    def _readable(self, rel: str, obj: IndexObject) -> bool:
+        """An index object whose stream this host reads as it was written (one from before the tag
+        existed is the bucket's format, checked at mount)."""
+        if self.format is None or obj.stream is None or obj.stream == self.format.stream:
+            return True
+        self.refused_indexes += 1
+        log.error("remote: %s in %s was written by a %s store; this store (%s) cannot read it: not fetched",
+                  rel, self.bucket.url, obj.stream, self.format.stream)  # fmt: skip
+        return False
+
+    def _stream_tag(self) -> str:
+        return self.format.stream if self.format is not None else ""
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -285,6 +341,8 @@ class RemoteTier:
             "remote_chunk_get_bytes": c.chunk_get_bytes,
             "remote_index_gets": c.index_gets,
             "remote_lists": c.lists,
+            "remote_refused": int(self._format_state not in (None, "ok")),
+            "remote_refused_indexes": self.refused_indexes,
         } | self._eviction_stats()
 
     def _eviction_stats(self) -> dict[str, int]:
@@ -354,8 +412,15 @@ class RemoteTier:
                 del self._queue[rel]
                 self._busy = 1
             try:
+                self.check_format()
                 self._sync(rel)
                 failures = 0
+            except FormatMismatch:  # logged once; the queue waits (remote.db re-queues it at the next mount)
+                with self._cond:
+                    self._queue.setdefault(rel, None)
+                    while not self._stop:
+                        self._cond.wait()
+                return
             except (ChunkMissing, ChunkCorrupt) as e:  # retrying cannot help; a later change queues it again
                 self.upload_errors += 1
                 log.error("remote: cannot upload %s: %s", rel, e)
@@ -420,7 +485,7 @@ class RemoteTier:
             log.error("remote: %s is not a valid index, not uploaded: %s", rel, e)
             return
         self._upload_chunks(index)
-        etag = self.bucket.put_index(rel, data)
+        etag = self.bucket.put_index(rel, data, self._stream_tag())
         self.db.put(rel, Synced(sha, etag, ctime_ns))
         self.uploaded_indexes += 1
         log.info("remote: uploaded %s (%d chunks)", rel, len(index))
@@ -510,6 +575,7 @@ class RemoteTier:
 
     def _refresh(self) -> None:
         try:
+            self.check_format()  # a refused bucket lists nothing: no lookup brings its snapshots
             names = self.bucket.list_indexes()
             with self._list_lock:
                 self._listing = (time.monotonic(), names)
@@ -563,10 +629,14 @@ class RemoteTier:
         uploader is about to delete it there; fetching it back would undo the unlink)."""
         if self.db.get(rel) is not None:
             return False
+        self.check_format()
         try:
-            data, etag = self.bucket.get_index(rel)
+            obj = self.bucket.read_index(rel)
         except FileNotFoundError:
             return False
+        if not self._readable(rel, obj):
+            return False
+        data, etag = obj.data, obj.etag
         index = idx.decode(data)
         path = self.repo.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -607,10 +677,14 @@ class RemoteTier:
             os.close(fd)
         if hashlib.sha256(local).digest() != row.sha:
             return None
+        self.check_format()
         try:
-            data, etag = self.bucket.get_index(rel)
+            obj = self.bucket.read_index(rel)
         except FileNotFoundError:
             return None
+        if not self._readable(rel, obj):
+            return None
+        data, etag = obj.data, obj.etag
         if etag == row.etag:
             return None  # the listing was older than what we synced
         tmp = stubs.prepare(self.repo.tmp, idx.decode(data), path)  # keeps use count, labels, mode
@@ -634,6 +708,7 @@ class RemoteTier:
         missing = [c for c in wanted if c not in have]
         if not missing:
             return 0
+        self.check_format()
         pending: collections.deque[tuple[bytes, Future[bytes]]] = collections.deque()
         batch: list[tuple[bytes, bytes | memoryview]] = []
         size = 0

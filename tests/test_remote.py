@@ -646,3 +646,29 @@ def test_a_mismatch_found_after_mount_turns_the_tier_off(hosts: Hosts, weed: Wee
     assert not os.path.exists(b.path("state"))
     assert set(hosts.bucket.list_indexes()) == {"state"}  # nothing of B's went up
     assert read_direct(b.path("mine"))  # the local store goes on
+
+
+def test_index_objects_over_the_max_file_size_limit_are_refused_unread(hosts: Hosts) -> None:
+    from kvchunkfs.store.remote import max_index_bytes
+
+    a = hosts.new("a")
+    data = rand_bytes(MiB, 46)
+    write_in_pieces(a.path("fine"), data, MiB)
+    drained(a)
+    limit = max_index_bytes(64 * MiB, 16 * 1024)
+    huge = idx.Index(16 << 10, 64 << 10, 256 << 10)
+    for i in range(limit // 40 + 10):  # a well-formed index, a little over the limit
+        huge.append(hashlib.sha256(i.to_bytes(8, "little")).digest(), 16 << 10)
+    hosts.bucket.put_index("huge", idx.encode(huge))
+    liar = idx.Index(16 << 10, 64 << 10, 256 << 10)
+    liar.append(b"\1" * 32, 1 << 30)  # small, but a file bigger than max_file_size
+    hosts.bucket.put_index("liar", idx.encode(liar))
+    b = hosts.new("b", "--max-file-size", "64MiB")
+    wait_for(lambda: "fine" in os.listdir(b.mnt) and b.stats()["remote_refused_indexes"] >= 2,
+             f"B to refuse both bogus indexes ({b.log()[-2000:]})", 30)  # fmt: skip
+    assert sorted(os.listdir(b.mnt)) == ["fine"]
+    assert not os.path.exists(b.path("huge")) and not os.path.exists(b.path("liar"))
+    assert read_direct(b.path("fine")) == data
+    assert "more than an index may" in b.log() and "more than max_file_size" in b.log()
+    report = run_remote_gc(hosts.bucket, grace=0, max_index=limit)  # nothing deleted past an unread index
+    assert report.errors and report.deleted == 0

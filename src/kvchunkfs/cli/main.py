@@ -141,18 +141,22 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
         grace=cfg.remote_grace,
         list_ttl=cfg.remote_list_ttl,
         fmt=fmt,
+        max_file_size=cfg.max_file_size,
     )
 
 
 def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.remotegc import run_remote_gc
+    from kvchunkfs.store.remote import max_index_bytes
     from kvchunkfs.store.s3 import Bucket
 
     if not cfg.remote:
         print("kv-chunk-fs: gc --remote needs the remote setting (s3://bucket/prefix)", file=sys.stderr)
         return 2
     try:
-        report = run_remote_gc(Bucket(cfg.remote, cfg.remote_endpoint), cfg.remote_grace, args.dry_run)
+        bucket = Bucket(cfg.remote, cfg.remote_endpoint)
+        limit = max_index_bytes(cfg.max_file_size, cfg.chunk_min)
+        report = run_remote_gc(bucket, cfg.remote_grace, args.dry_run, limit, cfg.max_file_size)
     except OSError as e:
         print(f"kv-chunk-fs: gc --remote failed: {e}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@ from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
 from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
-from kvchunkfs.store.s3 import Bucket, IndexObject, ObjectInfo
+from kvchunkfs.store.s3 import Bucket, IndexObject, ObjectInfo, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,25 @@ _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
 _MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
 _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 _CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
+_SHORT_CHUNKS = 1 << 12  # chunks shorter than the minimum an index may have (segment ends)
+
+
+def max_index_bytes(max_file_size: int, chunk_min: int) -> int:
+    """The largest index a file of ``max_file_size`` bytes can have: index objects larger than this
+    are refused before a byte of them is parsed (one entry is 40 bytes; chunks are at least
+    ``chunk_min`` long, or relayout's small stride, except at a bounded number of segment ends)."""
+    from kvchunkfs.format.cutter import SMALL_STRIDE
+
+    entries = max_file_size // max(1, min(chunk_min, SMALL_STRIDE)) + _SHORT_CHUNKS
+    return idx.FIXED_BYTES + idx.ITEM_BYTES * entries
+
+
+def decode_checked(data: bytes, max_file_size: int | None) -> idx.Index:
+    """An index object's content, parsed: IndexFormatError also for a file over ``max_file_size``."""
+    index = idx.decode(data)
+    if max_file_size is not None and index.size > max_file_size:
+        raise idx.IndexFormatError(f"a file of {index.size} bytes, more than max_file_size ({max_file_size})")
+    return index
 
 
 class RepoView(Protocol):
@@ -204,6 +223,7 @@ class RemoteTier:
         grace: float = 86400,
         list_ttl: float = 5,
         fmt: BucketFormat | None = None,
+        max_file_size: int | None = None,
     ) -> None:
         self.repo = repo
         self.bucket = bucket
@@ -212,6 +232,9 @@ class RemoteTier:
         self._format_state: str | None = None if fmt is not None else "ok"  # None: not checked yet
         self._format_lock = threading.Lock()  # held across the format object's GET/PUT (tier threads only)
         self.refused_indexes = 0
+        # Index objects over this many bytes are refused unread (a bogus one must not cost memory).
+        self.max_file_size = max_file_size
+        self.max_index = max_index_bytes(max_file_size, fmt.chunk_min if fmt else 1) if max_file_size else None
         self.grace = grace
         self.list_ttl = list_ttl
         self.db = SyncDb(repo.snapshots.parent / DB_NAME, bucket.url)
@@ -290,6 +313,20 @@ class RemoteTier:
         log.error("remote: %s in %s was written by a %s store; this store (%s) cannot read it: not fetched",
                   rel, self.bucket.url, obj.stream, self.format.stream)  # fmt: skip
         return False
+
+    def _read_index(self, rel: str) -> IndexObject | None:
+        """The bucket's index object of ``rel`` (None: gone, or refused unread for its size)."""
+        try:
+            return self.bucket.read_index(rel, self.max_index)
+        except FileNotFoundError:
+            return None
+        except TooLarge as e:
+            self._bad_index(rel, e)
+            return None
+
+    def _bad_index(self, rel: str, e: Exception) -> None:
+        self.refused_indexes += 1
+        log.error("remote: %s in %s is not a valid index here, not fetched: %s", rel, self.bucket.url, e)
 
     def _stream_tag(self) -> str:
         return self.format.stream if self.format is not None else ""
@@ -630,14 +667,15 @@ class RemoteTier:
         if self.db.get(rel) is not None:
             return False
         self.check_format()
-        try:
-            obj = self.bucket.read_index(rel)
-        except FileNotFoundError:
-            return False
-        if not self._readable(rel, obj):
+        obj = self._read_index(rel)
+        if obj is None or not self._readable(rel, obj):
             return False
         data, etag = obj.data, obj.etag
-        index = idx.decode(data)
+        try:
+            index = decode_checked(data, self.max_file_size)
+        except idx.IndexFormatError as e:
+            self._bad_index(rel, e)
+            return False
         path = self.repo.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = stubs.prepare(self.repo.tmp, index, None, 0o644)
@@ -678,16 +716,18 @@ class RemoteTier:
         if hashlib.sha256(local).digest() != row.sha:
             return None
         self.check_format()
-        try:
-            obj = self.bucket.read_index(rel)
-        except FileNotFoundError:
-            return None
-        if not self._readable(rel, obj):
+        obj = self._read_index(rel)
+        if obj is None or not self._readable(rel, obj):
             return None
         data, etag = obj.data, obj.etag
         if etag == row.etag:
             return None  # the listing was older than what we synced
-        tmp = stubs.prepare(self.repo.tmp, idx.decode(data), path)  # keeps use count, labels, mode
+        try:
+            index = decode_checked(data, self.max_file_size)
+        except idx.IndexFormatError as e:
+            self._bad_index(rel, e)
+            return None
+        tmp = stubs.prepare(self.repo.tmp, index, path)  # keeps use count, labels, mode
         return Fetched(rel, tmp, Synced(hashlib.sha256(data).digest(), etag, 0), ctime_ns)
 
     def refreshed(self, fetched: Fetched) -> None:

@@ -672,3 +672,41 @@ def test_index_objects_over_the_max_file_size_limit_are_refused_unread(hosts: Ho
     assert "more than an index may" in b.log() and "more than max_file_size" in b.log()
     report = run_remote_gc(hosts.bucket, grace=0, max_index=limit)  # nothing deleted past an unread index
     assert report.errors and report.deleted == 0
+
+
+def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(2 * MiB, 47)
+    write_in_pieces(a.path("x"), data, MiB)
+    drained(a)
+    index = stubs.read_index(a.store / "snapshots" / "x")
+    client = hosts.weed.client()
+
+    def corrupt(i: int) -> tuple[bytes, bytes]:
+        cid = index.ids[i]
+        good = hosts.bucket.get_chunk(cid)
+        client.put_object(Bucket=BUCKET, Key=hosts.bucket.chunk_key(cid), Body=bytes(b ^ 1 for b in good))
+        return cid, good
+
+    cid, good = corrupt(1)
+    b = hosts.new("b")
+    wait_for(lambda: os.path.exists(b.path("x")), "x to appear on B")
+    with pytest.raises(OSError) as err:
+        read_direct(b.path("x"))
+    assert err.value.errno == 5  # EIO, never the bucket's wrong bytes
+    assert b.stats()["remote_corrupt_chunks"] == 1 and "fails its checksum; reported as damaged" in b.log()
+    # A, which has the chunk, saves the same content again: it puts the chunk right
+    write_in_pieces(a.path("again"), data, MiB)
+    drained(a)
+    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert read_direct(b.path("x")) == data
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    assert "kvcfs_remote_corrupt_chunks_total 1.0" in DaemonClient(b.store).text("GET", "/metrics")
+    # No report at all (nobody fetched it): A's next upload naming it finds it by its ETag
+    cid, good = corrupt(2)
+    a.remount()
+    write_in_pieces(a.path("third"), data, MiB)
+    drained(a)
+    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert remote_bytes(hosts.bucket, "third") == data

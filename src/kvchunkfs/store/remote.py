@@ -50,7 +50,7 @@ from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
 from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
-from kvchunkfs.store.s3 import Bucket, IndexObject, ObjectInfo, TooLarge
+from kvchunkfs.store.s3 import Bucket, ChunkHead, IndexObject, ObjectInfo, TooLarge, content_etag
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,10 @@ class RemoteTier:
         self._format_state: str | None = None if fmt is not None else "ok"  # None: not checked yet
         self._format_lock = threading.Lock()  # held across the format object's GET/PUT (tier threads only)
         self.refused_indexes = 0
+        self.corrupt_chunks = 0  # fetched chunks that failed their id (reported in the bucket)
+        self.healed_chunks = 0  # bad chunk objects this host put right
+        self._etags_are_md5 = True  # until a good object shows otherwise (SSE-KMS, multipart)
+        self._damage_checked = 0.0  # monotonic time of the last look at the bucket's damage reports
         # Index objects over this many bytes are refused unread (a bogus one must not cost memory).
         self.max_file_size = max_file_size
         self.max_index = max_index_bytes(max_file_size, fmt.chunk_min if fmt else 1) if max_file_size else None
@@ -380,6 +384,8 @@ class RemoteTier:
             "remote_lists": c.lists,
             "remote_refused": int(self._format_state not in (None, "ok")),
             "remote_refused_indexes": self.refused_indexes,
+            "remote_corrupt_chunks": self.corrupt_chunks,
+            "remote_healed_chunks": self.healed_chunks,
         } | self._eviction_stats()
 
     def _eviction_stats(self) -> dict[str, int]:
@@ -521,6 +527,7 @@ class RemoteTier:
         except idx.IndexFormatError as e:
             log.error("remote: %s is not a valid index, not uploaded: %s", rel, e)
             return
+        self._heal()
         self._upload_chunks(index)
         etag = self.bucket.put_index(rel, data, self._stream_tag())
         self.db.put(rel, Synced(sha, etag, ctime_ns))
@@ -573,22 +580,84 @@ class RemoteTier:
             self._confirmed[cid] = time.monotonic() - max(0.0, age)
 
     def _ensure(self, cid: bytes) -> None:
-        """The chunk is in the bucket and younger than half the grace when this returns."""
-        head = self.bucket.head_chunk(cid)
+        """The chunk is in the bucket, with its content, and younger than half the grace when this returns."""
+        head = self.bucket.stat_chunk(cid)
+        data = None
         if head is not None:
-            modified, now = head
-            if now - modified < self.grace / 2:
-                self._confirm(cid, now - modified)
+            with contextlib.suppress(ChunkMissing):  # evicted here: the bucket's copy is all there is
+                data = self._local(cid)
+            if data is not None and not self._holds(cid, head, data):
+                self._heal_one(cid, data, "its ETag is not its content's")
+                return
+            if head.now - head.modified < self.grace / 2:
+                self._confirm(cid, head.now - head.modified)
                 return
             self.bucket.touch_chunk(cid)
             self._confirm(cid, 0)
             return
+        self._put_verified(cid, data or self._local(cid))
+
+    def _local(self, cid: bytes) -> bytes:
         try:
-            data = self.repo.store.get_many([cid])[0]
+            return bytes(self.repo.store.get_many([cid])[0])
         except ChunkMissing:
             raise ChunkMissing(f"chunk {cid.hex()} is neither in the local packs nor in the bucket") from None
-        self.bucket.put_chunk(cid, data)
+
+    def _holds(self, cid: bytes, head: ChunkHead, data: bytes) -> bool:
+        """The bucket's object is the chunk's content: its ETag is the content's MD5, or (a server
+        whose ETags are not MD5s: SSE-KMS) the object fetched hashes to its id."""
+        if not self._etags_are_md5 or head.etag == content_etag(data):
+            return True
+        try:
+            good = hashlib.sha256(self.bucket.get_chunk(cid)).digest() == cid
+        except FileNotFoundError:
+            return False
+        if good:
+            self._etags_are_md5 = False  # one good object with another ETag: stop comparing them
+            log.info("remote: %s gives ETags that are not MD5s; existing chunks are trusted by key", self.bucket.url)
+        return good
+
+    def _put_verified(self, cid: bytes, data: bytes) -> None:
+        """Never put bytes under an id they do not hash to; the server's ETag must be their MD5."""
+        if hashlib.sha256(data).digest() != cid:
+            raise ChunkCorrupt(f"chunk {cid.hex()} read from the local packs fails its checksum: not uploaded")
+        etag = self.bucket.put_chunk(cid, data)
+        if self._etags_are_md5 and etag and etag != content_etag(data):
+            raise OSError(5, f"{self.bucket.url}: chunk {cid.hex()} stored with ETag {etag}, not its content's")
         self._confirm(cid, 0)
+
+    def _heal_one(self, cid: bytes, data: bytes, why: str) -> None:
+        log.warning("remote: chunk %s in %s is bad (%s); uploading it again", cid.hex(), self.bucket.url, why)
+        with self._confirmed_lock:
+            self._confirmed.pop(cid, None)
+        self._put_verified(cid, data)
+        self.healed_chunks += 1
+        with contextlib.suppress(OSError):
+            self.bucket.clear_damaged(cid)
+
+    def _heal(self) -> None:
+        """Put right the chunks other hosts reported bad that this host has (at most once per
+        ``remote_list_ttl``, before an upload: one LIST, almost always empty)."""
+        if time.monotonic() - self._damage_checked < self.list_ttl:
+            return
+        self._damage_checked = time.monotonic()
+        damaged = self.bucket.list_damaged()
+        if not damaged:
+            return
+        have = self.repo.store.has(list(damaged))
+        for cid in damaged:
+            if cid in have:
+                self._heal_one(cid, self._local(cid), "reported by a host that fetched it")
+
+    def _report_corrupt(self, cid: bytes) -> None:
+        """A fetched chunk failed its id: say so here (log, metric) and in the bucket (a host that
+        has the chunk uploads it again at its next upload)."""
+        self.corrupt_chunks += 1
+        log.error("remote: chunk %s from %s fails its checksum; reported as damaged", cid.hex(), self.bucket.url)
+        try:
+            self.bucket.report_damaged(cid)
+        except OSError as e:
+            log.warning("remote: cannot report chunk %s as damaged: %s", cid.hex(), e)
 
     # -- read-through -------------------------------------------------------------------------
 
@@ -762,6 +831,7 @@ class RemoteTier:
                 cid, fut = pending.popleft()
                 data = fut.result()
                 if hashlib.sha256(data).digest() != cid:
+                    self._report_corrupt(cid)
                     raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
                 batch.append((cid, data))
                 size += len(data)

@@ -6,6 +6,7 @@ Layout under ``s3://BUCKET/PREFIX`` (desync/casync-compatible, uncompressed, lik
     PREFIX/index/<snapshot path>.caibx       a snapshot's index (the stub's content); its user
                                              metadata ``kvcfs-format`` says how its stream is read
     PREFIX/format                            the bucket's format (store/bucketformat.py), written once
+    PREFIX/damaged/<64 hex>                  empty: a host fetched that chunk and it failed its id
 
 Credentials and region come the usual boto3 way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/config``, instance roles); only the endpoint is a setting of ours.
@@ -14,8 +15,10 @@ A boto3 client is thread-safe; one is shared by all threads.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import email.utils
+import hashlib
 import os
 import threading
 import time
@@ -61,6 +64,22 @@ class IndexObject:
 
 class TooLarge(RemoteError):
     """An object is larger than what may be read into memory for it (never parsed)."""
+
+
+@dataclass(frozen=True)
+class ChunkHead:
+    modified: float  # epoch seconds
+    now: float  # the server's clock (boto3: the Date header) or this host's (obstore gives no headers)
+    etag: str
+
+
+def content_etag(data: bytes | memoryview) -> str:
+    """The ETag S3 gives an object of these bytes put in one request without KMS (its MD5)."""
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def plain_etag(etag: str) -> str:
+    return etag.strip('"').lower()
 
 
 @dataclass
@@ -139,13 +158,15 @@ class Bucket:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def put_chunk(self, cid: bytes, data: bytes | memoryview) -> None:
+    def put_chunk(self, cid: bytes, data: bytes | memoryview) -> str:
+        """Put the chunk; its ETag as the server computed it ("" if none came back)."""
         key = self.chunk_key(cid)
         if self._data is not None:
-            self._fast("put", key, bytes(data))
+            etag = self._fast("put", key, bytes(data)).get("e_tag") or ""
         else:
-            self._call("put_object", Key=key, Body=bytes(data))
+            etag = self._call("put_object", Key=key, Body=bytes(data)).get("ETag", "")
         self._count(chunk_puts=1, chunk_put_bytes=len(data))
+        return plain_etag(str(etag))
 
     def get_chunk(self, cid: bytes) -> bytes:
         key = self.chunk_key(cid)
@@ -159,17 +180,41 @@ class Bucket:
         self._call("copy_object", Key=key, CopySource={"Bucket": self.name, "Key": key}, MetadataDirective="REPLACE")
 
     def head_chunk(self, cid: bytes) -> tuple[float, float] | None:
-        """(modified, now) of a chunk, or None if the bucket lacks it. ``now`` is the server's clock
-        (boto3: the Date header) or this host's (obstore gives no headers)."""
+        """(modified, now) of a chunk, or None if the bucket lacks it."""
+        head = self.stat_chunk(cid)
+        return None if head is None else (head.modified, head.now)
+
+    def stat_chunk(self, cid: bytes) -> ChunkHead | None:
+        """A chunk's HEAD, or None if the bucket lacks it."""
         key = self.chunk_key(cid)
         try:
             if self._data is not None:
                 meta = self._fast("head", key)
-                return meta["last_modified"].timestamp(), time.time()
+                return ChunkHead(meta["last_modified"].timestamp(), time.time(), plain_etag(meta.get("e_tag") or ""))
             r = self._call("head_object", Key=key)
         except FileNotFoundError:
             return None
-        return r["LastModified"].timestamp(), _server_now(r)
+        return ChunkHead(r["LastModified"].timestamp(), _server_now(r), plain_etag(str(r.get("ETag", ""))))
+
+    # -- damage reports: a host that fetched a chunk failing its id says so; one that has it heals it
+
+    def damaged_key(self, cid: bytes) -> str:
+        return f"{self.prefix}damaged/{cid.hex()}"
+
+    def report_damaged(self, cid: bytes) -> None:
+        self._call("put_object", Key=self.damaged_key(cid), Body=b"")
+
+    def clear_damaged(self, cid: bytes) -> None:
+        self._call("delete_object", Key=self.damaged_key(cid))
+
+    def list_damaged(self) -> set[bytes]:
+        out = set()
+        for info, _ in self._list(f"{self.prefix}damaged/"):
+            with contextlib.suppress(ValueError):
+                cid = bytes.fromhex(info.key.rpartition("/")[2])
+                if len(cid) == 32:
+                    out.add(cid)
+        return out
 
     def _fast(self, op: str, *args: Any) -> Any:
         """One obstore call; a missing object is FileNotFoundError, any other failure RemoteError."""

@@ -286,7 +286,13 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: ui: refusing to listen on {host} without a token: set api_token_file (or use an SSH "
               "tunnel to the default 127.0.0.1)", file=sys.stderr)  # fmt: skip
         return 2
-    print(f"kv-chunk-fs: dashboard on http://{'[' + host + ']' if ':' in host else host}:{port}/", file=sys.stderr)
+    url = dashboard.base_url(host, port)
+    if token:
+        print(f"kv-chunk-fs: dashboard on {url} (token: the configured api_token)", file=sys.stderr)
+    else:  # every local user can reach the port: a token for this run, handed over in the URL (as Jupyter does)
+        token = dashboard.new_token()
+        print(f"kv-chunk-fs: dashboard on {url}?token={token}", file=sys.stderr)
+    sys.stderr.flush()
     dashboard.serve(Path(cfg.store), host, port, token)
     return 0
 

@@ -289,18 +289,43 @@ def test_failed_restores_and_saves_cost_prefill_not_answers(rig: Rig) -> None:
     a2 = turn(rig, a1, "two")  # the restore fails: prefill instead, same answer
     assert a2[-1]["content"] == direct_chat(rig, a2[:-1])
     assert rig.fake.records[-1].cache_n == 0
-    rig.proxy.mount = rig.mount.mnt / "elsewhere"  # the rename cannot work: the save fails
-    turn(rig, conversation("B"), "one")
     m = rig.metrics()
     assert m["kvcfs_proxy_errors_total[('step', 'restore')]"] == 1
-    assert m["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
     assert all(not s.busy for s in rig.proxy.pool.slots)  # type: ignore[union-attr]
-    rig.proxy.mount = rig.mount.mnt
-    left = rig.files()  # B's NAME.tmp, which the proxy looked for in the wrong place
+    left = rig.files()
     rig.fake.save_fails = True  # llama-server cannot save (e.g. the disk is full) after writing part of it
     turn(rig, conversation("C"), "one")
-    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 2
+    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
     assert rig.files() == left  # C's partial NAME.tmp is removed
+
+
+def test_no_save_lands_on_the_bare_mountpoint_and_mount_refuses_a_non_empty_one(rig: Rig) -> None:
+    a1 = turn(rig, conversation("A"), "one")
+    assert len(rig.files()) == 1
+    rig.mount.stop()  # the daemon stops (a restart, a crash): the mountpoint is a plain directory again
+    turn(rig, a1, "two")
+    turn(rig, conversation("B"), "one")
+    assert os.listdir(rig.mount.mnt) == [], "llama-server's full files on the disk under the mount"
+    assert rig.metrics()["kvcfs_proxy_skipped_saves_total[('reason', 'not_mounted')]"] == 2
+    assert rig.metrics().get("kvcfs_proxy_errors_total[('step', 'save')]", 0) == 0
+    # A directory that is not a mount is refused however it looks; so is a subdirectory of one.
+    rig.proxy.mount = rig.mount.mnt.parent / "direct"
+    turn(rig, conversation("C"), "one")
+    assert os.listdir(rig.mount.mnt.parent / "direct") == []
+    assert rig.metrics()["kvcfs_proxy_skipped_saves_total[('reason', 'not_mounted')]"] == 3
+    # kv-chunk-fs mount does not cover files it would hide, unless told to.
+    (rig.mount.mnt / "left-behind").write_bytes(b"x")
+    with pytest.raises(RuntimeError, match="is not empty"):
+        rig.mount.start()
+    rig.mount.start(["--nonempty"])
+    (rig.mount.mnt / "sub").mkdir()
+    rig.proxy.mount = rig.mount.mnt / "sub"
+    rig.fake.slot_dir = rig.mount.mnt / "sub"
+    turn(rig, a1, "two")
+    assert len(os.listdir(rig.mount.mnt / "sub")) == 1  # saved again, on the mount
+    rig.mount.stop()
+    os.unlink(rig.mount.mnt / "left-behind")
+    rig.mount.start()
 
 
 def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:

@@ -45,6 +45,10 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
+    problem = daemon.check_mountpoint(mountpoint, args.nonempty)
+    if problem is not None:
+        print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
+        return 1
     Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
@@ -342,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
     p.add_argument("mountpoint")
+    p.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that holds files (they stay hidden until the unmount)")
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")

@@ -199,6 +199,9 @@ class ProxyMetrics:
         self.restore_s = Histogram("kvcfs_proxy_restore_seconds", "Slot restores from the store", registry=r)
         self.save_s = Histogram("kvcfs_proxy_save_seconds", "Slot saves into the store (save + rename)", registry=r)
         self.errors = Counter("kvcfs_proxy_errors", "Failed steps (the request itself went on)", ["step"], registry=r)
+        self.skipped = Counter("kvcfs_proxy_skipped_saves", "Saves not made (not_mounted: the directory is not on a "
+                               "live kv-chunk-fs mount, so llama-server would write full files to the disk "
+                               "under it)", ["reason"], registry=r)  # fmt: skip
         self.evicted = Counter("kvcfs_proxy_evicted_snapshots", "Snapshots deleted for cache_max_bytes", registry=r)
         hit = Gauge("kvcfs_proxy_prompt_hit_ratio", "Share of prompt tokens not evaluated (store + slot)", registry=r)
         hit.set_function(self.hit_ratio)
@@ -583,11 +586,18 @@ class Proxy:
         start = time.monotonic()
         tmp = name + TMP_SUFFIX
         try:
+            await asyncio.to_thread(self._check_mount)
             r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
             r.raise_for_status()
             n = int(r.json()["n_saved"])
             prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
             await asyncio.to_thread(self._install, tmp, name, prompt_len)
+        except NotMounted as e:
+            log.warning("save of slot %d as %s skipped: %s", slot.id, name, e)
+            self.metrics.skipped.labels("not_mounted").inc()
+            slot.forget()
+            await asyncio.to_thread(self._discard, tmp)  # written while the mount went away: off the bare disk
+            return
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
             self.metrics.errors.labels("save").inc()
@@ -603,9 +613,17 @@ class Proxy:
         with contextlib.suppress(OSError):
             os.unlink(self.mount / tmp)
 
-    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
-        """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole."""
+    def _check_mount(self) -> None:
         assert self.mount is not None
+        problem = mount_problem(self.mount)
+        if problem is not None:
+            raise NotMounted(problem)
+
+    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
+        """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole.
+        The mount is checked again: it may have gone while llama-server was writing."""
+        assert self.mount is not None
+        self._check_mount()
         os.setxattr(self.mount / tmp, LABEL_XATTR, str(prompt_len).encode())
         os.rename(self.mount / tmp, self.mount / name)
 
@@ -650,6 +668,36 @@ class Proxy:
             self.metrics.evicted.inc(deleted)
             (await self._ask_daemon("POST", "/gc")).raise_for_status()
             log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
+
+
+class NotMounted(Exception):
+    """The save directory is not on a live kv-chunk-fs mount."""
+
+
+FSTYPE = "fuse.kv-chunk-fs"  # what /proc/self/mountinfo calls the daemon's mounts (fsname and subtype)
+
+
+def mount_problem(directory: Path) -> str | None:
+    """None if ``directory`` is on a live kv-chunk-fs mount, else why not. Existing is not enough: with
+    the daemon stopped, the bare mountpoint is a directory on the root disk. The directory's device
+    must be a kv-chunk-fs mount in ``/proc/self/mountinfo`` (the mountpoint itself or a directory in
+    it), and it must answer (a killed daemon's mount fails with ENOTCONN)."""
+    try:
+        dev = os.stat(directory).st_dev
+        os.statvfs(directory)
+        with open("/proc/self/mountinfo") as f:
+            table = f.read()
+    except OSError as e:
+        return f"{directory}: {e.strerror or e}"
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+            fstype = fields[fields.index("-") + 1 :][:1]
+            if fstype == [FSTYPE]:
+                return None
+            return f"{directory} is on a {fstype[0] if fstype else 'unknown'} filesystem, not a kv-chunk-fs mount"
+    return f"{directory}: its device {wanted} is not in /proc/self/mountinfo"
 
 
 class Relay(StreamingResponse):

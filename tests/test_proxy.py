@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,7 +190,9 @@ def test_a_conversation_replaces_its_snapshot_and_matches_direct_answers(rig: Ri
             assert record.cache_n > len(SYSTEM.split()) and record.prompt_n < 20, record
     name = rig.files()[0]
     assert int(os.getxattr(rig.mount.mnt / name, LABEL_XATTR)) > len(SYSTEM.split())
-    assert ("save", 0, name + ".tmp") in rig.fake.actions
+    saved_as = [a[2] for a in rig.fake.actions if a[0] == "save"]
+    assert len(saved_as) == 3 and all(re.fullmatch(re.escape(name) + r"\.[0-9a-f]{12}\.tmp", t) for t in saved_as)
+    assert len(set(saved_as)) == 3, "a temporary name of its own per save"
 
 
 def test_a_branch_keeps_both_and_other_conversations_reuse_the_system_prompt(rig: Rig) -> None:
@@ -250,6 +254,38 @@ def test_parallel_conversations_run_on_different_slots(tmp_path: Path) -> None:
         assert all(answers)
         slots = {r.id_slot for r in rig.fake.records}
         assert slots == {0, 1}
+        assert len(rig.files()) == 2
+
+
+def saved_tokens(path: Path) -> list[int]:
+    """The tokens in the header of a fake llama-server slot file."""
+    data = path.read_bytes()
+    n = struct.unpack_from("<3I", data)[2]
+    return list(struct.unpack_from(f"<{n}i", data, 12))
+
+
+def test_two_continuations_of_one_turn_at_once_each_keep_their_branch(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fake_llama import template, tokenize
+
+    for rig in make_rig(tmp_path, slots=2, delay=0.05, save_delay=0.2):
+        a1 = turn(rig, conversation("A"), "first question")
+        branches = [[*a1, {"role": "user", "content": f"second question, take {i}"}] for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda m, rig=rig: chat(rig, m, stream=True), branches))
+        rig.idle()
+        assert all(answers)
+        assert rig.metrics().get("kvcfs_proxy_errors_total[('step', 'save')]", 0) == 0
+        files = rig.files()
+        assert len(files) == 2 and not [f for f in files if f.endswith(".tmp")], files
+        held = [saved_tokens(rig.mount.mnt / f) for f in files]
+        for branch in branches:  # each branch is in a file of its own, with the whole shared history
+            prompt = tokenize(template(branch), True)
+            assert sum(t[: len(prompt)] == prompt for t in held) == 1, branch[-1]
+        # Both go on from their own snapshot.
+        for branch, answer in zip(branches, answers, strict=True):
+            turn(rig, [*branch, {"role": "assistant", "content": answer}], "third")
         assert len(rig.files()) == 2
 
 

@@ -11,7 +11,9 @@ status codes, SSE streams chunk by chunk). Generation requests (``/completion``,
    that beats the slot by ``proxy_min_restore`` tokens it is restored into the slot
    (``POST /slots/{id}?action=restore``). The request is pinned with ``id_slot``.
 2. **After** the response (a stream's end, or a client that went away mid-stream): the slot is saved
-   as ``NAME.tmp`` and renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic.
+   as ``NAME.<random>.tmp`` (a name of its own, so concurrent saves never rename each other's file) and
+   renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic. Only onto a live
+   kv-chunk-fs mount: else llama-server would write full files to the disk under the mountpoint.
 3. **Budget** (``cache_max_bytes``): past it, the lowest-score proxy snapshots are deleted through the
    daemon's API, then GC runs.
 
@@ -21,7 +23,8 @@ differently by the next turn, so they do not count) is the next turn of that con
 replaces it under the same name. One that diverges inside that prompt (an edited message, a
 regenerated turn, another conversation with the same system prompt) gets a new name, so both
 branches stay. Two continuations of one turn: the first replaces it, the second diverges from the
-first's prompt and gets its own name; each keeps the full shared history.
+first's prompt and gets its own name; each keeps the full shared history. When they run at once, the
+name the first claimed is taken, so the second gets a new one.
 
 Concurrency: a pool of slots; a slot is held from routing until its save is done (a background task,
 so a client that disconnects cannot cancel it), and only requests routed to that slot wait for it.
@@ -37,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -254,6 +258,7 @@ class Proxy:
         self._ready_lock = asyncio.Lock()
         self._budget_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._claimed: set[str] = set()  # names a request in flight will save under
         self.app = self._make_app()
 
     # -- app ------------------------------------------------------------------------------------
@@ -488,6 +493,9 @@ class Proxy:
         elif best is not None and best.match >= best.prompt_len > 0:
             parent = best.path
         name = parent or f"{NAME_PREFIX}{self.tag}-{_digest(tokens)}"
+        if name in self._claimed:  # another continuation of the same turn replaces it: this one branches off
+            name = f"{NAME_PREFIX}{self.tag}-{secrets.token_hex(8)}"
+        self._claimed.add(name)  # released in finish(); nothing awaits in between, so no other request sees it free
         self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
         return Plan(name, held=held, restored=restored)
 
@@ -570,6 +578,8 @@ class Proxy:
             elif tokens is None:
                 slot.forget()
         finally:
+            if plan.name is not None:
+                self._claimed.discard(plan.name)
             await self.pool.release(slot)
         if ok and plan.name is not None and self.cache_max_bytes:
             await self.keep_budget()
@@ -584,7 +594,7 @@ class Proxy:
         if self.mount is None:
             return
         start = time.monotonic()
-        tmp = name + TMP_SUFFIX
+        tmp = f"{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"  # its own: a concurrent save never renames it
         try:
             await asyncio.to_thread(self._check_mount)
             r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
@@ -608,7 +618,7 @@ class Proxy:
         slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
 
     def _discard(self, tmp: str) -> None:
-        """Remove a half-done save's NAME.tmp (if llama-server wrote one): the store frees it at GC."""
+        """Remove a half-done save's temporary file (if llama-server wrote one): the store frees it at GC."""
         assert self.mount is not None
         with contextlib.suppress(OSError):
             os.unlink(self.mount / tmp)
@@ -620,7 +630,7 @@ class Proxy:
             raise NotMounted(problem)
 
     def _install(self, tmp: str, name: str, prompt_len: int) -> None:
-        """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole.
+        """Label the temporary file, then rename it over NAME: readers see the old or the new snapshot, whole.
         The mount is checked again: it may have gone while llama-server was writing."""
         assert self.mount is not None
         self._check_mount()
@@ -648,7 +658,7 @@ class Proxy:
             return
         r = await self._ask_daemon("GET", "/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
         r.raise_for_status()
-        in_use = {s.snapshot for s in self.pool.slots if s.busy}  # about to be rewritten: keep
+        in_use = {s.snapshot for s in self.pool.slots if s.busy} | self._claimed  # about to be rewritten: keep
         freed = deleted = 0
         for row in r.json()["snapshots"]:
             path = row["path"]

@@ -65,8 +65,7 @@ class Rig:
 
     def restart_proxy(self, **kw: int) -> None:
         self.server.stop()
-        self.proxy = Proxy(self.upstream.url, self.mount.mnt, self.mount.store, min_restore=kw.get("min_restore", 4),
-                           cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
+        self.proxy = Proxy(self.upstream.url, self.mount.mnt, self.mount.store, **{"min_restore": 4, **kw})
         self.server = ServerThread(self.proxy.app, free_port()).start()
 
 
@@ -77,8 +76,7 @@ def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: flo
     fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
     upstream = ServerThread(fake.app, free_port()).start()
     (tmp_path / "direct").mkdir()
-    proxy = Proxy(upstream.url, mount.mnt, mount.store, min_restore=kw.get("min_restore", 4),
-                  cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
+    proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
     rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
               FakeLlama(tmp_path / "direct", slots))  # fmt: skip
     try:
@@ -362,6 +360,68 @@ def test_no_save_lands_on_the_bare_mountpoint_and_mount_refuses_a_non_empty_one(
     rig.mount.stop()
     os.unlink(rig.mount.mnt / "left-behind")
     rig.mount.start()
+
+
+def test_bodies_over_the_limit_and_malformed_json_are_4xx_never_500(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, max_body=256 * 1024):
+        big = b'{"prompt": "' + b"x " * 200_000 + b'"}'
+        assert httpx.post(rig.url + "/completion", content=big).status_code == 413
+        chunked = httpx.post(rig.url + "/completion", content=iter([big[:1000], big[1000:]]))  # no Content-Length
+        assert chunked.status_code == 413 and "proxy_max_body" in chunked.json()["error"]["message"]
+        assert httpx.post(rig.url + "/tokenize", content=big).status_code == 413  # every path
+        deep = 100_000
+        bad = [b"{nope", b"[1, 2]", b'"text"', b"null", b"\xff\xfe{}",
+               b'{"prompt": ' + b"[" * deep + b"]" * deep + b"}",
+               b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}",
+               b'{"prompt": "a", "x": ' + b'{"a":' * 65 + b"1" + b"}" * 65 + b"}"]  # fmt: skip
+        for body in bad:
+            for path in ("/completion", "/v1/chat/completions"):
+                r = httpx.post(rig.url + path, content=body)
+                assert r.status_code == 400 and r.json()["error"]["message"], (path, body[:30], r.text[:200])
+        assert rig.fake.records == [], "nothing reached llama-server's generation"
+        assert rig.metrics()["kvcfs_proxy_refused_requests_total[('status', '400')]"] == 2 * len(bad)
+        code = "def f(x): return [[[[x]]]] " * 20  # brackets in a prompt are not nesting
+        ok = httpx.post(rig.url + "/completion", json={"prompt": code, "n_predict": 2}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_request_the_upstream_would_refuse_costs_the_proxy_one_small_request(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, api_key="sekrit"):
+        good = {"Authorization": "Bearer sekrit"}
+        messages = [*conversation("K"), {"role": "user", "content": "hi"}]
+        first = httpx.post(rig.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2},
+                           headers=good, timeout=30)  # fmt: skip
+        assert first.status_code == 200
+        rig.idle()
+        huge = {"messages": [{"role": "user", "content": "word " * 2_000_000}], "max_tokens": 2}  # 10 MB
+        for headers in ({"Authorization": "Bearer wrong"}, {}):
+            rig.fake.calls.clear()
+            r = httpx.post(rig.url + "/v1/chat/completions", json=huge, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["message"] == "Invalid API Key"
+            assert rig.fake.calls == ["/props"], "no template, tokenize or generation for a refused key"
+        rig.fake.calls.clear()
+        again = httpx.post(rig.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2},
+                           headers=good, timeout=30)  # fmt: skip
+        assert again.status_code == 200
+        assert "/props" not in rig.fake.calls, "a key the upstream took is not asked about again"
+
+
+def test_prompts_over_the_token_limit_are_refused_before_any_copy(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, max_prompt_tokens=60):
+        r = httpx.post(rig.url + "/completion", json={"prompt": list(range(2, 63)), "n_predict": 2})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error", r.text
+        assert "61 tokens" in r.json()["error"]["message"]
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 100, "n_predict": 2}).status_code == 400
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 10_000, "n_predict": 2}).status_code == 400
+        with pytest.raises(openai.BadRequestError):
+            chat(rig, [{"role": "user", "content": "w " * 100}])
+        assert rig.fake.records == [] and rig.files() == []
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 50, "n_predict": 2}).status_code == 200
+        rig.idle()
+        rig.restart_proxy()  # no limit set: the upstream's context size
+        rig.fake.n_ctx = 80
+        r = httpx.post(rig.url + "/completion", json={"prompt": list(range(2, 83)), "n_predict": 2})
+        assert r.status_code == 400 and "81 tokens" in r.json()["error"]["message"], r.text
 
 
 def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:

@@ -233,6 +233,11 @@ SETTINGS: dict[str, Setting] = {
         Setting("proxy_min_restore", "int", 32,
                 "proxy: restore a snapshot only if it brings at least this many more prompt tokens than the slot holds",
                 lo=1),
+        Setting("proxy_max_body", "size", 16 * MiB,
+                "proxy: largest request body; a larger one is refused with 413 before it is read", lo=KiB),
+        Setting("proxy_max_prompt_tokens", "int", 0,
+                "proxy: longest prompt in tokens, refused with 400 before the proxy copies it "
+                "(0 = the upstream's context size per slot)", lo=0),
         Setting("cache_max_bytes", "size", 0,
                 "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)", lo=0),
         Setting("remote", "remote", "", "shared chunk tier: s3://bucket/prefix (empty = this host only)"),
@@ -287,6 +292,8 @@ class Config:
     proxy_listen: str = SETTINGS["proxy_listen"].default
     proxy_mount: Path | None = SETTINGS["proxy_mount"].default
     proxy_min_restore: int = SETTINGS["proxy_min_restore"].default
+    proxy_max_body: int = SETTINGS["proxy_max_body"].default
+    proxy_max_prompt_tokens: int = SETTINGS["proxy_max_prompt_tokens"].default
     cache_max_bytes: int = SETTINGS["cache_max_bytes"].default
     remote: str = SETTINGS["remote"].default
     remote_endpoint: str = SETTINGS["remote_endpoint"].default

@@ -59,6 +59,13 @@ from starlette.types import Receive, Scope, Send
 
 from kvchunkfs.service.apiclient import socket_path
 from kvchunkfs.service.prefixtree import common_prefix_len
+from kvchunkfs.service.proxyinput import (
+    RequestError,
+    declared_too_large,
+    parse_payload,
+    read_body,
+    too_many_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,10 @@ NAME_PREFIX = "kvp-"
 TMP_SUFFIX = ".tmp"
 PROMPT_LABEL = "prompt_tokens"  # user.kvcfs.label.prompt_tokens: the prompt part of a snapshot's tokens
 LABEL_XATTR = "user.kvcfs.label." + PROMPT_LABEL
+DEFAULT_PROMPT_LIMIT = 1 << 20  # prompt tokens, when neither proxy_max_prompt_tokens nor the upstream says
+TOKEN_JSON_BYTES = 12  # an upper bound of one token in /tokenize's answer ("151935, " is 8)
+KEY_TTL = 60.0  # seconds an API key the upstream accepted is not asked about again
+KEYS_KEPT = 4096
 # Not forwarded: per-connection headers, and the ones the HTTP layer recomputes.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})  # fmt: skip
@@ -202,6 +213,9 @@ class ProxyMetrics:
                               registry=r)  # fmt: skip
         self.restore_s = Histogram("kvcfs_proxy_restore_seconds", "Slot restores from the store", registry=r)
         self.save_s = Histogram("kvcfs_proxy_save_seconds", "Slot saves into the store (save + rename)", registry=r)
+        self.refused = Counter("kvcfs_proxy_refused_requests", "Requests the proxy refused itself (413: body over "
+                               "proxy_max_body; 400: not a JSON object, nested too deep, prompt over the token "
+                               "limit)", ["status"], registry=r)  # fmt: skip
         self.errors = Counter("kvcfs_proxy_errors", "Failed steps (the request itself went on)", ["step"], registry=r)
         self.skipped = Counter("kvcfs_proxy_skipped_saves", "Saves not made (not_mounted: the directory is not on a "
                                "live kv-chunk-fs mount, so llama-server would write full files to the disk "
@@ -237,12 +251,19 @@ class Proxy:
         *,
         min_restore: int = 32,
         cache_max_bytes: int = 0,
+        max_body: int = 16 << 20,
+        max_prompt_tokens: int = 0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.upstream_url = upstream.rstrip("/")
         self.mount = mount
         self.min_restore = min_restore
         self.cache_max_bytes = cache_max_bytes
+        self.max_body = max_body
+        self.max_prompt_tokens = max_prompt_tokens  # 0: the upstream's context size, once known
+        self.prompt_limit = max_prompt_tokens or DEFAULT_PROMPT_LIMIT
+        self.open_upstream = False  # the upstream takes requests without an API key (learnt in ready())
+        self._keys_ok: dict[bytes, float] = {}  # hash of an Authorization header the upstream took -> until
         self.metrics = ProxyMetrics(registry)
         # llama-server closes idle keep-alive connections after 5 s; reusing one it just closed fails the
         # request, so pooled connections expire well before that.
@@ -301,19 +322,25 @@ class Proxy:
             log.error("proxy background task failed", exc_info=task.exception())
 
     async def handle(self, request: Request) -> Response:
-        body = await request.body()
+        """Cheap checks first: the declared size, then (generation) the upstream's word on the API key,
+        and only then the body is read (bounded) and parsed (bounded): a client the upstream would
+        refuse costs the proxy one small request, not a copy of its prompt."""
         kind = GENERATION.get(request.url.path) if request.method == "POST" else None
-        payload: Any = None
-        if kind is not None:
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                payload = None  # llama-server says what is wrong with it
         _AUTH.set(request.headers.get("authorization", ""))
         try:
-            if isinstance(payload, dict) and kind is not None and await self.ready():
-                return await self.generate(request, kind, payload)
-            return await self.forward(request, body)
+            refused = declared_too_large(request, self.max_body)
+            if refused is not None:
+                raise refused
+            if kind is not None and await self.ready():
+                denied = await self.upstream_refusal(request)
+                if denied is not None:
+                    return denied
+                return await self.generate(request, kind, parse_payload(await read_body(request, self.max_body)))
+            return await self.forward(request, await read_body(request, self.max_body))
+        except RequestError as e:
+            log.info("proxy refused %s %s: %s", request.method, request.url.path, e)
+            self.metrics.refused.labels(str(e.status)).inc()
+            return _error(e.status, str(e), e.kind)
         except httpx.TransportError as e:
             log.warning("upstream %s unreachable for %s %s: %s", self.upstream_url, request.method,
                         request.url.path, e)  # fmt: skip
@@ -334,6 +361,24 @@ class Proxy:
             await resp.aclose()
         return Response(data, resp.status_code, headers=_response_headers(resp))
 
+    async def upstream_refusal(self, request: Request) -> Response | None:
+        """The upstream's 401/403 for this request's API key (asked with ``GET /props``, before the proxy
+        reads the body), or None. An upstream without keys is not asked; a key it took is not asked
+        about again for ``KEY_TTL`` seconds."""
+        if self.open_upstream:
+            return None
+        auth = request.headers.get("authorization", "")
+        key, now = hashlib.sha256(auth.encode("latin-1", "replace")).digest(), time.monotonic()
+        if self._keys_ok.get(key, 0.0) > now:
+            return None
+        r = await self.http.get("/props", headers={"authorization": auth} if auth else {})
+        if r.status_code in (401, 403):
+            return Response(r.content, r.status_code, headers=_response_headers(r))
+        if len(self._keys_ok) >= KEYS_KEPT:
+            self._keys_ok.clear()
+        self._keys_ok[key] = now + KEY_TTL
+        return None
+
     # -- setup ---------------------------------------------------------------------------------
 
     async def ready(self) -> bool:
@@ -348,7 +393,8 @@ class Proxy:
                     log.warning("cannot learn the upstream's slots and model (requests pass through): %s", e)
                     return False
                 self.pool, self.tag = SlotPool(n, self.min_restore), tag
-                log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*", n, NAME_PREFIX, tag)
+                log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*, prompts up to %d tokens", n,
+                         NAME_PREFIX, tag, self.prompt_limit)  # fmt: skip
         return True
 
     async def _discover(self) -> tuple[int, str]:
@@ -356,6 +402,11 @@ class Proxy:
         slots = await self._json("GET", "/slots")
         n = len(slots) if isinstance(slots, list) and slots else int(props["total_slots"])
         model = str(props.get("model_path") or props.get("model_alias") or "")
+        self.open_upstream = (await self.http.get("/props")).status_code == 200  # no --api-key
+        if not self.max_prompt_tokens:  # llama-server refuses a prompt longer than a slot's context anyway
+            settings = props.get("default_generation_settings")
+            n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+            self.prompt_limit = n_ctx if type(n_ctx) is int and n_ctx > 0 else DEFAULT_PROMPT_LIMIT
         return n, hashlib.sha256(model.encode()).hexdigest()[:8]
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -457,6 +508,8 @@ class Proxy:
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 return await self._tokenize(prompt)
+            if isinstance(prompt, list) and len(prompt) > self.prompt_limit:
+                raise too_many_tokens(len(prompt), self.prompt_limit)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return list(prompt)
         except (httpx.HTTPStatusError, ValueError, KeyError, TypeError) as e:
@@ -464,9 +517,28 @@ class Proxy:
         return None
 
     async def _tokenize(self, text: str) -> list[int] | None:
+        """The tokens of ``text``; over ``prompt_limit`` a 400, told from the answer's size before it is
+        parsed (each token is at most ``TOKEN_JSON_BYTES`` of it)."""
+        cap = self.prompt_limit * TOKEN_JSON_BYTES + 4096
         # add_special and parse_special as llama-server's completion handlers tokenize prompts.
-        out = await self._json("POST", "/tokenize", json={"content": text, "add_special": True, "parse_special": True})
+        body = {"content": text, "add_special": True, "parse_special": True}
+        auth = _AUTH.get()
+        req = self.http.build_request("POST", "/tokenize", json=body, headers={"authorization": auth} if auth else {})
+        resp = await self.http.send(req, stream=True)
+        try:
+            resp.raise_for_status()
+            parts, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise too_many_tokens(None, self.prompt_limit)
+                parts.append(chunk)
+        finally:
+            await resp.aclose()
+        out = json.loads(b"".join(parts))
         tokens = [t if type(t) is int else t["id"] for t in out["tokens"]]
+        if len(tokens) > self.prompt_limit:
+            raise too_many_tokens(len(tokens), self.prompt_limit)
         return tokens or None
 
     # -- before: route, look up, restore ----------------------------------------------------------

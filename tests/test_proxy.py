@@ -4,6 +4,7 @@ the budget and the metrics, driven with the real ``openai`` client where a clien
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -474,6 +475,28 @@ def test_budget_deletes_lowest_score_snapshots(tmp_path: Path) -> None:
         m = rig.metrics()
         assert m["kvcfs_proxy_evicted_snapshots_total[]"] >= 2
         assert len(rig.files()) <= 1
+
+
+def test_budget_touches_only_this_proxys_own_snapshots(tmp_path: Path) -> None:
+    from fake_llama import MAGIC, rows, tokenize
+
+    for rig in make_rig(tmp_path, cache_max_bytes=1):
+        tokens = tokenize(SYSTEM + " another model's conversation", True)
+        other_model = rig.mount.mnt / "kvp-00000000-0123456789abcdef"  # what a proxy for another model saves
+        other_model.write_bytes(struct.pack("<3I", MAGIC, 1, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+                                + rows(tokens))  # fmt: skip
+        os.setxattr(other_model, LABEL_XATTR, str(len(tokens)).encode())
+        tag = hashlib.sha256(b"/models/fake.gguf").hexdigest()[:8]  # the fake's model: this proxy's names
+        users = {"kvp-notes.txt": b"my notes", f"kvp-{tag}-mine": b"named like ours, not ours"}
+        for name, data in users.items():
+            (rig.mount.mnt / name).write_bytes(data)
+        for name in "ABC":
+            turn(rig, conversation(name), f"{name} hi")
+        rig.idle()
+        assert rig.metrics()["kvcfs_proxy_evicted_snapshots_total[]"] >= 2
+        assert other_model.exists()
+        assert all((rig.mount.mnt / name).read_bytes() == data for name, data in users.items())
+        assert len([f for f in rig.files() if f not in users and f != other_model.name]) <= 1
 
 
 def test_prefix_match_endpoint(rig: Rig) -> None:

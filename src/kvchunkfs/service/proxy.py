@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -260,6 +261,7 @@ class Proxy:
         self.min_restore = min_restore
         self.cache_max_bytes = cache_max_bytes
         self.max_body = max_body
+        self.tenant = "none"
         self.max_prompt_tokens = max_prompt_tokens  # 0: the upstream's context size, once known
         self.prompt_limit = max_prompt_tokens or DEFAULT_PROMPT_LIMIT
         self.open_upstream = False  # the upstream takes requests without an API key (learnt in ready())
@@ -656,6 +658,19 @@ class Proxy:
         if ok and plan.name is not None and self.cache_max_bytes:
             await self.keep_budget()
 
+    def owns(self, row: dict[str, Any]) -> bool:
+        """A listed snapshot is this proxy's: named as it names them (its model, its namespace: tenant
+        ones with tenant isolation, the others without) and labelled with a prompt length. A file a user
+        called ``kvp-something``, another model's or another namespace's snapshots are not."""
+        labels = row.get("labels")
+        return (isinstance(labels, dict) and PROMPT_LABEL in labels and "path_b64" not in row
+                and self._own_name.fullmatch(str(row.get("path", ""))) is not None)  # fmt: skip
+
+    @property
+    def _own_name(self) -> re.Pattern[str]:
+        space = r"\.[0-9a-f]{12}" if self.tenant != "none" else ""
+        return re.compile(re.escape(f"{NAME_PREFIX}{self.tag}") + space + r"-[0-9a-f]{16}")
+
     def _count_tokens(self, plan: Plan, n: int) -> None:
         evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, n - plan.held)
         self.metrics.count_tokens("store", plan.restored)
@@ -710,8 +725,10 @@ class Proxy:
         os.rename(self.mount / tmp, self.mount / name)
 
     async def keep_budget(self) -> None:
-        """Delete the lowest-score proxy snapshots until stored bytes fit ``cache_max_bytes`` (one run at
-        a time; a save arriving meanwhile is covered by the run after it)."""
+        """Delete the lowest-score snapshots this proxy owns until what they hold alone (what deleting all
+        of them would free) fits ``cache_max_bytes``; other models', other namespaces' and users' files
+        are neither counted nor touched. One run at a time; a save arriving meanwhile is covered by the
+        run after it."""
         if self.daemon is None or self._budget_lock.locked():
             return
         async with self._budget_lock:
@@ -723,18 +740,21 @@ class Proxy:
 
     async def _evict(self) -> None:
         assert self.daemon is not None and self.pool is not None
-        stats = await self._ask_daemon("GET", "/stats")
-        stats.raise_for_status()
-        excess = int(stats.json()["stored_bytes"]) - self.cache_max_bytes
+        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": f"{NAME_PREFIX}{self.tag}", "sort": "score"})
+        r.raise_for_status()
+        own = [row for row in r.json()["snapshots"] if self.owns(row)]
+        if not own:
+            return
+        preview = await self._ask_daemon("POST", "/deletion-preview", json={"paths": [row["path"] for row in own]})
+        preview.raise_for_status()
+        excess = int(preview.json()["freed_bytes"]) - self.cache_max_bytes
         if excess <= 0:
             return
-        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
-        r.raise_for_status()
         in_use = {s.snapshot for s in self.pool.slots if s.busy} | self._claimed  # about to be rewritten: keep
         freed = deleted = 0
-        for row in r.json()["snapshots"]:
+        for row in own:
             path = row["path"]
-            if path in in_use or path.endswith(TMP_SUFFIX) or "path_b64" in row:
+            if path in in_use:
                 continue
             d = await self._ask_daemon("DELETE", "/snapshots/" + quote(path, safe="/"))
             if d.status_code >= 400 and d.status_code != 404:

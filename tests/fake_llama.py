@@ -141,7 +141,13 @@ class FakeLlama:
 
     async def slot_action(self, request: Request) -> Response:
         slot = self.slots[request.path_params["id"]]
-        action, filename = request.query_params.get("action"), (await request.json())["filename"]
+        action = request.query_params.get("action")
+        if action == "erase":
+            async with slot.lock:
+                self.actions.append(("erase", slot.id, ""))
+                slot.tokens, slot.used = [], False
+            return JSONResponse({"id_slot": slot.id, "n_erased": 0})
+        filename = (await request.json())["filename"]
         if "/" in filename:
             return _err(400, "Invalid filename")
         async with slot.lock:

@@ -425,6 +425,45 @@ def test_prompts_over_the_token_limit_are_refused_before_any_copy(tmp_path: Path
         assert r.status_code == 400 and "81 tokens" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("mode", ["api-key", "header:X-Tenant"])
+def test_with_tenant_isolation_no_request_reuses_another_tenants_prefix(tmp_path: Path, mode: str) -> None:
+    for rig in make_rig(tmp_path, slots=1, tenant=mode):  # type: ignore[arg-type]
+
+        def ask(who: str, messages: list[dict], rig: Rig = rig) -> str:
+            key, extra = (who, {}) if mode == "api-key" else ("none", {"X-Tenant": who})
+            client = openai.OpenAI(base_url=rig.url + "/v1", api_key=key, max_retries=0, default_headers=extra)
+            out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+            rig.idle()
+            return out.choices[0].message.content or ""
+
+        secret = [*conversation("A"), {"role": "user", "content": "the secret word is swordfish"}]
+        answer = ask("alice", secret)
+        alice_file = rig.files()
+        # Bob sends alice's very prompt, on the slot that holds it: nothing of it may come from alice.
+        guess = [*conversation("A"), {"role": "user", "content": "the secret word is swordfish"}]
+        ask("bob", guess)
+        assert rig.fake.records[-1].cache_n == 0, rig.fake.records[-1]
+        assert not [a for a in rig.fake.actions if a[0] == "restore"]
+        assert len(rig.files()) == 2 and set(alice_file) < set(rig.files())
+        m = rig.metrics()
+        assert m["kvcfs_proxy_prompt_tokens_total[('source', 'store')]"] == 0
+        assert m["kvcfs_proxy_prompt_tokens_total[('source', 'slot')]"] == 0
+        # Alice goes on: her own snapshot comes back into the slot bob used.
+        ask("alice", [*secret, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}])
+        assert ("restore", 0, alice_file[0]) in rig.fake.actions
+        assert rig.fake.records[-1].cache_n > len(SYSTEM.split())
+        # Nor can a client restore (or save, or list) slots by hand through the proxy.
+        by_hand = httpx.post(rig.url + "/slots/0", params={"action": "restore"}, json={"filename": alice_file[0]})
+        assert by_hand.status_code == 403 and httpx.get(rig.url + "/slots").status_code == 403
+        # Without a key (or header), a request restores nothing and saves nothing.
+        files = rig.files()
+        r = httpx.post(rig.url + "/v1/chat/completions", json={"messages": secret, "max_tokens": 2}, timeout=30)
+        rig.idle()
+        assert r.status_code == 200 and rig.fake.records[-1].cache_n == 0 and rig.files() == files
+        tag = hashlib.sha256(b"/models/fake.gguf").hexdigest()[:8]
+        assert all(re.fullmatch(rf"kvp-{tag}\.[0-9a-f]{{12}}-[0-9a-f]{{16}}", f) for f in files), files
+
+
 def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:
     body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
     assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200

@@ -324,7 +324,7 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         return 2
     proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
                   cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
-                  max_prompt_tokens=cfg.proxy_max_prompt_tokens)  # fmt: skip
+                  max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
     serve(proxy, cfg.proxy_listen)

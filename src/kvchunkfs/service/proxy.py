@@ -126,6 +126,7 @@ class Slot:
     prompt_len: int = 0  # the prompt part of ``snapshot``
     busy: bool = False
     saving: bool = False  # its request is answered; the save is running
+    tenant: str | None = None  # with tenant isolation: whose content it holds (None: not known)
     last_used: float = 0.0
 
     def forget(self) -> None:
@@ -143,17 +144,19 @@ class SlotPool:
         self.min_gain = min_gain
         self._changed = asyncio.Condition()
 
-    async def acquire(self, tokens: list[int]) -> Slot:
+    async def acquire(self, tokens: list[int], tenant: str | None = None) -> Slot:
+        """``tenant`` (with isolation): only slots holding that tenant's content count what they hold."""
         async with self._changed:
             while True:
-                slot = self._pick(tokens)
+                slot = self._pick(tokens, tenant)
                 if slot is not None:
                     slot.busy = True
                     return slot
                 await self._changed.wait()
 
-    def _pick(self, tokens: list[int]) -> Slot | None:
-        held = {s.id: common_prefix_len(tokens, s.tokens) for s in self.slots}
+    def _pick(self, tokens: list[int], tenant: str | None = None) -> Slot | None:
+        held = {s.id: common_prefix_len(tokens, s.tokens) if tenant is None or s.tenant == tenant else 0
+                for s in self.slots}  # fmt: skip
         free = [s for s in self.slots if not s.busy]
         best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
         saving = [held[s.id] for s in self.slots if s.busy and s.saving]
@@ -195,6 +198,7 @@ class Plan:
     prepare_s: float = 0.0
     first_token_s: float | None = None
     prompt_n: int | None = None  # tokens llama-server evaluated (its timings), when it said
+    no_reuse: bool = False  # the slot may hold another tenant's tokens: tell llama-server not to reuse them
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -254,6 +258,7 @@ class Proxy:
         cache_max_bytes: int = 0,
         max_body: int = 16 << 20,
         max_prompt_tokens: int = 0,
+        tenant: str = "none",
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.upstream_url = upstream.rstrip("/")
@@ -261,7 +266,9 @@ class Proxy:
         self.min_restore = min_restore
         self.cache_max_bytes = cache_max_bytes
         self.max_body = max_body
-        self.tenant = "none"
+        if tenant not in ("none", "api-key") and not (tenant.startswith("header:") and len(tenant) > 7):
+            raise ValueError(f"tenant must be none, api-key or header:NAME, not {tenant!r}")
+        self.tenant = tenant  # none | api-key | header:NAME
         self.max_prompt_tokens = max_prompt_tokens  # 0: the upstream's context size, once known
         self.prompt_limit = max_prompt_tokens or DEFAULT_PROMPT_LIMIT
         self.open_upstream = False  # the upstream takes requests without an API key (learnt in ready())
@@ -333,6 +340,10 @@ class Proxy:
             refused = declared_too_large(request, self.max_body)
             if refused is not None:
                 raise refused
+            if self.tenant != "none" and (request.url.path == "/slots" or request.url.path.startswith("/slots/")):
+                # A client's own save/restore/list of slots would bypass the namespaces.
+                raise RequestError(403, "slots are managed by the proxy alone with proxy_tenant set",
+                                   "permission_error")  # fmt: skip
             if kind is not None and await self.ready():
                 denied = await self.upstream_refusal(request)
                 if denied is not None:
@@ -432,16 +443,20 @@ class Proxy:
 
     async def generate(self, request: Request, kind: str, payload: dict[str, Any]) -> Response:
         start = time.monotonic()
-        tokens = await self.prompt_tokens(kind, payload)
+        space = self.namespace(request)
+        tokens = await self.prompt_tokens(kind, payload) if space is not None else None
         assert self.pool is not None
-        slot = await self.pool.acquire(tokens or [])
+        tenant = None if self.tenant == "none" else space or f"anonymous {secrets.token_hex(8)}"
+        slot = await self.pool.acquire(tokens or [], tenant)
         plan = Plan(None)
         resp: httpx.Response | None = None
         handed_off = False  # from here on the slot is released by the task finish() runs in
         try:
-            plan = await self.prepare(slot, tokens)
+            plan = await self.prepare(slot, tokens, space or "", tenant)
             plan.prepare_s = time.monotonic() - start
             payload["id_slot"] = slot.id
+            if plan.no_reuse:
+                payload["cache_prompt"] = False
             req = self.http.build_request("POST", request.url.path, params=request.query_params,
                                           headers=_request_headers(request, identity=True),
                                           content=json.dumps(payload).encode())  # fmt: skip
@@ -545,15 +560,22 @@ class Proxy:
 
     # -- before: route, look up, restore ----------------------------------------------------------
 
-    async def prepare(self, slot: Slot, tokens: list[int] | None) -> Plan:
-        """Restore into ``slot`` if the store has more of the prompt; decide the save name."""
+    async def prepare(self, slot: Slot, tokens: list[int] | None, space: str = "", tenant: str | None = None) -> Plan:
+        """Restore into ``slot`` if the store has more of the prompt; decide the save name. ``space``:
+        the namespace of the names it restores and saves; ``tenant`` (isolation on): who the slot is
+        for, whose content it must not reuse."""
+        no_reuse = False
+        if tenant is not None and slot.tenant != tenant:
+            slot.forget()  # nothing it holds is this tenant's: no parent, no held prefix
+            no_reuse = not await self._erase(slot)
+        slot.tenant = tenant
         if tokens is None:
             slot.forget()  # an uncached request changes the slot in ways the proxy cannot follow
             self.metrics.requests.labels("uncached").inc()
-            return Plan(None)
+            return Plan(None, no_reuse=no_reuse)
         await self._check_slot(slot)
         held = common_prefix_len(tokens, slot.tokens)
-        best = await self.lookup(tokens)
+        best = await self.lookup(tokens, space)
         restored = 0
         if best is not None and best.path == slot.snapshot:
             held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
@@ -566,12 +588,40 @@ class Proxy:
             parent = slot.snapshot  # the next turn of the slot's conversation: replace it
         elif best is not None and best.match >= best.prompt_len > 0:
             parent = best.path
-        name = parent or f"{NAME_PREFIX}{self.tag}-{_digest(tokens)}"
+        name = parent or f"{self.name_prefix(space)}{_digest(tokens)}"
         if name in self._claimed:  # another continuation of the same turn replaces it: this one branches off
-            name = f"{NAME_PREFIX}{self.tag}-{secrets.token_hex(8)}"
+            name = f"{self.name_prefix(space)}{secrets.token_hex(8)}"
         self._claimed.add(name)  # released in finish(); nothing awaits in between, so no other request sees it free
         self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
-        return Plan(name, held=held, restored=restored)
+        return Plan(name, held=held, restored=restored, no_reuse=no_reuse and not restored)
+
+    def name_prefix(self, space: str) -> str:
+        """``kvp-MODEL-`` without tenant isolation, ``kvp-MODEL.NAMESPACE-`` with it: neither is a prefix
+        of the other, so a lookup in one never sees the other."""
+        return f"{NAME_PREFIX}{self.tag}.{space}-" if space else f"{NAME_PREFIX}{self.tag}-"
+
+    def namespace(self, request: Request) -> str | None:
+        """The request's namespace: "" without tenant isolation; with it, a hash of the API key or of the
+        configured header, or None when the request has none (then it runs uncached)."""
+        if self.tenant == "none":
+            return ""
+        header = "authorization" if self.tenant == "api-key" else self.tenant.partition(":")[2]
+        value = request.headers.get(header, "").strip()
+        if not value:
+            return None
+        return hashlib.sha256(b"kv-chunk-fs tenant\0" + value.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+    async def _erase(self, slot: Slot) -> bool:
+        """Empty a slot that held another tenant's tokens (llama-server would reuse their common prefix,
+        and its timings would tell). False if it could not: then the request asks for no reuse."""
+        try:
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "erase"})
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.warning("erase of slot %d failed (the request runs without prompt reuse): %s", slot.id, _why(e))
+            self.metrics.errors.labels("erase").inc()
+            return False
+        return True
 
     async def _check_slot(self, slot: Slot) -> None:
         """Forget what the slot held if llama-server says otherwise (restarted, or used by another client)."""
@@ -588,11 +638,11 @@ class Proxy:
             slot.forget()
             slot.n_tokens = n
 
-    async def lookup(self, tokens: list[int]) -> Match | None:
-        """The stored snapshot of this model sharing the longest prefix with ``tokens``."""
+    async def lookup(self, tokens: list[int], space: str = "") -> Match | None:
+        """The stored snapshot of this model and namespace sharing the longest prefix with ``tokens``."""
         if self.daemon is None:
             return None
-        body = {"tokens": tokens, "prefix": f"{NAME_PREFIX}{self.tag}-", "exclude_suffix": TMP_SUFFIX}
+        body = {"tokens": tokens, "prefix": self.name_prefix(space), "exclude_suffix": TMP_SUFFIX}
         try:
             r = await self._ask_daemon("POST", "/prefix-match", json=body)
             r.raise_for_status()

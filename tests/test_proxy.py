@@ -194,6 +194,24 @@ def test_a_conversation_replaces_its_snapshot_and_matches_direct_answers(rig: Ri
     assert len(set(saved_as)) == 3, "a temporary name of its own per save"
 
 
+def test_the_next_turn_on_its_own_slot_asks_the_store_nothing(rig: Rig) -> None:
+    asked: list[str] = []
+    ask_daemon = rig.proxy._ask_daemon
+
+    async def spy(method: str, path: str, **kw: object) -> httpx.Response:
+        asked.append(path)
+        return await ask_daemon(method, path, **kw)
+
+    rig.proxy._ask_daemon = spy  # type: ignore[method-assign]
+    messages = turn(rig, conversation("A"), "first")
+    assert asked == ["/prefix-match"]  # a new conversation: is any of it stored?
+    for i in range(3):
+        messages = turn(rig, messages, f"turn {i}")
+    assert asked == ["/prefix-match"], "the slot holds the conversation: no lookup"
+    assert all(r.prompt_n < 20 for r in rig.fake.records[1:]), rig.fake.records
+    assert len(rig.files()) == 1
+
+
 def test_a_branch_keeps_both_and_other_conversations_reuse_the_system_prompt(rig: Rig) -> None:
     a1 = turn(rig, conversation("A"), "first question")
     a2 = turn(rig, a1, "second question")

@@ -575,7 +575,10 @@ class Proxy:
             return Plan(None, no_reuse=no_reuse)
         await self._check_slot(slot)
         held = common_prefix_len(tokens, slot.tokens)
-        best = await self.lookup(tokens, space)
+        # The next turn of the conversation the slot holds: its latest save is the slot's content, so the
+        # store has no more of this prompt (steady state costs no round trip to the daemon).
+        continues = slot.snapshot is not None and held >= slot.prompt_len > 0
+        best = None if continues else await self.lookup(tokens, space)
         restored = 0
         if best is not None and best.path == slot.snapshot:
             held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
@@ -584,7 +587,7 @@ class Proxy:
                 restored = min(best.match, len(tokens)) - held
                 held += restored
         parent = None
-        if slot.snapshot is not None and held >= slot.prompt_len > 0:
+        if continues:
             parent = slot.snapshot  # the next turn of the slot's conversation: replace it
         elif best is not None and best.match >= best.prompt_len > 0:
             parent = best.path

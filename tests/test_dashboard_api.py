@@ -132,7 +132,8 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        client = TestClient(dashboard.create_ui_app(service.repo.root), base_url="http://localhost:9000")
+        client = TestClient(dashboard.create_ui_app(service.repo.root, "t0ken"), base_url="http://localhost:9000",
+                            headers={"Authorization": "Bearer t0ken"})  # fmt: skip
         for _ in range(200):  # 502 until the server listens
             r = client.get("/api/snapshots", params={"prefix": "d0/", "limit": "2", "offset": "1"})
             if r.status_code != 502:
@@ -145,6 +146,32 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_dashboard_has_no_tokenless_mode() -> None:
+    with pytest.raises(ValueError, match="always needs a token"):
+        dashboard.create_ui_app(Path("/nonexistent"), "")
+    assert dashboard.new_token() != dashboard.new_token() and len(dashboard.new_token()) >= 32
+
+
+@pytest.mark.parametrize("family", ["127.0.0.1", "::1"])
+def test_peer_uid_finds_the_owner_of_a_local_tcp_peer(family: str) -> None:
+    import os
+    import socket
+
+    kind = socket.AF_INET6 if ":" in family else socket.AF_INET
+    with socket.socket(kind) as server, socket.socket(kind) as client:
+        server.bind((family, 0))
+        server.listen(1)
+        client.connect(server.getsockname()[:2])
+        conn, _ = server.accept()
+        with conn:
+            peer, ours = client.getsockname(), server.getsockname()
+            assert dashboard.peer_uid(peer[0], peer[1], ours[0], ours[1]) == os.getuid()
+            assert dashboard.peer_uid(peer[0], peer[1] ^ 1, ours[0], ours[1]) is None  # no such socket
+            scope = {"client": (peer[0], peer[1]), "server": (ours[0], ours[1])}
+            assert dashboard.describe_client(scope) == f"dashboard client {peer[0]}:{peer[1]} uid {os.getuid()}"
+    assert dashboard.describe_client({}) == "dashboard client (unknown)"
 
 
 @pytest.mark.parametrize(

@@ -103,10 +103,13 @@ class DaemonClient:
         finally:
             conn.close()
 
-    def forward(self, method: str, url: str, body: bytes = b"", content_type: str = "") -> tuple[int, str, bytes]:
+    def forward(self, method: str, url: str, body: bytes = b"", content_type: str = "",
+                headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:  # fmt: skip
         """Send a request as given (``url``: path and query, already encoded): the dashboard's proxy."""
         conn = _UnixConnection(self.path, self.timeout)
-        headers = {"Content-Type": content_type} if content_type else {}
+        headers = dict(headers or {})
+        if content_type:
+            headers["Content-Type"] = content_type
         try:
             conn.request(method, url, body=body or None, headers=headers)
             resp = conn.getresponse()

@@ -113,6 +113,7 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     ops = Operations(files)
+    ops.mountpoint = str(mountpoint.resolve())
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:

@@ -34,6 +34,7 @@ from kvchunkfs.file.content import Action, FileContent, Mode
 from kvchunkfs.file.fetcher import Cursor
 from kvchunkfs.file.files import Files
 from kvchunkfs.format.index import IndexFormatError
+from kvchunkfs.fuse import openers
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
@@ -64,6 +65,7 @@ class Handle:
     node: Node
     cursor: Cursor = field(default_factory=Cursor)
     writer: bool = False
+    opener: int | None = None  # process that opened it for writing: its own last close commits (flush)
     restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
 
 
@@ -141,6 +143,8 @@ class Operations(pyfuse3.Operations):
         self.idle_gen = 0  # bumped by every first open and every last release: "still the same idle spell?"
         self.memory_trims = 0
         self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
+        self.mountpoint: str | None = None  # set by the daemon: which FLUSH is the writer's own close
+        self._device: str | None = None  # the mount's major:minor, looked up at the first such FLUSH
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -547,12 +551,14 @@ class Operations(pyfuse3.Operations):
                         self.went_idle.set()
         self._maybe_drop(node)
 
-    def _new_handle(self, node: Node, flags: int) -> int:
+    async def _new_handle(self, node: Node, flags: int, ctx: pyfuse3.RequestContext) -> int:
         """A handle for an open already counted by ``_acquire``."""
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        # The process, not the thread: its descriptor table tells which FLUSH is its last close.
+        opener = await self._thread(openers.task_group, ctx.pid) if writer and self.mountpoint else None
         fh = self._next_fh
         self._next_fh += 1
-        writer = flags & os.O_ACCMODE != os.O_RDONLY
-        handle = self.handles[fh] = Handle(node, writer=writer)
+        handle = self.handles[fh] = Handle(node, writer=writer, opener=opener)
         if node.content is not None and node.content.mode is Mode.CLEAN:
             handle.cursor.locations = node.content.locations  # looked up once, at load
         node.writers += writer
@@ -571,7 +577,7 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 await self._drop_open(node, commit=False)
                 raise
-        fh = self._new_handle(node, flags)
+        fh = await self._new_handle(node, flags, ctx)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
@@ -592,15 +598,43 @@ class Operations(pyfuse3.Operations):
         self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
-        fh = self._new_handle(node, flags)
+        fh = await self._new_handle(node, flags, ctx)
         attrs = self._attrs(node)
         node.nlookup += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attrs
 
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
-        if handle.writer:  # a reader's close must not save a half-written file, nor fail with its error
-            await self._commit(handle.node)
+        if not handle.writer:  # a reader's close must not save a half-written file, nor fail with its error
+            return
+        content = handle.node.content
+        if content is None or not content.dirty:
+            return
+        if await self._thread(self._other_copy_closed, handle):
+            # A dup() or a child's copy (close-on-exec, exit) was closed while the writer still has
+            # the file open: committing now would install a prefix. Its own close (or the last
+            # release) commits.
+            log.debug("flush of %s from another copy of the descriptor: not a commit", handle.node.path)
+            return
+        await self._commit(handle.node)
+
+    def _other_copy_closed(self, handle: Handle) -> bool:
+        """True if the handle's opener still holds the file open for writing, so this FLUSH came
+        from another copy of its descriptor (blocking: reads /proc). False when in doubt: the opener
+        is gone or its table cannot be read, and a commit keeps the crash contract."""
+        if handle.opener is None or self.mountpoint is None:
+            return False
+        if self._device is None:
+            self._device = openers.mount_device(self.mountpoint)
+            if self._device is None:
+                log.warning("mount %s not found in /proc/self/mountinfo: every flush commits", self.mountpoint)
+                self.mountpoint = None
+                return False
+        try:
+            return openers.holds_for_writing(handle.opener, handle.node.ino, self._device)
+        except OSError as e:  # gone (its exit was this FLUSH), or not ours to read
+            log.debug("descriptor table of %d: %s; flush commits", handle.opener, e)
+            return False
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         node = self.handles[fh].node

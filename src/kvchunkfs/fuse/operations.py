@@ -418,6 +418,7 @@ class Operations(pyfuse3.Operations):
             os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        await self._sync_dirs(rel)
         node = self._remember(rel, True)
         attrs = self._attrs(node)
         node.nlookup += 1
@@ -432,6 +433,7 @@ class Operations(pyfuse3.Operations):
         node = self.by_path.get(rel)
         if node is not None:
             self._detach(node)
+        await self._sync_dirs(rel)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent_inode, name)
@@ -444,6 +446,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if node is not None:
             self._detach(node)
+        await self._sync_dirs(rel)
 
     async def rename(
         self,
@@ -469,6 +472,24 @@ class Operations(pyfuse3.Operations):
         if target is not None:
             self._detach(target)
         self._move(old, new)
+        await self._sync_dirs(old, new)
+
+    async def _sync_dirs(self, *rels: str) -> None:
+        """durability=fsync: a namespace change survives a power cut once its call returns."""
+        if self.repo.durable:
+            try:
+                await self._thread(self.repo.sync_dirs, *rels)
+            except OSError as e:
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        node = self._node(fh)
+        if node.path is None:
+            return
+        try:
+            await self._thread(self.repo.sync_entries, node.path)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
     def _move(self, old: str, new: str) -> None:
         prefix = old + "/"
@@ -591,8 +612,13 @@ class Operations(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
         index = self.repo.empty_index()
+        args = (self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         try:
-            stubs.create_empty(self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+            if self.repo.durable:  # the empty stub and its name survive a power cut once create returns
+                await self._thread(functools.partial(stubs.create_empty, *args, fsync=True))
+                await self._thread(self.repo.sync_dirs, rel)
+            else:
+                stubs.create_empty(*args)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         self.repo.touched(rel)

@@ -547,6 +547,9 @@ class GarbageCollector:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
         read every stub even if the changes are known."""
         with self._lock:
+            # Versions kept for power loss (durability=close) name chunks no stub names: make the
+            # saves that replaced them durable first, which drops them.
+            self.repo.checkpoint()
             state = self._state()
             report = None if walk else self._collect_changes()
             if report is None:

@@ -153,7 +153,7 @@ def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     if moved_aside or _packs_changed(report):
         report.clean, since = False, None
     check_snapshots(repo, report, since=None if since is None else since - _CLOCK_SLACK)
-    resolve_damaged(repo, report)
+    resolve_damaged(repo, report, crashed=unmounted is None)
     repo.store.set_meta(_CHECKED_AT, repr(now))  # every stub changed before now is checked
     report.duration_s = time.monotonic() - start
     log.info("%s", report.summary())
@@ -170,7 +170,7 @@ def _packs_changed(report: RecoveryReport) -> bool:
                 or r.legacy_unknown)  # fmt: skip
 
 
-def resolve_damaged(repo: Repository, report: RecoveryReport) -> None:
+def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> None:
     """After the checks: put back the previous version of a snapshot whose last save a power cut took
     back (kept in ``prev/``, durability=close), and after a crash set every snapshot that still
     cannot be read aside into ``lost+found/`` (reported by name; its name is free again), so the store
@@ -190,14 +190,17 @@ def resolve_damaged(repo: Repository, report: RecoveryReport) -> None:
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.unlink(entry.path)
         changed = True
-    if not report.clean:
+    if crashed:
         for rel in sorted(damaged):
             report.set_aside[rel] = _set_aside(repo, rel)
             _forget_damage(report, rel)
             log.error("snapshot %s cannot be read after a crash: set aside as %s", rel, report.set_aside[rel])
             changed = True
     if changed:  # the resolution survives the next power cut (it is redone if it does not)
-        for d in {repo.path(rel).parent for rel in [*report.restored, *report.set_aside]} | {repo.layout.prev}:
+        dirs = {repo.path(rel).parent for rel in [*report.restored, *report.set_aside]} | {repo.layout.prev}
+        if report.set_aside:
+            dirs.add(repo.layout.lost_found)
+        for d in dirs:
             with contextlib.suppress(FileNotFoundError):
                 fsync_dir(d)
 

@@ -58,6 +58,9 @@ class Node:
     loading: trio.Event | None = None  # set while an open loads the content: later opens wait for it
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
+    # Times set (utimensat/futimens) on the open file, with the content's generation then: the
+    # save's new stub gets them too, unless the file was written after they were set.
+    set_times: tuple[int | None, int | None, int] | None = None
 
 
 @dataclass(eq=False)
@@ -336,15 +339,11 @@ class Operations(pyfuse3.Operations):
                     follow_symlinks=False,
                 )
             if path is not None and (fields.update_atime or fields.update_mtime):
-                st = os.lstat(path)
-                os.utime(
-                    path,
-                    ns=(
-                        attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
-                        attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
-                    ),
-                    follow_symlinks=False,
-                )
+                times = (attr.st_atime_ns if fields.update_atime else None,
+                         attr.st_mtime_ns if fields.update_mtime else None)
+                _set_times(path, *times)
+                if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
+                    node.set_times = (*times, node.content.gen)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(node)
@@ -458,7 +457,7 @@ class Operations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
-        if flags & pyfuse3.RENAME_EXCHANGE:
+        if flags & ~pyfuse3.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
             raise pyfuse3.FUSEError(errno.EINVAL)
         target = self.by_path.get(new)
         try:
@@ -703,6 +702,7 @@ class Operations(pyfuse3.Operations):
                 if not self.files.finish_save(pending, rel):
                     return  # unlinked while open: nothing to save
                 assert rel is not None
+                self._carry_set_times(node, pending.gen, rel)
                 if pending.durable:
                     await self._thread(self.files.sync_dir, rel)
             except (ChunkMissing, ChunkCorrupt, OSError) as e:
@@ -713,6 +713,16 @@ class Operations(pyfuse3.Operations):
             self._observe("on_save", time.monotonic() - start, pending.index.size, pending.new_bytes)
             log.debug("saved %s: %d bytes, %d chunks in %.3fs", rel, pending.index.size, len(pending.index),
                       time.monotonic() - start)
+
+    def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
+        """Give the saved stub the times set on the open file, if nothing was written after them."""
+        times, node.set_times = node.set_times, None
+        if times is None or times[2] != gen:
+            return
+        try:
+            _set_times(self.repo.path(rel), times[0], times[1])
+        except OSError as e:  # the save stands; only its times are the save's
+            log.warning("times set on %s not kept: %s", rel, e)
 
     def _observe(self, event: str, *args: float) -> None:
         if self.observer is None:
@@ -860,6 +870,13 @@ def _list_dir(path: os.PathLike[str]) -> list[str]:
         return sorted(os.listdir(fd))
     finally:
         os.close(fd)
+
+
+def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
+    """utime of the stub itself (never a symlink's target); None keeps that time."""
+    st = os.lstat(path)
+    os.utime(path, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                       st.st_mtime_ns if mtime_ns is None else mtime_ns), follow_symlinks=False)
 
 
 def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:

@@ -107,12 +107,12 @@ class PowerFS(pyfuse3.Operations):
 
     # -- the journal ------------------------------------------------------------------------
 
-    def _bury(self, path: str) -> None:
+    def _bury(self, path: str) -> str:
         """Move ``path`` aside (an unlink, a replaced target) until its removal is committed."""
         self.buried += 1
         aside = os.path.join(self.grave, str(self.buried))
         os.rename(path, aside)
-        self.meta.append(("moved", path, aside))
+        return aside
 
     def _data_change(self, st_ino: int, fd: int, offset: int, length: int) -> None:
         """Remember what a write of ``length`` bytes at ``offset`` (or a truncate to ``offset``,
@@ -161,6 +161,9 @@ class PowerFS(pyfuse3.Operations):
             kind = record[0]
             if kind == "moved":
                 os.rename(record[2], record[1])
+            elif kind == "replaced":
+                os.rename(record[2], record[1])
+                os.rename(record[3], record[2])
             elif kind == "created":
                 path = record[1]
                 if stat.S_ISDIR(os.lstat(path).st_mode):
@@ -274,7 +277,7 @@ class PowerFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if os.listdir(path):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
-            self._bury(path)
+            self.meta.append(("moved", path, self._bury(path)))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
@@ -284,7 +287,7 @@ class PowerFS(pyfuse3.Operations):
             if stat.S_ISDIR(os.lstat(path).st_mode):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             st_ino = os.lstat(path).st_ino
-            self._bury(path)
+            self.meta.append(("moved", path, self._bury(path)))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         self._forget_path(st_ino, path)
@@ -299,6 +302,7 @@ class PowerFS(pyfuse3.Operations):
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
         if flags & ~pyfuse3.RENAME_NOREPLACE:
             raise pyfuse3.FUSEError(errno.EINVAL)
+        aside = None
         try:
             st = os.lstat(old)
             if os.path.lexists(new):
@@ -311,12 +315,18 @@ class PowerFS(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.ENOTEMPTY)
                 if stat.S_ISDIR(target.st_mode) != stat.S_ISDIR(st.st_mode):
                     raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(target.st_mode) else errno.ENOTDIR)
-                self._bury(new)
+                aside = self._bury(new)
                 self._forget_path(target.st_ino, new)
-            os.rename(old, new)
+            try:
+                os.rename(old, new)
+            except OSError:
+                if aside is not None:
+                    os.rename(aside, new)
+                raise
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self.meta.append(("moved", old, new))
+        # One record: a rename over a name is atomic, a cut keeps both halves or neither.
+        self.meta.append(("moved", old, new) if aside is None else ("replaced", old, new, aside))
         self._forget_path(st.st_ino, old)
         if stat.S_ISDIR(st.st_mode):  # paths below it moved too
             prefix = old + "/"

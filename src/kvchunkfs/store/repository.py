@@ -201,6 +201,12 @@ class Repository:
             kept = dict(self._kept)
         if not kept:
             return 0
+        # The bulk of the writeback (the pack saves append to) outside store.lock, which the sync
+        # holds across its fsyncs: saves keep appending meanwhile.
+        pack = self.store.open_pack
+        if pack is not None:
+            with contextlib.suppress(OSError), self.store.pack_fd(pack) as fd:
+                os.fsync(fd)
         self.store.sync()
         dirs = set()
         for rel in kept:

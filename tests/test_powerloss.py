@@ -10,7 +10,7 @@ writes and of the metadata survives). Then the store is mounted again (recovery)
 * ``durability=close``: a name that had a durable whole version before the round keeps a whole
   version (the old or a new one) unless the round removed it.
 
-KVCFS_POWERLOSS_ROUNDS sets the rounds per mode (default 6), KVCFS_POWERLOSS_SEED the seed.
+KVCFS_POWERLOSS_ROUNDS sets the rounds per mode (default 5), KVCFS_POWERLOSS_SEED the seed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from helpers import sha
 
 from kvchunkfs.maint import fsck
 
-ROUNDS = int(os.environ.get("KVCFS_POWERLOSS_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("KVCFS_POWERLOSS_ROUNDS", "5"))
 SEED = int(os.environ.get("KVCFS_POWERLOSS_SEED", str(random.randrange(1 << 30))))
 POWERFS = Path(__file__).resolve().parent / "powerfs.py"
 KiB, MiB = 1 << 10, 1 << 20

@@ -256,3 +256,42 @@ def test_power_cut_keeps_whole_versions(layers: tuple[PowerFS, Mount], mode: str
         rounds += 1
     print(f"\npower loss ({mode}): {rounds} rounds, {calls} calls, seed {SEED}; last cut: {cuts[-1]}")
     assert calls > rounds, "the workload hardly ran before the cuts"
+
+
+def test_recovery_puts_a_kept_version_back_and_sets_the_unreadable_aside(tmp_path: Path) -> None:
+    """Without FUSE: a durable "a" is replaced by a save whose stub a cut emptied (its kept version
+    comes back); a new "b" whose stub was emptied has no older version (set aside); fsck passes."""
+    from kvchunkfs.file.files import Files
+    from kvchunkfs.maint.recovery import recover
+    from kvchunkfs.store.repository import Repository, StoreSettings
+
+    root = tmp_path / "store"
+    repo = Repository(root, StoreSettings(durability="close"))
+    files = Files(repo)
+    v0, v1 = random.Random(1).randbytes(MiB), random.Random(2).randbytes(MiB)
+    for rel, data in (("a", v0), ("a", v1), ("b", v1)):
+        content = files.content(repo.empty_index())
+        content.to_staging()
+        content.write(0, data)
+        assert files.save(content, rel)
+        content.close()
+        if data is v0:
+            repo.checkpoint()  # v0 is durable: nothing kept for it
+    assert sorted(p.name for p in repo.layout.prev.iterdir()) == ["YQ=="]  # base64 of "a"
+    repo.path("a").write_bytes(b"")  # the cut: the new stubs' bytes never reached the disk
+    repo.path("b").write_bytes(b"")
+    files.close()
+    # No clean unmount: the next mount's recovery (repo left open, as a crashed daemon leaves it).
+    again = Repository(root, StoreSettings(durability="close"))
+    report = recover(again)
+    assert report.restored == ["a"] and list(report.set_aside) == ["b"]
+    assert not report.unreadable and not report.missing
+    assert not (root / "snapshots" / "b").exists() and list(again.layout.lost_found.iterdir())
+    files = Files(again)
+    index = again.read_index("a")
+    assert files.read_file(index, 0, index.size) == v0
+    assert not list(again.layout.prev.iterdir())
+    files.close()
+    again.close()
+    report_fsck, _ = fsck.check(root, live=False)
+    assert report_fsck.ok, report_fsck.problems

@@ -178,7 +178,11 @@ def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> 
     damaged snapshot then is not a crash's doing, and stays for fsck --repair to mark."""
     damaged = set(report.unreadable) | set(report.missing) | set(report.mismatched)
     changed = False
-    for entry in os.scandir(repo.layout.prev):
+    try:
+        kept = list(os.scandir(repo.layout.prev))
+    except FileNotFoundError:  # a store made before prev/ existed, opened read-only
+        kept = []
+    for entry in kept:
         rel = prev_rel(entry.name)
         if rel is not None and rel in damaged and _whole(repo, Path(entry.path)):
             os.rename(entry.path, repo.path(rel))

@@ -129,15 +129,31 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     ops = Operations(files)
+    ops.mountpoint = str(mountpoint.resolve())
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
-        tasks: list[BackgroundTask] = [partial(trim_when_idle, above=trim_above), *(background or [])]
+        tasks: list[BackgroundTask] = [partial(trim_when_idle, above=trim_above), checkpoints, *(background or [])]
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
     finally:
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", mountpoint)
     return ops
+
+
+CHECKPOINT_INTERVAL = 5.0  # seconds: with durability=close, the saves a power cut may take back
+
+
+async def checkpoints(ops: Operations, interval: float = CHECKPOINT_INTERVAL) -> None:
+    """durability=close: every ``interval`` seconds, make the saves that replaced a version durable
+    and drop the versions kept for them (``Repository.checkpoint``), in a thread."""
+    repo = ops.repo
+    while not repo.durable:
+        await trio.sleep(interval)
+        try:
+            await trio.to_thread.run_sync(repo.checkpoint)
+        except OSError as e:  # the versions stay kept; the next checkpoint tries again
+            log.warning("checkpoint failed: %s", e)
 
 
 def rss_bytes() -> int:

@@ -18,6 +18,7 @@ if one is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hmac
 import json
@@ -266,16 +267,27 @@ class Service:
     def set_labels(self, rel: str, changes: Mapping[str, str | None]) -> None:
         """Set (or, for None, remove) labels through the mount, so FUSE reports the change."""
         target = self.mountpoint / rel
-        for key, value in changes.items():
-            name = stubs.LABEL_PREFIX + key
-            if value is None:
-                try:
-                    os.removexattr(target, name, follow_symlinks=False)
-                except OSError as e:
-                    if e.errno != errno.ENODATA:
-                        raise
-            else:
-                os.setxattr(target, name, value.encode(), follow_symlinks=False)
+        done: list[tuple[str, bytes | None]] = []  # (label, value before): undone if a later one fails
+        try:
+            for key, value in changes.items():
+                name = stubs.LABEL_PREFIX + key
+                done.append((name, _xattr_or_none(target, name)))
+                if value is None:
+                    try:
+                        os.removexattr(target, name, follow_symlinks=False)
+                    except OSError as e:
+                        if e.errno != errno.ENODATA:
+                            raise
+                else:
+                    os.setxattr(target, name, value.encode(), follow_symlinks=False)
+        except OSError:
+            for name, old in reversed(done):  # all of the request or none of it
+                with contextlib.suppress(OSError):
+                    if old is None:
+                        os.removexattr(target, name, follow_symlinks=False)
+                    else:
+                        os.setxattr(target, name, old, follow_symlinks=False)
+            raise
 
     def run_gc(self, walk: bool = False) -> dict[str, Any]:
         """One collection now (``walk``: read every stub); the collector serializes it with periodic runs."""
@@ -479,6 +491,21 @@ _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.
 _XATTR_STATUS = {**_UNLINK_STATUS, errno.E2BIG: 400, errno.ERANGE: 400, errno.ENOSPC: 507, errno.ENOTSUP: 400}
 
 
+def _labels_status(e: OSError, snapshots: Path) -> int:
+    """ENOSPC while the disk has room is the snapshot's xattr space, full (ext4: one block for all
+    of them): the labels sent do not fit, 413. A full disk stays 507."""
+    if e.errno == errno.ENOSPC:
+        try:
+            sv = os.statvfs(snapshots)
+        except OSError:
+            return 507
+        return 413 if sv.f_bavail * sv.f_frsize >= _DISK_ROOM else 507
+    return _XATTR_STATUS.get(e.errno or 0, 500)
+
+
+_DISK_ROOM = 16 << 20  # free bytes above which an ENOSPC of setxattr cannot be the disk
+
+
 # -- handlers --------------------------------------------------------------------------------------
 
 
@@ -539,7 +566,7 @@ def create_app(service: Service) -> Starlette:
         try:
             await run_in_threadpool(service.set_labels, rel, changes)
         except OSError as e:
-            status = _XATTR_STATUS.get(e.errno or 0, 500)
+            status = _labels_status(e, service.repo.snapshots)
             log.log(logging.ERROR if status == 500 else logging.INFO, "API labels of %s failed: %s", rel, e)
             raise HTTPException(status, f"cannot label {rel!r}: {e.strerror or e}") from None
         log.info("API set labels of %s to %s (by %s)", rel, changes, caller(request))
@@ -901,3 +928,10 @@ def tcp_token(cfg: Config) -> str:
 
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _xattr_or_none(path: Path, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False)
+    except OSError:
+        return None

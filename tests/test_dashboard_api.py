@@ -183,7 +183,7 @@ def test_host_name(header: str, name: str) -> None:
 
 
 def test_next_gc_due_counts_whole_intervals_past_skipped_timer_runs() -> None:
-    from kvchunkfs.service.api import _next_due
+    from kvchunkfs.service.api.service import _next_due
 
     assert _next_due(None, 3600, 100.0) is None and _next_due(100.0, 0, 100.0) is None
     assert _next_due(1000.0, 3600, 2000.0) == 4600.0

@@ -74,17 +74,22 @@ def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: flo
              **kw: int) -> Iterator[Rig]:  # fmt: skip
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start()
-    fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
-    upstream = ServerThread(fake.app, free_port()).start()
-    (tmp_path / "direct").mkdir()
-    proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
-    rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
-              FakeLlama(tmp_path / "direct", slots))  # fmt: skip
+    servers: list[ServerThread] = []  # stopped however the setup or the test ends (no mount left behind)
+    rig: Rig | None = None
     try:
+        fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
+        upstream = ServerThread(fake.app, free_port()).start()
+        servers.append(upstream)
+        (tmp_path / "direct").mkdir()
+        proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
+        rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
+                  FakeLlama(tmp_path / "direct", slots))  # fmt: skip
         yield rig
     finally:
-        rig.server.stop()
-        upstream.stop()
+        if rig is not None:
+            rig.server.stop()  # the proxy serving now (restart_proxy replaces it)
+        for server in servers:
+            server.stop()
         mount.stop()
     assert "Traceback" not in mount.log(), mount.log()
 

@@ -67,6 +67,8 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             except OSError as e:  # e.g. boto3 not installed
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
                 return 1
+            if not _remote_format_ok(repo.remote):
+                return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
         if repo.remote is not None and cfg.local_cache_size:
@@ -111,10 +113,30 @@ def _cache_locally(repo: Repository, tier: RemoteTier, collector: GarbageCollect
     tier.on_idle = check
 
 
+def _remote_format_ok(tier: RemoteTier) -> bool:
+    """The bucket's recorded format against this store's: a mismatch fails the mount (the operator
+    asked for a shared tier this host cannot use; a mount without it would quietly stop sharing).
+    An unreachable bucket does not: the tier checks again before its first use."""
+    from kvchunkfs.store.bucketformat import FormatMismatch
+
+    try:
+        tier.check_format()
+    except FormatMismatch as e:
+        print(f"kv-chunk-fs: cannot mount: {e.strerror}", file=sys.stderr)
+        return False  # the caller's cleanup closes the tier
+    except OSError as e:
+        logging.getLogger(__name__).warning("remote %s unreachable, its format is checked before first use: %s",
+                                            tier.bucket.url, e)  # fmt: skip
+    return True
+
+
 def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
+    from kvchunkfs.store.bucketformat import LAYOUT, BucketFormat
     from kvchunkfs.store.remote import RemoteTier
     from kvchunkfs.store.s3 import Bucket
 
+    c = repo.chunker
+    fmt = BucketFormat(LAYOUT, c.kind, c.min, c.avg, c.max, c.group_w)
     return RemoteTier(
         repo,
         Bucket(cfg.remote, cfg.remote_endpoint),
@@ -122,18 +144,23 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
         fetch_workers=cfg.remote_fetch_workers,
         grace=cfg.remote_grace,
         list_ttl=cfg.remote_list_ttl,
+        fmt=fmt,
+        max_file_size=cfg.max_file_size,
     )
 
 
 def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.remotegc import run_remote_gc
+    from kvchunkfs.store.remote import max_index_bytes
     from kvchunkfs.store.s3 import Bucket
 
     if not cfg.remote:
         print("kv-chunk-fs: gc --remote needs the remote setting (s3://bucket/prefix)", file=sys.stderr)
         return 2
     try:
-        report = run_remote_gc(Bucket(cfg.remote, cfg.remote_endpoint), cfg.remote_grace, args.dry_run)
+        bucket = Bucket(cfg.remote, cfg.remote_endpoint)
+        limit = max_index_bytes(cfg.max_file_size, cfg.chunk_min)
+        report = run_remote_gc(bucket, cfg.remote_grace, args.dry_run, limit, cfg.max_file_size)
     except OSError as e:
         print(f"kv-chunk-fs: gc --remote failed: {e}", file=sys.stderr)
         return 1

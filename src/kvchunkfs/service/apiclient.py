@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 SOCKET_NAME = "api.sock"
 TIMEOUT = 600.0  # a GC run on a large store can take minutes
@@ -147,8 +147,3 @@ def running_daemon(store: Path) -> DaemonClient | None:
     except OSError:
         return None
     return DaemonClient(store) if listening else None
-
-
-def quote_path(rel: str) -> str:
-    """A snapshot path as a URL path segment sequence (``/`` kept, everything else escaped)."""
-    return quote(os.fsencode(rel), safe="/")  # the name's bytes, also when they are not UTF-8

@@ -84,6 +84,7 @@ class FakeLlama:
         self.save_delay = save_delay
         self.fail_restores = False
         self.save_fails = False
+        self.fail_erases = False
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.records: list[Record] = []
         self.actions: list[tuple[str, int, str]] = []  # (save|restore, slot, filename)
@@ -143,6 +144,8 @@ class FakeLlama:
         slot = self.slots[request.path_params["id"]]
         action = request.query_params.get("action")
         if action == "erase":
+            if self.fail_erases:
+                return _err(500, "erase failing on purpose")
             async with slot.lock:
                 self.actions.append(("erase", slot.id, ""))
                 slot.tokens, slot.used = [], False
@@ -199,6 +202,8 @@ class FakeLlama:
                     break
                 common += 1
             common = min(common, len(prompt) - 1)  # the last prompt token is always evaluated
+            if body.get("cache_prompt") is False:  # llama-server then reuses nothing the slot holds
+                common = 0
             timings = {"prompt_n": len(prompt) - common, "cache_n": common, "prompt_ms": 1.0 * (len(prompt) - common)}
             self.records.append(Record(path, body.get("id_slot"), len(prompt) - common, common))
             slot.tokens, slot.used = list(prompt), True

@@ -74,17 +74,22 @@ def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: flo
              **kw: int) -> Iterator[Rig]:  # fmt: skip
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start()
-    fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
-    upstream = ServerThread(fake.app, free_port()).start()
-    (tmp_path / "direct").mkdir()
-    proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
-    rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
-              FakeLlama(tmp_path / "direct", slots))  # fmt: skip
+    servers: list[ServerThread] = []  # stopped however the setup or the test ends (no mount left behind)
+    rig: Rig | None = None
     try:
+        fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
+        upstream = ServerThread(fake.app, free_port()).start()
+        servers.append(upstream)
+        (tmp_path / "direct").mkdir()
+        proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
+        rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
+                  FakeLlama(tmp_path / "direct", slots))  # fmt: skip
         yield rig
     finally:
-        rig.server.stop()
-        upstream.stop()
+        if rig is not None:
+            rig.server.stop()  # the proxy serving now (restart_proxy replaces it)
+        for server in servers:
+            server.stop()
         mount.stop()
     assert "Traceback" not in mount.log(), mount.log()
 
@@ -470,6 +475,12 @@ def test_with_tenant_isolation_no_request_reuses_another_tenants_prefix(tmp_path
         ask("alice", [*secret, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}])
         assert ("restore", 0, alice_file[0]) in rig.fake.actions
         assert rig.fake.records[-1].cache_n > len(SYSTEM.split())
+        # If the slot cannot be erased, the request goes with cache_prompt false: still nothing reused.
+        rig.fake.fail_erases = True
+        ask("carol", guess)
+        assert rig.fake.records[-1].cache_n == 0 and rig.metrics()["kvcfs_proxy_errors_total[('step', 'erase')]"] == 1
+        rig.fake.fail_erases = False
+        assert len(rig.files()) == 3  # alice's (her second turn replaced it), bob's, carol's
         # Nor can a client restore (or save, or list) slots by hand through the proxy.
         by_hand = httpx.post(rig.url + "/slots/0", params={"action": "restore"}, json={"filename": alice_file[0]})
         assert by_hand.status_code == 403 and httpx.get(rig.url + "/slots").status_code == 403

@@ -135,10 +135,14 @@ def create_ui_app(store: Path, token: str, listen_host: str = "127.0.0.1") -> AS
             return JSONResponse({"error": "request body too large"}, 413)
         url = rest + (f"?{query}" if query else "")
         try:
-            who = await run_in_threadpool(describe_client, request.scope)
+            # Who asked, for the daemon's audit lines (writes only: the socket table is not read per poll).
+            who = (
+                {}
+                if request.method in ("GET", "HEAD")
+                else {CALLER_HEADER: await run_in_threadpool(describe_client, request.scope)}
+            )
             status, ctype, data = await run_in_threadpool(
-                client.forward, request.method, url, body, request.headers.get("content-type", ""),
-                {CALLER_HEADER: who},
+                client.forward, request.method, url, body, request.headers.get("content-type", ""), who
             )
         except OSError as e:
             message = f"the daemon does not answer on {client.path}: {e.strerror or e}. Is the store mounted?"

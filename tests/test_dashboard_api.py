@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 from test_scale import _save, service  # noqa: F401 - the fixture
 
-from kvchunkfs.service import dashboard
+from kvchunkfs.dashboard import server as dashboard
 from kvchunkfs.service.api import Service, create_app
 from kvchunkfs.service.history import History, percentiles
 

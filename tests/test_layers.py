@@ -12,7 +12,8 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "src" / "kvchunkfs"
 
 # Rank of each layer: a module may import its own layer and any of lower rank. ``fuse`` and
-# ``service`` are siblings (rank 5) that must not import each other.
+# ``service`` are siblings (rank 5) that must not import each other; the proxy and the dashboard are
+# programs of their own on top of ``service`` (its API client), never importing ``fuse`` or each other.
 LAYERS = {
     "units": 0, "formula": 0,
     "format": 1,
@@ -21,9 +22,13 @@ LAYERS = {
     "maint": 4,
     "config": 4,
     "fuse": 5, "service": 5,
-    "cli": 6,
+    "proxy": 6, "dashboard": 6,
+    "cli": 7,
 }  # fmt: skip
-SIBLINGS_APART = {("fuse", "service"), ("service", "fuse")}
+SIBLINGS_APART = {
+    ("fuse", "service"), ("service", "fuse"),
+    ("proxy", "fuse"), ("dashboard", "fuse"), ("proxy", "dashboard"), ("dashboard", "proxy"),
+}  # fmt: skip
 ROOT_ONLY = {"__init__"}  # kvchunkfs/__init__.py: the version, importable by anyone
 
 

@@ -22,7 +22,7 @@ from conftest import Mount
 from fake_llama import FakeLlama, ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchunkfs.service.proxy import LABEL_XATTR, Proxy
+from kvchunkfs.proxy.server import LABEL_XATTR, Proxy
 
 SYSTEM = "you are a careful agent " * 30  # shared by every conversation: ~150 tokens
 

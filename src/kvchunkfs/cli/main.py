@@ -304,7 +304,7 @@ def cmd_file_order(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """The dashboard, in this process: a separate server, so the daemon never serves a browser."""
-    from kvchunkfs.service import dashboard
+    from kvchunkfs.dashboard import server as dashboard
     from kvchunkfs.service.api import split_address
 
     try:
@@ -343,7 +343,7 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from kvchunkfs.service.proxy import Proxy, serve
+    from kvchunkfs.proxy.server import Proxy, serve
 
     if cfg.proxy_mount is None:
         print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",

@@ -58,15 +58,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvchunkfs.service.apiclient import socket_path
-from kvchunkfs.service.prefixtree import common_prefix_len
-from kvchunkfs.service.proxyinput import (
+from kvchunkfs.proxy.inputs import (
     RequestError,
     declared_too_large,
     parse_payload,
     read_body,
     too_many_tokens,
 )
+from kvchunkfs.service.apiclient import socket_path
+from kvchunkfs.service.prefixtree import common_prefix_len
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 Buffer = bytes | memoryview  # cached chunks are views into the run they were read with
 
-RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to spread over workers
+RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -155,8 +155,11 @@ class Fetcher:
         if offset >= end:
             return b""
         first, last = index.find(offset), index.find(end - 1)
+        waits, mine = self._claim(index.ids[first : last + 1])
+        if mine:  # read first what this read waits for, then queue read-ahead behind it on the disk
+            self._fetch(mine, cursor.locations if cursor is not None else None)
         self._advance(index, end, last, offset, cursor)
-        return _assemble(index, offset, end, first, last, self.get_many(index.ids[first : last + 1]))
+        return _assemble(index, offset, end, first, last, _results(waits))
 
     def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
         """``read`` as the chunks' own buffers (the first and last cut to the range), not joined."""
@@ -213,6 +216,14 @@ class Fetcher:
 
     def get_many(self, ids: Sequence[bytes]) -> list[Buffer]:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
+        waits, mine = self._claim(ids)
+        if mine:
+            self._fetch(mine)
+        return _results(waits)
+
+    def _claim(self, ids: Sequence[bytes]) -> tuple[list[Future[Buffer] | Buffer], dict[bytes, Future[Buffer]]]:
+        """For each id its bytes (cached) or the future that brings them; and the futures made
+        here, for chunks neither the cache nor a worker has: the caller fetches those."""
         waits: list[Future[Buffer] | Buffer] = []
         mine: dict[bytes, Future[Buffer]] = {}
         hits = misses = 0
@@ -225,13 +236,11 @@ class Fetcher:
                     continue
                 fut = self._inflight.get(cid) or mine.get(cid)
                 if fut is None:
-                    misses += 1
                     fut = mine[cid] = self._inflight[cid] = Future()
+                misses += 1  # read from disk by us or by a worker already: either way waited for
                 waits.append(fut)
         self.cache.count(hits, misses)
-        if mine:
-            self._fetch(mine)
-        return [w.result() if isinstance(w, Future) else w for w in waits]
+        return waits, mine
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -254,9 +263,10 @@ class Fetcher:
             for run in self._runs(wanted, cursor.locations):
                 self.pool.submit(self._read_run, run, wanted)
 
-    def _fetch(self, futures: dict[bytes, Future[Buffer]]) -> None:
-        """Fetch in the calling thread (a read that missed the cache)."""
-        for run in self._runs(futures):
+    def _fetch(self, futures: dict[bytes, Future[Buffer]], known: dict[bytes, Location] | None = None) -> None:
+        """Fetch in the calling thread (a read that missed the cache); ``known``: locations looked
+        up at open, so a cold read asks the map nothing."""
+        for run in self._runs(futures, known):
             self._read_run(run, futures)
 
     def _locate(self, ids: Sequence[bytes], futures: dict[bytes, Future[Buffer]]) -> dict[bytes, Location]:
@@ -353,6 +363,10 @@ class Fetcher:
             self._inflight.pop(cid, None)
         if not fut.done():
             fut.set_exception(err)
+
+
+def _results(waits: Sequence[Future[Buffer] | Buffer]) -> list[Buffer]:
+    return [w.result() if isinstance(w, Future) else w for w in waits]
 
 
 def _span(located: Sequence[Located], head: int, length: int) -> memoryview | None:

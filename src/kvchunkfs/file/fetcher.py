@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | memoryview  # cached chunks are views into the run they were read with
 
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
+READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -306,26 +309,39 @@ class Fetcher:
         return runs
 
     def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
+        """Read a run into one buffer, a piece at a time; each piece's whole chunks are checked and
+        handed to their readers at once (a restore's first read waits for its chunk, not its run)."""
         start = run[0][1]
         length = run[-1][1].offset + run[-1][1].length - start.offset
+        view = np.empty(length, np.uint8).data  # not zeroed: every byte of it is read into
+        buffer = Run(length, view)
+        i = 0  # the next chunk to check
         try:
             try:
-                data = self.store.read_run(start.pack, start.offset, length)
+                for done in self.store.read_run_into(start.pack, start.offset, view, READ_PIECE):
+                    j = i
+                    while j < len(run) and run[j][1].offset + run[j][1].length - start.offset <= done:
+                        j += 1
+                    if j > i:
+                        self._publish(buffer, self._checked(run[i:j], view, start.offset, futures), futures)
+                        i = j
             except FileNotFoundError:
                 # GC compacted the pack after we located the chunks: look them up again.
-                self._relocate(run, futures)
+                self._relocate(run[i:], futures)
                 return
         except Exception as e:
             log.error("reading pack %d at %d (%d bytes) failed: %s", start.pack, start.offset, length, e)
-            for cid, _ in run:
+            for cid, _ in run[i:]:
                 self._fail(cid, futures[cid], e)
-            return
-        view = memoryview(data)
-        buffer = Run(len(data), view)
+
+    def _checked(
+        self, chunks: list[tuple[bytes, Location]], view: memoryview, base: int, futures: dict[bytes, Future[Buffer]]
+    ) -> list[tuple[bytes, Buffer, int]]:
+        """The chunks whose bytes match their id (views into the run buffer, not copies: the run
+        stays alive while any chunk of it is cached); the others fail with ``ChunkCorrupt``."""
         good: list[tuple[bytes, Buffer, int]] = []
-        for cid, loc in run:
-            # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
-            at = loc.offset - start.offset
+        for cid, loc in chunks:
+            at = loc.offset - base
             piece = view[at : at + loc.length]
             if self.verify and hashlib.sha256(piece).digest() != cid:
                 err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
@@ -333,7 +349,7 @@ class Fetcher:
                 self._fail(cid, futures[cid], err)
                 continue
             good.append((cid, piece, at))
-        self._publish(buffer, good, futures)
+        return good
 
     def _publish(
         self, buffer: Run, good: list[tuple[bytes, Buffer, int]], futures: dict[bytes, Future[Buffer]]

@@ -737,6 +737,23 @@ class PackStore:
         self.counters.add(pack_reads=1, pack_bytes_read=length)
         return data
 
+    def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
+        """Fill ``out`` with the pack's bytes from ``offset``, ``piece`` bytes a read, yielding how
+        many are in place after each: a reader may use a run's first chunks while the rest is still
+        on its way. The whole range is announced to the kernel first, so the disk streams it."""
+        length = len(out)
+        with self.pack_fd(pack) as fd:
+            with contextlib.suppress(OSError):  # only a hint
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [out[done : min(length, done + piece)]], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {done}")
+                done += n
+                yield done
+        self.counters.add(pack_reads=1, pack_bytes_read=length)
+
     def close(self) -> None:
         with self.lock:
             self._close_pack()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,4 +115,19 @@ def test_local_reads_check_the_rows_quick_sum(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ChunkCorrupt):
         read()
+    store.close()
+
+
+def test_an_empty_chunk_is_read(tmp_path: Path) -> None:
+    """A run of empty chunks is read (nothing to read: in place at once), not waited for forever."""
+    store = PackStore(tmp_path)
+    cid = hashlib.sha256(b"").digest()
+    store.add_chunks([(cid, b"")], object())
+    fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(bytes(b) for b in fetcher.get_many([cid])), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert got == [b""], "the read of an empty chunk never finished"
+    fetcher.close()
     store.close()

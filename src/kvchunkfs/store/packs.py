@@ -760,6 +760,8 @@ class PackStore:
             with contextlib.suppress(OSError):  # only a hint
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             done = 0
+            if not length:
+                yield 0  # a run of empty chunks is in place at once
             while done < length:
                 n = os.preadv(fd, [out[done : min(length, done + piece)]], offset + done)
                 if n <= 0:

@@ -25,6 +25,7 @@ from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files
 from kvchunkfs.format.chunker import BATCH
 from kvchunkfs.fuse.operations import Operations
+from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import StoreCounters
 from kvchunkfs.store.repository import Repository
 
@@ -343,5 +344,28 @@ def test_reopen_sees_a_replaced_stub_and_appends_do_not_leak_into_the_remembered
         os.replace(h.repo.path("a"), h.repo.path("c"))  # the stub is gone behind the mount's back
         with pytest.raises(pyfuse3.FUSEError):
             await h.read_all(ino_b)
+
+    run(tmp_path, test)
+
+
+def test_an_o_trunc_open_does_not_read_the_old_snapshot(tmp_path: Path):
+    """A next-turn save (an open with O_TRUNC) replaces the snapshot whole: the old stub's chunks are
+    neither loaded nor pinned meanwhile. The old snapshot stays readable until the commit, and its
+    labels survive it (the commit copies the stub's metadata)."""
+    old, new = rand_bytes(300_000, 7), rand_bytes(200_000, 8)
+
+    async def test(h: Harness) -> None:
+        ino = await h.create("a", old)
+        stub = h.repo.path("a")
+        os.setxattr(stub, "user.kvcfs.label.k", b"v")
+        old_ids = set(stubs.read_index(stub).ids)
+        info = await h.ops.open(ino, os.O_WRONLY | os.O_TRUNC, CTX)
+        assert not h.repo.store.pinned() & old_ids, "the old snapshot was loaded and pinned"
+        assert set(stubs.read_index(stub).ids) == old_ids  # the old stub is untouched until the commit
+        await h.ops.write(info.fh, 0, new)
+        await h.ops.flush(info.fh)
+        await h.ops.release(info.fh)
+        assert await h.read_all(ino) == new
+        assert os.getxattr(stub, "user.kvcfs.label.k") == b"v"
 
     run(tmp_path, test)

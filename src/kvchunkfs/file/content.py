@@ -34,12 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from kvchunkfs.file.fetcher import start_threads
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index
-from kvchunkfs.format.llama_state import Segment
+from kvchunkfs.format.llama_state import Segment, State
 from kvchunkfs.store.chunkstore import ChunkStore
 from kvchunkfs.store.packs import Location
 
@@ -74,12 +75,18 @@ def _extents(fd: int) -> Iterator[bytes | int]:
             pos += len(piece)
 
 
+def _parsed_to(st: State | None, until: int) -> bool:
+    """Whether a layout parsed up to parser state ``st`` lists every group starting before ``until``."""
+    return st is None or st.pos >= until
+
+
 class ChunkPool:
     """The threads that run file workers' turns: a bounded number, however many files are written."""
 
     def __init__(self, workers: int = 0) -> None:
         self.workers = workers or os.cpu_count() or 2
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker")
+        start_threads(self._executor, self.workers)
 
     def submit(self, turn: Callable[[], None]) -> None:
         self._executor.submit(turn)
@@ -276,7 +283,10 @@ class FileContent:
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.group_w = chunker.group_w
         self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
-        self._layout: tuple[Index, int, list[Segment]] | None = None  # (index, its size, its groups)
+        # (index, its size, its groups parsed so far, the parser's state after them: None when
+        # parsed to the end); replaced whole, never changed: the event loop reads it without a lock.
+        self._layout: tuple[Index, int, list[Segment], State | None] | None = None
+        self._layout_lock = threading.Lock()  # one parse at a time (reader threads only)
         # Groups being put back in file order: (index, {group start: its decode}), copy on write:
         # the event loop reads it without a lock. The lock guards only this bookkeeping.
         self._decodes: tuple[Index, dict[int, GroupDecode]] | None = None
@@ -547,7 +557,7 @@ class FileContent:
         ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
         isize = index.size if isize is None else isize
         end = offset + size
-        hit = [g for g in self._groups(index, isize, read_chunks) if g.start < end and offset < (g.end or 0)]
+        hit = [g for g in self._groups(index, isize, read_chunks, end) if g.start < end and offset < (g.end or 0)]
         if not hit:
             return read_chunks(index, offset, size)
         parts: list[bytes | memoryview] = []
@@ -564,17 +574,31 @@ class FileContent:
             parts.append(read_chunks(index, pos, end - pos))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _groups(self, index: Index, isize: int, read_chunks: ReadChunks) -> list[Segment]:
-        """The stored groups in ``index``'s first ``isize`` bytes: parsed from their headers once
-        per index and size."""
+    def _groups(self, index: Index, isize: int, read_chunks: ReadChunks, until: int) -> list[Segment]:
+        """The stored groups in ``index``'s first ``isize`` bytes, at least those that start
+        before ``until``: parsed from their headers once per index and size, only as far as reads
+        have reached (a restore's first read waits for the file's first chunk, not for the
+        headers of every group)."""
         if not self.group_w or not isize:
             return []
         known = self._layout
-        if known is not None and known[0] is index and known[1] == isize:
+        if known is not None and known[0] is index and known[1] == isize and _parsed_to(known[3], until):
             return known[2]
-        found = relayout.groups(lambda off, n: bytes(read_chunks(index, off, n)), isize, self.group_w)
-        self._layout = (index, isize, found)
-        return found
+        with self._layout_lock:
+            known = self._layout
+            if known is not None and known[0] is index and known[1] == isize:
+                found, st = known[2], known[3]
+            else:
+                found, st = [], relayout.start_state(self.group_w)
+            if not _parsed_to(st, until):
+
+                def read(off: int, n: int) -> bytes:
+                    return bytes(read_chunks(index, off, n))
+
+                more, st = relayout.groups_until(read, isize, st, until)
+                found = found + more
+                self._layout = (index, isize, found, st)
+            return found
 
     def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> memoryview:
         """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode has put them in
@@ -621,7 +645,8 @@ class FileContent:
         known = self._layout
         if known is None or known[0] is not index:
             return
-        later = [x for x in known[2] if x.start > g.start]
+        assert g.end is not None
+        later = [x for x in self._groups(index, known[1], read_chunks, g.end + 1) if x.start > g.start]
         if later:
             self._decode(index, later[0], read_chunks)
 
@@ -631,9 +656,11 @@ class FileContent:
         if not self.group_w:
             return True
         known = self._layout
+        end = offset + size
         if known is None or known[0] is not self.index or known[1] != self.index.size:
             return False
-        end = offset + size
+        if not _parsed_to(known[3], end):
+            return False  # not parsed that far yet
         return not any(g.start < end and offset < (g.end or 0) for g in known[2])
 
     def decoded(self, offset: int, size: int) -> memoryview | None:

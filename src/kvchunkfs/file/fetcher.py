@@ -8,6 +8,7 @@ a chunk is read from disk once however many requests want it at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -17,15 +18,32 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from kvchunkfs.format.index import Index
-from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore, quick_sum
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | memoryview  # cached chunks are views into the run they were read with
 
-RUN_MAX = 4 << 20  # largest single pread; big enough to stream, small enough to spread over workers
+RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
+READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
+
+
+def start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start all ``n`` threads of ``pool`` now (it starts them one per submit, as work comes): a
+    restore's first read-ahead, or a first save, would wait for each start, tens of ms on a busy
+    machine. Each thread waits for the others once, so every one of them has to exist."""
+    barrier = threading.Barrier(n)
+
+    def meet() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=30)
+
+    for _ in range(n):
+        pool.submit(meet)
 
 
 class Run:
@@ -143,6 +161,7 @@ class Fetcher:
         self.readahead = readahead
         self.verify = verify
         self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
+        start_threads(self.pool, max(1, workers))
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk
@@ -155,8 +174,11 @@ class Fetcher:
         if offset >= end:
             return b""
         first, last = index.find(offset), index.find(end - 1)
+        waits, mine = self._claim(index.ids[first : last + 1])
+        if mine:  # read first what this read waits for, then queue read-ahead behind it on the disk
+            self._fetch(mine, cursor.locations if cursor is not None else None)
         self._advance(index, end, last, offset, cursor)
-        return _assemble(index, offset, end, first, last, self.get_many(index.ids[first : last + 1]))
+        return _assemble(index, offset, end, first, last, _results(waits))
 
     def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
         """``read`` as the chunks' own buffers (the first and last cut to the range), not joined."""
@@ -213,6 +235,14 @@ class Fetcher:
 
     def get_many(self, ids: Sequence[bytes]) -> list[Buffer]:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
+        waits, mine = self._claim(ids)
+        if mine:
+            self._fetch(mine)
+        return _results(waits)
+
+    def _claim(self, ids: Sequence[bytes]) -> tuple[list[Future[Buffer] | Buffer], dict[bytes, Future[Buffer]]]:
+        """For each id its bytes (cached) or the future that brings them; and the futures made
+        here, for chunks neither the cache nor a worker has: the caller fetches those."""
         waits: list[Future[Buffer] | Buffer] = []
         mine: dict[bytes, Future[Buffer]] = {}
         hits = misses = 0
@@ -225,13 +255,11 @@ class Fetcher:
                     continue
                 fut = self._inflight.get(cid) or mine.get(cid)
                 if fut is None:
-                    misses += 1
                     fut = mine[cid] = self._inflight[cid] = Future()
+                misses += 1  # read from disk by us or by a worker already: either way waited for
                 waits.append(fut)
         self.cache.count(hits, misses)
-        if mine:
-            self._fetch(mine)
-        return [w.result() if isinstance(w, Future) else w for w in waits]
+        return waits, mine
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -254,9 +282,10 @@ class Fetcher:
             for run in self._runs(wanted, cursor.locations):
                 self.pool.submit(self._read_run, run, wanted)
 
-    def _fetch(self, futures: dict[bytes, Future[Buffer]]) -> None:
-        """Fetch in the calling thread (a read that missed the cache)."""
-        for run in self._runs(futures):
+    def _fetch(self, futures: dict[bytes, Future[Buffer]], known: dict[bytes, Location] | None = None) -> None:
+        """Fetch in the calling thread (a read that missed the cache); ``known``: locations looked
+        up at open, so a cold read asks the map nothing."""
+        for run in self._runs(futures, known):
             self._read_run(run, futures)
 
     def _locate(self, ids: Sequence[bytes], futures: dict[bytes, Future[Buffer]]) -> dict[bytes, Location]:
@@ -296,34 +325,47 @@ class Fetcher:
         return runs
 
     def _read_run(self, run: list[tuple[bytes, Location]], futures: dict[bytes, Future[Buffer]]) -> None:
+        """Read a run into one buffer, a piece at a time; each piece's whole chunks are checked and
+        handed to their readers at once (a restore's first read waits for its chunk, not its run)."""
         start = run[0][1]
         length = run[-1][1].offset + run[-1][1].length - start.offset
+        view = np.empty(length, np.uint8).data  # not zeroed: every byte of it is read into
+        buffer = Run(length, view)
+        i = 0  # the next chunk to check
         try:
             try:
-                data = self.store.read_run(start.pack, start.offset, length)
+                for done in self.store.read_run_into(start.pack, start.offset, view, READ_PIECE):
+                    j = i
+                    while j < len(run) and run[j][1].offset + run[j][1].length - start.offset <= done:
+                        j += 1
+                    if j > i:
+                        self._publish(buffer, self._checked(run[i:j], view, start.offset, futures), futures)
+                        i = j
             except FileNotFoundError:
                 # GC compacted the pack after we located the chunks: look them up again.
-                self._relocate(run, futures)
+                self._relocate(run[i:], futures)
                 return
         except Exception as e:
             log.error("reading pack %d at %d (%d bytes) failed: %s", start.pack, start.offset, length, e)
-            for cid, _ in run:
+            for cid, _ in run[i:]:
                 self._fail(cid, futures[cid], e)
-            return
-        view = memoryview(data)
-        buffer = Run(len(data), view)
+
+    def _checked(
+        self, chunks: list[tuple[bytes, Location]], view: memoryview, base: int, futures: dict[bytes, Future[Buffer]]
+    ) -> list[tuple[bytes, Buffer, int]]:
+        """The chunks whose bytes match their id (views into the run buffer, not copies: the run
+        stays alive while any chunk of it is cached); the others fail with ``ChunkCorrupt``."""
         good: list[tuple[bytes, Buffer, int]] = []
-        for cid, loc in run:
-            # A view into the run buffer, not a copy; the run stays alive while any chunk of it is cached.
-            at = loc.offset - start.offset
+        for cid, loc in chunks:
+            at = loc.offset - base
             piece = view[at : at + loc.length]
-            if self.verify and hashlib.sha256(piece).digest() != cid:
+            if self.verify and not _intact(cid, loc, piece):
                 err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
                 log.error("%s", err)
                 self._fail(cid, futures[cid], err)
                 continue
             good.append((cid, piece, at))
-        self._publish(buffer, good, futures)
+        return good
 
     def _publish(
         self, buffer: Run, good: list[tuple[bytes, Buffer, int]], futures: dict[bytes, Future[Buffer]]
@@ -353,6 +395,18 @@ class Fetcher:
             self._inflight.pop(cid, None)
         if not fut.done():
             fut.set_exception(err)
+
+
+def _intact(cid: bytes, loc: Location, data: Buffer) -> bool:
+    """The chunk's bytes are the ones its map row was written with: the row's quick sum where it
+    has one (rows from before sums, or mapped by recovery, have none: then SHA-256, the id)."""
+    if loc.sum is not None:
+        return quick_sum(data) == loc.sum
+    return hashlib.sha256(data).digest() == cid
+
+
+def _results(waits: Sequence[Future[Buffer] | Buffer]) -> list[Buffer]:
+    return [w.result() if isinstance(w, Future) else w for w in waits]
 
 
 def _span(located: Sequence[Located], head: int, length: int) -> memoryview | None:

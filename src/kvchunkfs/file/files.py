@@ -8,6 +8,7 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,15 @@ class Files:
             successors=self.successors,
             decoded_groups=self.decoded_groups,
         )
+
+    def replacement(self, rel: str) -> FileContent:
+        """Content for an open that truncates the snapshot (``O_TRUNC``: every next-turn save of
+        llama-server): empty. The old stub is neither decoded nor located nor pinned, and the
+        chunks it names are not fetched from the shared tier; it stays the snapshot until the new
+        one is renamed over it, which copies its metadata as any save does."""
+        if not os.path.lexists(self.repo.path(rel)):
+            raise FileNotFoundError(rel)
+        return self.content(self.repo.empty_index())
 
     def load(self, rel: str) -> FileContent:
         """Content of an existing snapshot; StubError for a stub that is not an index, or whose chunk

@@ -190,17 +190,30 @@ def groups(read: ReadAt, size: int, group_w: int) -> list[Segment]:
     """The groups of a stored stream of ``size`` bytes, read through ``read(offset, n)``: the
     permuted ranges, in order. Walks the headers only (a few bytes a segment, and the cell records),
     as appending does. A group that would pass ``size`` was stored as it is and is not listed."""
-    out: list[Segment] = []
     if not group_w:
-        return out
-    st: ls.State | None = ls.State("file", 0, group_w=group_w)
-    while st is not None and st.pos < size:
+        return []
+    return groups_until(read, size, start_state(group_w), size)[0]
+
+
+def start_state(group_w: int) -> ls.State:
+    """The parser's state at a stream's first byte."""
+    return ls.State("file", 0, group_w=group_w)
+
+
+def groups_until(read: ReadAt, size: int, st: ls.State | None, until: int) -> tuple[list[Segment], ls.State | None]:
+    """``groups`` from parser state ``st`` on, parsing only until a state at or past ``until``:
+    every group that starts before ``until`` is listed (a plan's segments start at its state, so
+    later ones start past it). Returns them and the state to resume from (None: the end)."""
+    out: list[Segment] = []
+    while st is not None and st.pos < min(size, until):
         plan = ls.plan_at(st, read, size)
         for seg in plan.segments:
             if seg.group is not None and seg.end is not None and seg.end <= size:
                 out.append(seg)
         st = plan.next
-    return out
+    if st is not None and st.pos >= size:
+        st = None
+    return out, st
 
 
 def file_bytes(stream: Buffer, group_w: int) -> bytes:

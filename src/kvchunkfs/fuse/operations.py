@@ -515,6 +515,8 @@ class Operations(pyfuse3.Operations):
     async def _load(self, node: Node, allow_broken: bool = False) -> FileContent:
         assert node.path is not None
         try:
+            if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
+                return await self._thread(self.files.replacement, node.path)
             return await self._thread(self.files.load, node.path)
         except (stubs.StubError, IndexFormatError, OSError) as e:
             if allow_broken and not isinstance(e, FileNotFoundError):

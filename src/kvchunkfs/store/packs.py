@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import Layout, fsync_dir
 from kvchunkfs.store.packformat import (
@@ -73,11 +75,20 @@ class ChunkCorrupt(ValueError):
     """Chunk bytes read from a pack do not hash to their id."""
 
 
+def quick_sum(data: bytes | memoryview) -> bytes:
+    """The map's check of a chunk's bytes (xxh3-64, ~9x faster than SHA-256 here): local reads
+    compare it instead of re-hashing the id. It guards against what a re-hash would (bytes changed
+    on disk, a row pointing at the wrong bytes); not against a forger, who would need write access
+    to the store, packs and map alike (see the threat model)."""
+    return xxhash.xxh3_64_digest(data)
+
+
 @dataclass(frozen=True)
 class Location:
     pack: int
     offset: int
     length: int
+    sum: bytes | None = None  # xxh3-64 of the chunk's bytes as written (None: a row that has none)
 
 
 @dataclass
@@ -158,6 +169,8 @@ class PackStore:
         """
         tables = {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         self.db.executescript(_SCHEMA)
+        if "sum" not in {row[1] for row in self.db.execute("PRAGMA table_info(chunks)")}:
+            self.db.execute("ALTER TABLE chunks ADD COLUMN sum BLOB")  # rows from before have none
         if "packs" in tables:
             self.described_from = int(self.get_meta("described_from") or 1)
             return
@@ -194,9 +207,9 @@ class PackStore:
         with self._db_lock:
             for i in range(0, len(wanted), _SQL_BATCH):
                 part = wanted[i : i + _SQL_BATCH]
-                q = f"SELECT id, pack, offset, length FROM chunks WHERE id IN ({','.join('?' * len(part))})"
-                for cid, pack, off, length in self.db.execute(q, part):
-                    found[cid] = Location(pack, off, length)
+                q = f"SELECT id, pack, offset, length, sum FROM chunks WHERE id IN ({','.join('?' * len(part))})"
+                for cid, pack, off, length, check in self.db.execute(q, part):
+                    found[cid] = Location(pack, off, length, check)
         return found
 
     def locate(self, cid: bytes) -> Location:
@@ -568,7 +581,7 @@ class PackStore:
         rows = []
         off = start + len(record)
         for cid, data in new.items():
-            rows.append((cid, pack, off, len(data)))
+            rows.append((cid, pack, off, len(data), quick_sum(data)))
             off += len(data)
         try:
             pwrite_all(fd, [record, *datas], start)
@@ -589,13 +602,14 @@ class PackStore:
         if self._pack_end >= self.pack_size:
             self._close_pack()
 
-    def _insert_rows(self, rows: list[tuple[bytes, int, int, int]], pack: int, end: int) -> None:
+    def _insert_rows(self, rows: list[tuple[bytes, int, int, int, bytes]], pack: int, end: int) -> None:
         """The batch's rows and the pack's new committed end, in one transaction."""
         with self._db_lock:
             self._check_db()
             self.db.execute("BEGIN")
             try:
-                self.db.executemany("INSERT OR REPLACE INTO chunks (id, pack, offset, length) VALUES (?,?,?,?)", rows)
+                sql = "INSERT OR REPLACE INTO chunks (id, pack, offset, length, sum) VALUES (?,?,?,?,?)"
+                self.db.executemany(sql, rows)
                 self.db.execute(_UPSERT_END, (pack, end))
                 self.db.execute("COMMIT")
             except sqlite3.Error:
@@ -745,6 +759,25 @@ class PackStore:
             raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {len(data)}")
         self.counters.add(pack_reads=1, pack_bytes_read=length)
         return data
+
+    def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
+        """Fill ``out`` with the pack's bytes from ``offset``, ``piece`` bytes a read, yielding how
+        many are in place after each: a reader may use a run's first chunks while the rest is still
+        on its way. The whole range is announced to the kernel first, so the disk streams it."""
+        length = len(out)
+        with self.pack_fd(pack) as fd:
+            with contextlib.suppress(OSError):  # only a hint
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            done = 0
+            if not length:
+                yield 0  # a run of empty chunks is in place at once
+            while done < length:
+                n = os.preadv(fd, [out[done : min(length, done + piece)]], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {done}")
+                done += n
+                yield done
+        self.counters.add(pack_reads=1, pack_bytes_read=length)
 
     def close(self) -> None:
         with self.lock:

@@ -45,6 +45,10 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
+    problem = daemon.check_mountpoint(mountpoint, args.nonempty)
+    if problem is not None:
+        print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
+        return 1
     Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
@@ -316,7 +320,13 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: ui: refusing to listen on {host} without a token: set api_token_file (or use an SSH "
               "tunnel to the default 127.0.0.1)", file=sys.stderr)  # fmt: skip
         return 2
-    print(f"kv-chunk-fs: dashboard on http://{'[' + host + ']' if ':' in host else host}:{port}/", file=sys.stderr)
+    url = dashboard.base_url(host, port)
+    if token:
+        print(f"kv-chunk-fs: dashboard on {url} (token: the configured api_token)", file=sys.stderr)
+    else:  # every local user can reach the port: a token for this run, handed over in the URL (as Jupyter does)
+        token = dashboard.new_token()
+        print(f"kv-chunk-fs: dashboard on {url}?token={token}", file=sys.stderr)
+    sys.stderr.flush()
     dashboard.serve(Path(cfg.store), host, port, token)
     return 0
 
@@ -343,7 +353,8 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
-                  cache_max_bytes=cfg.cache_max_bytes)  # fmt: skip
+                  cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
+                  max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
     serve(proxy, cfg.proxy_listen)
@@ -366,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
     p.add_argument("mountpoint")
+    p.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that holds files (they stay hidden until the unmount)")
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")

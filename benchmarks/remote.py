@@ -11,6 +11,10 @@ of the same bytes stored as one object. Needs root (drops caches) and ``weed`` o
 
     python3 benchmarks/remote.py                      # 415 MiB, 3 runs
     python3 benchmarks/remote.py --size 100MiB --runs 2 --json out.json
+    python3 benchmarks/remote.py --mount-args "--remote-pack-size 0"   # the loose layout
+
+Requests and bytes per save (host A', upload included) and per cold restore (host B) come from the
+daemons' counters (``remote_*`` in ``stats``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ def read_file(path: Path) -> int:
     return n
 
 
+PUTS = ("remote_pack_puts", "remote_packidx_puts", "remote_index_puts", "remote_chunk_puts", "remote_pack_touches")
+
+
+def counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Requests and bytes between two stats."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("remote_")}
+    return {"requests": d["remote_requests"], "puts": sum(d[k] for k in PUTS), "heads": d["remote_heads"],
+            "gets": d["remote_chunk_gets"] + d["remote_range_gets"] + d["remote_index_gets"] + d["remote_packidx_gets"],
+            "put_bytes": d["remote_pack_put_bytes"] + d["remote_chunk_put_bytes"],
+            "get_bytes": d["remote_range_get_bytes"] + d["remote_chunk_get_bytes"]}  # fmt: skip
+
+
 def wait_drained(m: Mount, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while m.stats()["upload_queue"]:
@@ -94,6 +110,7 @@ def main() -> int:
                                        ("save_local", "save_remote", "upload", "restore_remote_cold",
                                         "restore_local_cold", "boto3_download")}  # fmt: skip
     client = weed.client()
+    requests: dict[str, list[dict[str, int]]] = {"save": [], "restore": []}
     try:
         a_local.start()
         a_remote.start()
@@ -103,19 +120,23 @@ def main() -> int:
             order = [(a_local, "save_local"), (a_remote, "save_remote")]
             for m, key in order if run % 2 == 0 else order[::-1]:
                 drop_caches()
+                before = m.stats()
                 results[key].append(timed(write_file, m.path(name), data))
                 if m is a_remote:
                     results["upload"].append(timed(wait_drained, a_remote))
+                    requests["save"].append(counted(before, a_remote.stats()))
             client.put_object(Bucket=BUCKET, Key=f"plain/{name}", Body=data)
             b = Mount(work / f"b{run}/store", work / f"b{run}/mnt", work / f"b{run}/log", remote)
             b.start()
             try:
                 drop_caches()
+                before = b.stats()
                 results["restore_remote_cold"].append(timed(read_file, b.path(name)))
+                requests["restore"].append(counted(before, b.stats()))
                 b.remount()
                 drop_caches()
                 results["restore_local_cold"].append(timed(read_file, b.path(name)))
-                gets = b.stats()["remote_chunk_gets"]
+                gets = b.stats()["remote_fetched_chunks"]
             finally:
                 b.stop()
                 shutil.rmtree(work / f"b{run}")
@@ -125,7 +146,8 @@ def main() -> int:
             assert target.stat().st_size == size
             target.unlink()
             print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in results.items())
-                  + f"; chunk GETs after the remount: {gets}", flush=True)  # fmt: skip
+                  + f"; chunks fetched after the remount: {gets}; save {requests['save'][-1]}; "
+                  f"restore {requests['restore'][-1]}", flush=True)  # fmt: skip
     finally:
         for m in (a_local, a_remote):
             if m.proc is not None:
@@ -142,8 +164,11 @@ def main() -> int:
           f"({med['restore_remote_cold'] / med['boto3_download']:.2f}x the boto3 download)")  # fmt: skip
     print(f"  restore on B, local packs {med['restore_local_cold']:.3f} s")
     print(f"  boto3 download, 1 object {med['boto3_download']:.3f} s  ({mb / med['boto3_download']:.0f} MB/s)")
+    for what, rows in requests.items():
+        print(f"  {what}: " + ", ".join(f"{k} {statistics.median(r[k] for r in rows):.0f}" for k in rows[0]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"size": size, "runs": results, "medians": med}, indent=2))
+        out = {"size": size, "runs": results, "medians": med, "requests": requests}
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -95,9 +95,38 @@ def local_ids(m: Mount, name: str) -> set[bytes]:
     return set(stubs.read_index(m.store / "snapshots" / name).ids)
 
 
+def packed(bucket: Bucket) -> dict[bytes, tuple[bytes, int, int]]:
+    """chunk id -> (pack, offset, length) from every pack index of the bucket (packed layout)."""
+    from kvchunkfs.store import remotepacks as rp
+
+    out = {}
+    for name in sorted(bucket.list_packidx()):  # as the hosts learn them: oldest first, the newest wins
+        for d in rp.decode(bucket.get_packidx(name, rp.MAX_PIDX_BYTES)):
+            for cid, loc in d.locs():
+                out[cid] = (d.pack, loc.offset, loc.length)
+    return out
+
+
+def bucket_chunks(bucket: Bucket) -> dict[bytes, int]:
+    """chunk id -> length of every chunk the bucket holds: loose objects and chunks in packs that exist."""
+    sizes = {cid: info.size for cid, info in bucket.list_chunks()[0].items()}
+    packs, _ = bucket.list_packs()
+    for cid, (pack, _, n) in packed(bucket).items():
+        assert pack in packs or cid in sizes, f"a pack index names pack {pack.hex()}, which the bucket lacks"
+        sizes[cid] = n
+    return sizes
+
+
+def chunk_bytes(bucket: Bucket, cid: bytes, where: dict[bytes, tuple[bytes, int, int]]) -> bytes:
+    if cid in where:
+        pack, off, n = where[cid]
+        return bucket.get_ranges(pack, [(off, off + n)])[0]
+    return bucket.get_chunk(cid)
+
+
 def assert_bucket_whole(bucket: Bucket) -> dict[str, idx.Index]:
     """Every index in the bucket names only chunks the bucket holds, with the right bytes."""
-    chunks, _ = bucket.list_chunks()
+    chunks = bucket_chunks(bucket)
     indexes = {}
     for rel in bucket.list_indexes():
         data, _ = bucket.get_index(rel)
@@ -105,7 +134,7 @@ def assert_bucket_whole(bucket: Bucket) -> dict[str, idx.Index]:
         lacking = set(index.ids) - chunks.keys()
         assert not lacking, f"index {rel} names {len(lacking)} chunks the bucket lacks"
         for i, cid in enumerate(index.ids):
-            assert chunks[cid].size == index.length(i)
+            assert chunks[cid] == index.length(i)
     return indexes
 
 
@@ -119,7 +148,8 @@ def remote_bytes(bucket: Bucket, rel: str) -> bytes:
     """A snapshot rebuilt from the bucket alone."""
     data, _ = bucket.get_index(rel)
     index = idx.decode(data)
-    return b"".join(bucket.get_chunk(cid) for cid in index.ids)
+    where = packed(bucket)
+    return b"".join(chunk_bytes(bucket, cid, where) for cid in index.ids)
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -134,19 +164,23 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     write_in_pieces(a.path("conv"), a_data, MiB)
     drained(a)
     assert remote_bytes(hosts.bucket, "conv") == a_data
-    before = b.stats()["remote_chunk_gets"]
+    before = b.stats()["remote_fetched_chunks"]
     assert read_visible(b, "conv") == a_data
     lacked = local_ids(a, "conv") - local_ids(b, "mine")
     assert 0 < len(lacked) < len(local_ids(a, "conv"))
-    assert b.stats()["remote_chunk_gets"] - before == len(lacked)
+    assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
     # the second restore reads B's packs only
     wait_closed(b)
     assert read_direct(b.path("conv")) == a_data
-    assert b.stats()["remote_chunk_gets"] - before == len(lacked)
+    assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
+    # packed layout: no request per chunk on either host (range GETs of runs; no HEAD, no loose GET)
+    for m in (a, b):
+        assert m.stats()["remote_heads"] == 0 and m.stats()["remote_chunk_gets"] == 0
+    assert 0 < b.stats()["remote_range_gets"] < len(lacked)
     # and after a remount too (the chunks were put in B's packs)
     b.remount()
     assert read_direct(b.path("conv")) == a_data
-    assert b.stats()["remote_chunk_gets"] == 0
+    assert b.stats()["remote_fetched_chunks"] == 0
 
 
 def test_a_relayout_state_file_saved_on_a_restores_on_b(hosts: Hosts) -> None:
@@ -175,14 +209,24 @@ def test_shared_prompt_is_stored_once_in_the_bucket(hosts: Hosts) -> None:
         write_in_pieces(a.path(f"a{i}"), prompt + rand_bytes(MiB, 20 + i), MiB)
     sa = drained(a)
     named = set().union(*(local_ids(a, f"a{i}") for i in range(3)))
-    chunks, _ = hosts.bucket.list_chunks()
-    assert set(chunks) == named
-    assert sa["remote_chunk_puts"] == len(named)  # each distinct chunk went up once
+    assert set(bucket_chunks(hosts.bucket)) == named
+    entries = sum(len(packs) for packs in pack_index_entries(hosts.bucket))
+    assert entries == len(named)  # each distinct chunk went up once
+    assert sa["remote_pack_puts"] == 3 and sa["remote_chunk_puts"] == 0  # one pack per save
     # B saves the same prompt: only its own tail goes up, the prompt's chunks are found in the bucket
     write_in_pieces(b.path("b0"), prompt + rand_bytes(MiB, 30), MiB)
     sb = drained(b)
-    assert sb["remote_chunk_puts"] == len(local_ids(b, "b0") - named)
+    assert sum(len(packs) for packs in pack_index_entries(hosts.bucket)) - entries == len(local_ids(b, "b0") - named)
+    assert sb["remote_heads"] == 0
     assert_bucket_whole(hosts.bucket)
+
+
+def pack_index_entries(bucket: Bucket) -> list[list[bytes]]:
+    """The chunk ids of every pack index, one list per pack."""
+    from kvchunkfs.store import remotepacks as rp
+
+    return [[cid for cid, _ in d.chunks] for name in bucket.list_packidx()
+            for d in rp.decode(bucket.get_packidx(name, rp.MAX_PIDX_BYTES))]  # fmt: skip
 
 
 def test_kill9_during_uploads_resumes_at_next_mount(hosts: Hosts) -> None:
@@ -305,7 +349,7 @@ def test_unlink_and_rename_reach_the_bucket(hosts: Hosts) -> None:
 
 @pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup.sh installs it)")
 def test_casync_extracts_after_a_plain_download(hosts: Hosts, tmp_path: Path) -> None:
-    a = hosts.new("a")
+    a = hosts.new("a", "--remote-pack-size", "0")  # the loose layout: desync/casync-compatible
     data = rand_bytes(3 * MiB, 90) + b"\0" * MiB + b"tail"
     write_in_pieces(a.path("snap"), data, MiB)
     drained(a)
@@ -334,6 +378,11 @@ def test_gc_remote_command(hosts: Hosts) -> None:
     out = subprocess.run([*cmd, "--remote-grace", "1d"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert '"deleted": 0' in out.stdout
+    out = subprocess.run([*cmd, "--remote-grace", "0", "--dry-run"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["dry_run"] and report["deleted"] == 1 and "packs_deleted" in report
+    assert hosts.bucket.list_chunks()[0]  # the dry run deleted nothing
     out = subprocess.run([*cmd, "--remote-grace", "0"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert '"deleted": 1' in out.stdout
@@ -381,10 +430,10 @@ def test_a_conversation_continued_on_b_is_restored_on_a(hosts: Hosts) -> None:
     write_in_pieces(b.path("chat"), v2, MiB)
     drained(b)
     wait_for(lambda: read_direct(a.path("chat")) == v2, "A to see B's newer version")
-    before = a.stats()["remote_chunk_gets"]
+    before = a.stats()["remote_fetched_chunks"]
     wait_closed(a)
     assert read_direct(a.path("chat")) == v2
-    assert a.stats()["remote_chunk_gets"] == before  # the shared turn stayed local, nothing fetched twice
+    assert a.stats()["remote_fetched_chunks"] == before  # the shared turn stayed local, nothing fetched twice
     drained(a)
     assert remote_bytes(hosts.bucket, "chat") == v2  # A sent nothing back over it
 
@@ -409,7 +458,7 @@ def test_an_upload_reusing_an_old_unnamed_chunk_makes_it_young_again(hosts: Host
     hosts.bucket.put_chunk(cid, data)
     wait_for(lambda: (lambda h: h is not None and h[1] - h[0] > grace)(hosts.bucket.head_chunk(cid)),
              "the orphan chunk to be older than the grace")  # fmt: skip
-    a = hosts.new("a", "--remote-grace", str(grace))
+    a = hosts.new("a", "--remote-grace", str(grace), "--remote-pack-size", "0")  # loose layout
     write_in_pieces(a.path("again"), data, MiB)
     drained(a)
     modified, now = hosts.bucket.head_chunk(cid) or (0.0, 0.0)
@@ -497,15 +546,15 @@ def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts
     a.start(hosts.args("--pack-size", "1MiB"))
     for name, data in files.items():
         lacked = unmapped(a, name)
-        before = a.stats()["remote_chunk_gets"]
+        before = a.stats()["remote_fetched_chunks"]
         assert read_direct(a.path(name)) == data
-        assert a.stats()["remote_chunk_gets"] - before == len(lacked)
+        assert a.stats()["remote_fetched_chunks"] - before == len(lacked)
         assert not unmapped(a, name)
     wait_closed(a)
-    before = a.stats()["remote_chunk_gets"]
+    before = a.stats()["remote_fetched_chunks"]
     for name, data in files.items():  # the second read is local
         assert read_direct(a.path(name)) == data
-    assert a.stats()["remote_chunk_gets"] == before
+    assert a.stats()["remote_fetched_chunks"] == before
     assert a.stats().get("evicted_chunks") is None  # without the setting nothing is ever evicted
     a.stop()
     fsck_clean(a)
@@ -674,8 +723,10 @@ def test_index_objects_over_the_max_file_size_limit_are_refused_unread(hosts: Ho
     assert report.errors and report.deleted == 0
 
 
-def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts) -> None:
-    a = hosts.new("a")
+@pytest.mark.parametrize("layout", ["packed", "loose"])
+def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts, layout: str) -> None:
+    extra = ("--remote-pack-size", "0") if layout == "loose" else ()
+    a = hosts.new("a", *extra)
     data = rand_bytes(2 * MiB, 47)
     write_in_pieces(a.path("x"), data, MiB)
     drained(a)
@@ -683,10 +734,20 @@ def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts) -> None:
     client = hosts.weed.client()
 
     def corrupt(i: int) -> tuple[bytes, bytes]:
+        """One bit of chunk i flipped in the object that holds it (a pack, or its own)."""
         cid = index.ids[i]
-        good = hosts.bucket.get_chunk(cid)
-        client.put_object(Bucket=BUCKET, Key=hosts.bucket.chunk_key(cid), Body=bytes(b ^ 1 for b in good))
+        where = packed(hosts.bucket)
+        key, off = hosts.bucket.chunk_key(cid), 0
+        if cid in where:
+            key, off = hosts.bucket.pack_key(where[cid][0]), where[cid][1]
+        blob = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        good = bytes(blob[off : off + index.length(i)])
+        blob[off] ^= 1
+        client.put_object(Bucket=BUCKET, Key=key, Body=bytes(blob))
         return cid, good
+
+    def in_bucket(cid: bytes) -> bytes:
+        return chunk_bytes(hosts.bucket, cid, packed(hosts.bucket))
 
     cid, good = corrupt(1)
     b = hosts.new("b")
@@ -695,18 +756,174 @@ def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts) -> None:
         read_direct(b.path("x"))
     assert err.value.errno == 5  # EIO, never the bucket's wrong bytes
     assert b.stats()["remote_corrupt_chunks"] == 1 and "fails its checksum; reported as damaged" in b.log()
-    # A, which has the chunk, saves the same content again: it puts the chunk right
-    write_in_pieces(a.path("again"), data, MiB)
-    drained(a)
-    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
-    assert read_direct(b.path("x")) == data
     from kvchunkfs.service.apiclient import DaemonClient
 
     assert "kvcfs_remote_corrupt_chunks_total 1.0" in DaemonClient(b.store).text("GET", "/metrics")
+    # A, which has the chunk, saves the same content again: it puts the chunk right
+    write_in_pieces(a.path("again"), data, MiB)
+    drained(a)
+    assert in_bucket(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert read_direct(b.path("x")) == data
+    assert read_visible(hosts.new("c"), "x") == data  # a host new to the bucket finds the good copy too
+    if layout == "packed":
+        return  # packs are checked by their ETag when put; reuse asks nothing per chunk
     # No report at all (nobody fetched it): A's next upload naming it finds it by its ETag
     cid, good = corrupt(2)
     a.remount()
     write_in_pieces(a.path("third"), data, MiB)
     drained(a)
-    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert in_bucket(cid) == good and a.stats()["remote_healed_chunks"] == 1
     assert remote_bytes(hosts.bucket, "third") == data
+
+
+# -- the packed layout ------------------------------------------------------------------------------------
+
+
+def test_a_save_puts_its_new_bytes_in_packs_and_one_pack_index(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-pack-size", "4MiB")
+    data = rand_bytes(10 * MiB, 48)
+    write_in_pieces(a.path("big"), data, MiB)
+    s = drained(a)
+    new = len(data)  # all new (a few chunks may repeat inside random bytes: none do)
+    puts = s["remote_pack_puts"] + s["remote_packidx_puts"] + s["remote_index_puts"] + s["remote_chunk_puts"]
+    assert puts <= -(-new // (4 * MiB)) + 2
+    assert s["remote_pack_puts"] == 3 and s["remote_packidx_puts"] == 1 and s["remote_heads"] == 0
+    assert all(len(p) > 0 for p in pack_index_entries(hosts.bucket))
+    assert remote_bytes(hosts.bucket, "big") == data
+    # a second save sharing most of it puts only what is new: one pack, one pack index, one index
+    write_in_pieces(a.path("big2"), data + rand_bytes(MiB, 49), MiB)
+    s2 = drained(a)
+    assert (s2["remote_pack_puts"] - s["remote_pack_puts"], s2["remote_packidx_puts"] - s["remote_packidx_puts"],
+            s2["remote_index_puts"] - s["remote_index_puts"]) == (1, 1, 1)  # fmt: skip
+    b = hosts.new("b")
+    assert read_visible(b, "big2") == data + rand_bytes(MiB, 49)
+    assert b.stats()["remote_heads"] == 0 and b.stats()["remote_chunk_gets"] == 0
+
+
+def test_remote_gc_deletes_packs_nothing_names_once_older_than_the_grace(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-grace", "0")  # the grace gc --remote runs with at the end
+    x, y = rand_bytes(2 * MiB, 50), rand_bytes(2 * MiB, 51)
+    write_in_pieces(a.path("x"), x, MiB)
+    drained(a)
+    write_in_pieces(a.path("y"), y, MiB)
+    drained(a)
+    os.unlink(a.path("x"))
+    drained(a)
+    assert len(hosts.bucket.list_packs()[0]) == 2
+    kept = run_remote_gc(hosts.bucket, grace=86400)
+    assert (kept.packs, kept.packs_used, kept.packs_young, kept.packs_deleted) == (2, 1, 1, 0)
+    dry = run_remote_gc(hosts.bucket, grace=0, dry_run=True)
+    assert dry.packs_deleted == 1 and dry.packidx_deleted == 1 and "dry run" in dry.summary()
+    assert len(hosts.bucket.list_packs()[0]) == 2 and len(hosts.bucket.list_packidx()) == 2
+    gone = run_remote_gc(hosts.bucket, grace=0)
+    assert gone.packs_deleted == 1 and gone.pack_bytes_freed == len(x) and gone.packidx_deleted == 1
+    assert len(hosts.bucket.list_packs()[0]) == 1 and len(hosts.bucket.list_packidx()) == 1
+    assert_bucket_whole(hosts.bucket)
+    # A host that learned the deleted pack saves x again: the pack is gone, so x goes up anew
+    write_in_pieces(a.path("x"), x, MiB)
+    drained(a)
+    assert_bucket_whole(hosts.bucket)
+    assert read_visible(hosts.new("b"), "x") == x
+
+
+def test_an_upload_reusing_an_old_unnamed_pack_touches_it(hosts: Hosts) -> None:
+    grace = 10
+    data = rand_bytes(2 * MiB, 52)
+    a = hosts.new("a", "--remote-grace", str(grace))
+    write_in_pieces(a.path("old"), data, MiB)
+    drained(a)
+    os.unlink(a.path("old"))
+    drained(a)  # the pack is now named by nothing
+    (pack,) = hosts.bucket.list_packs()[0]
+    wait_for(lambda: (lambda h: h is not None and h[1] - h[0] > grace)(hosts.bucket.head_pack(pack)),
+             "the pack to be older than the grace", 60)  # fmt: skip
+    b = hosts.new("b", "--remote-grace", str(grace))
+    write_in_pieces(b.path("again"), data, MiB)  # the same chunks: found in the old pack
+    s = drained(b)
+    assert s["remote_pack_puts"] == 0 and s["remote_pack_touches"] == 1
+    head = hosts.bucket.head_pack(pack)
+    assert head is not None and head[1] - head[0] < grace  # young again
+    assert run_remote_gc(hosts.bucket, grace=grace).packs_deleted == 0
+    assert remote_bytes(hosts.bucket, "again") == data
+
+
+def test_a_loose_bucket_keeps_reading_once_packed_hosts_join(hosts: Hosts) -> None:
+    """Migration: a bucket an older version wrote (loose chunks, no format object) is read by a
+    packed host, which records the packed layout and writes packs from then on."""
+    old = hosts.new("old", "--remote-pack-size", "0")
+    v1 = rand_bytes(2 * MiB, 53)
+    write_in_pieces(old.path("legacy"), v1, MiB)
+    drained(old)
+    old.stop()
+    hosts.weed.client().delete_object(Bucket=BUCKET, Key=hosts.bucket.format_key())  # as the older version left it
+    assert hosts.bucket.list_chunks()[0] and not hosts.bucket.list_packs()[0]
+    new = hosts.new("new")
+    assert read_visible(new, "legacy") == v1  # the loose chunks, one GET each
+    assert new.stats()["remote_chunk_gets"] > 0
+    assert json.loads(hosts.bucket.get_format(1 << 16) or b"{}")["layout"] == 2
+    v2 = rand_bytes(MiB, 54)  # (a save naming legacy chunks again would put them into packs itself)
+    write_in_pieces(new.path("next"), v2, MiB)
+    drained(new)
+    assert hosts.bucket.list_packs()[0]
+    third = hosts.new("third")
+    assert read_visible(third, "next") == v2 and read_visible(third, "legacy") == v1
+    # Conversion: the loose chunks go into packs, then their loose copies are collected
+    loose = len(hosts.bucket.list_chunks()[0])
+    dry = run_remote_gc(hosts.bucket, grace=0, convert=True, dry_run=True)
+    assert dry.converted == loose > 0 and dry.deleted == 0 and len(hosts.bucket.list_chunks()[0]) == loose
+    report = run_remote_gc(hosts.bucket, grace=0, convert=True)
+    assert report.converted > 0 and not report.errors
+    assert not hosts.bucket.list_chunks()[0]  # no loose object left
+    assert_bucket_whole(hosts.bucket)
+    assert read_visible(hosts.new("fourth"), "legacy") == v1  # from packs alone
+
+
+def test_the_losing_host_serves_the_last_writer_at_its_first_lookup_after_a_listing(hosts: Hosts) -> None:
+    """The convergence bound: once the winner's index is in the bucket, a host takes it at its
+    first lookup of the name after (its listing is older than remote_list_ttl, one LIST runs, and
+    the kernel's name cache expires: ATTR_TIMEOUT), if the file is not open there."""
+    a, b = hosts.new("a"), hosts.new("b")
+    va, vb = rand_bytes(3 * MiB, 72), rand_bytes(3 * MiB + 1, 73)
+    ta = threading.Thread(target=write_in_pieces, args=(a.path("same"), va, MiB))
+    tb = threading.Thread(target=write_in_pieces, args=(b.path("same"), vb, MiB))
+    ta.start(), tb.start()
+    ta.join(), tb.join()
+    drained(a), drained(b)
+    winner = remote_bytes(hosts.bucket, "same")
+    for m in (a, b):
+        wait_closed(m)
+        lists = m.stats()["remote_lists"]
+        os.listdir(m.mnt)  # a readdir: the listing is stale (ttl 0), a refresh starts
+        wait_for(lambda m=m, n=lists: m.stats()["remote_lists"] > n, "a LIST after both uploads")
+        time.sleep(1.5)  # the kernel's name cache (1 s) expires: the next open looks the name up
+        assert read_direct(m.path("same")) == winner, f"{m.mnt} did not take the last writer's version"
+
+
+def test_remote_gc_repacks_a_pack_mostly_unnamed(hosts: Hosts) -> None:
+    a = hosts.new("a", "--remote-grace", "0")
+    prompt = rand_bytes(MiB, 55)
+    first, second = prompt + rand_bytes(3 * MiB, 56), prompt + rand_bytes(2 * MiB, 57)
+    write_in_pieces(a.path("first"), first, MiB)
+    drained(a)
+    write_in_pieces(a.path("second"), second, MiB)  # its pack: only its own tail
+    drained(a)
+    other = rand_bytes(MiB, 58)
+    write_in_pieces(a.path("other"), other, MiB)
+    os.unlink(a.path("first"))
+    drained(a)  # first's pack: only the prompt's chunks are named now (a quarter of it)
+    b = hosts.new("b")
+    assert read_visible(b, "other") == other  # B has learned every pack index, the old pack's too
+    packs_before = set(hosts.bucket.list_packs()[0])
+    dry = run_remote_gc(hosts.bucket, grace=0, dry_run=True)
+    assert dry.packs_sparse == 1 and dry.packs_repacked == 1 and set(hosts.bucket.list_packs()[0]) == packs_before
+    report = run_remote_gc(hosts.bucket, grace=0)
+    assert report.packs_repacked == 1 and report.packs_deleted == 1 and not report.errors
+    assert prompt and report.repack_bytes < len(first) / 2
+    packs_after = set(hosts.bucket.list_packs()[0])
+    assert len(packs_after - packs_before) == 1 and len(packs_before - packs_after) == 1
+    assert_bucket_whole(hosts.bucket)
+    assert remote_bytes(hosts.bucket, "second") == second
+    # B looks for the prompt where it learned it was: gone, so it forgets that pack, reads the new
+    # pack index and fetches from the new pack
+    assert read_visible(b, "second") == second
+    assert read_visible(hosts.new("c"), "second") == second  # a new host, through the new pack

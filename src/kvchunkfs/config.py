@@ -261,6 +261,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("remote_fetch_workers", "int", 16, "threads fetching chunks from the remote", lo=1, hi=256),
         Setting("remote_grace", "duration", 86400,
                 "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)", lo=0),
+        Setting("remote_pack_size", "size", 16 * MiB,
+                "a new bucket's layout: chunks uploaded in packs of about this size (0: one object per chunk, "
+                "desync-compatible)", lo=0, hi=1 << 30),
         Setting("remote_list_ttl", "duration", 5, "seconds a listing of the remote's snapshots is reused", lo=0),
         Setting("local_cache_size", "size", 0,
                 "with remote: past this many pack bytes, evict chunks safely in the bucket, least recently used "
@@ -316,6 +319,7 @@ class Config:
     remote_upload_workers: int = SETTINGS["remote_upload_workers"].default
     remote_fetch_workers: int = SETTINGS["remote_fetch_workers"].default
     remote_grace: int = SETTINGS["remote_grace"].default
+    remote_pack_size: int = SETTINGS["remote_pack_size"].default
     remote_list_ttl: int = SETTINGS["remote_list_ttl"].default
     local_cache_size: int = SETTINGS["local_cache_size"].default
     score: str = SETTINGS["score"].default

@@ -131,12 +131,13 @@ def _remote_format_ok(tier: RemoteTier) -> bool:
 
 
 def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
-    from kvchunkfs.store.bucketformat import LAYOUT, BucketFormat
+    from kvchunkfs.store.bucketformat import LOOSE, PACKED, BucketFormat
     from kvchunkfs.store.remote import RemoteTier
     from kvchunkfs.store.s3 import Bucket
 
     c = repo.chunker
-    fmt = BucketFormat(LAYOUT, c.kind, c.min, c.avg, c.max, c.group_w)
+    # A new bucket gets the layout of the host that creates it; later hosts write the bucket's.
+    fmt = BucketFormat(PACKED if cfg.remote_pack_size else LOOSE, c.kind, c.min, c.avg, c.max, c.group_w)
     return RemoteTier(
         repo,
         Bucket(cfg.remote, cfg.remote_endpoint),
@@ -146,6 +147,7 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
         list_ttl=cfg.remote_list_ttl,
         fmt=fmt,
         max_file_size=cfg.max_file_size,
+        pack_size=cfg.remote_pack_size,
     )
 
 
@@ -160,7 +162,8 @@ def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     try:
         bucket = Bucket(cfg.remote, cfg.remote_endpoint)
         limit = max_index_bytes(cfg.max_file_size, cfg.chunk_min)
-        report = run_remote_gc(bucket, cfg.remote_grace, args.dry_run, limit, cfg.max_file_size)
+        report = run_remote_gc(bucket, cfg.remote_grace, args.dry_run, limit, cfg.max_file_size,
+                               cfg.remote_pack_size or 16 << 20, args.convert)  # fmt: skip
     except OSError as e:
         print(f"kv-chunk-fs: gc --remote failed: {e}", file=sys.stderr)
         return 1
@@ -400,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", nargs="?", const=_CONFIGURED, default=None, metavar="s3://BUCKET/PREFIX",
                    help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)")
     p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")
+    p.add_argument("--convert", action="store_true",
+                   help="with --remote: put loose chunks into packs, then collect the loose copies (once every "
+                   "host runs a version that reads packs)")  # fmt: skip
     p = add("ui", cmd_ui, "web dashboard of the running daemon (through its unix socket)")
     p.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8765; other than loopback needs a token)")  # fmt: skip

@@ -16,8 +16,9 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-LAYOUT = 1  # loose: one object per chunk (store/s3.py)
-KNOWN_LAYOUTS = (1,)
+LOOSE = 1  # one object per chunk (store/s3.py): desync/casync-compatible
+PACKED = 2  # chunks in pack objects described by pack indexes (store/remotepacks.py); loose chunks still read
+KNOWN_LAYOUTS = (LOOSE, PACKED)
 MAX_FORMAT_BYTES = 64 << 10  # a format object is a few hundred bytes; never parse more
 
 

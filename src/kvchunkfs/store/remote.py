@@ -40,17 +40,18 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from kvchunkfs.format import index as idx
+from kvchunkfs.store import remotepacks as rp
 from kvchunkfs.store import stubs
 from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
-from kvchunkfs.store.s3 import Bucket, ChunkHead, IndexObject, ObjectInfo, TooLarge, content_etag
+from kvchunkfs.store.s3 import Bucket, ChunkHead, IndexObject, NotItsName, ObjectInfo, TooLarge, content_etag
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,18 @@ CREATE TABLE IF NOT EXISTS synced (
     rel TEXT PRIMARY KEY, sha BLOB NOT NULL, etag TEXT NOT NULL, ctime_ns INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- packed layout: what this host learned from the bucket's pack indexes (a cache: the bucket is the truth)
+CREATE TABLE IF NOT EXISTS rchunk (cid BLOB PRIMARY KEY, pack BLOB NOT NULL, off INTEGER NOT NULL,
+    len INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rpack (pack BLOB PRIMARY KEY, seen REAL NOT NULL);  -- host clock at its last put/touch
+CREATE TABLE IF NOT EXISTS ridx (name TEXT PRIMARY KEY);  -- pack indexes read
 """
+_SQL_BATCH = 500
 _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
 _MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
 _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 _CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
+_PACKIDX_SKEW_US = 3600 * 10**6  # pack indexes are listed from this long before the newest one read
 _SHORT_CHUNKS = 1 << 12  # chunks shorter than the minimum an index may have (segment ends)
 
 
@@ -138,7 +146,8 @@ class SyncDb:
         self.db.executescript(_SCHEMA)
         row = self.db.execute("SELECT value FROM meta WHERE key = 'remote'").fetchone()
         if row is None or row[0] != url:  # another bucket: what this host synced is not in it
-            self.db.execute("DELETE FROM synced")
+            for table in ("synced", "rchunk", "rpack", "ridx"):
+                self.db.execute(f"DELETE FROM {table}")
             self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('remote', ?)", (url,))
         self.lock = threading.Lock()  # held across SQL only
         # rel -> ETag of every synced path, for the FUSE thread (which never takes ``lock``)
@@ -182,6 +191,59 @@ class SyncDb:
         with self.lock:
             self.db.close()
 
+    # -- the packed layout's cache ---------------------------------------------------------------
+
+    def newest_packidx(self) -> str | None:
+        with self.lock:
+            row = self.db.execute("SELECT max(name) FROM ridx").fetchone()
+        return row[0] if row else None
+
+    def read_packidx(self, since: str = "") -> set[str]:
+        """The pack indexes read, of those named from ``since`` on (names start with their time)."""
+        with self.lock:
+            return {r[0] for r in self.db.execute("SELECT name FROM ridx WHERE name >= ?", (since,))}
+
+    def learned(self, name: str, packs: list[rp.PackDesc]) -> None:
+        """What one pack index says (a chunk in several packs: the last one learned wins)."""
+        rows = [(cid, d.pack, loc.offset, loc.length) for d in packs for cid, loc in d.locs()]
+        with self.lock, self._transaction():
+            self.db.executemany("INSERT OR REPLACE INTO rchunk (cid, pack, off, len) VALUES (?, ?, ?, ?)", rows)
+            self.db.executemany("INSERT OR IGNORE INTO rpack (pack, seen) VALUES (?, 0)", [(d.pack,) for d in packs])
+            self.db.execute("INSERT OR IGNORE INTO ridx (name) VALUES (?)", (name,))
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction (the connection autocommits: each statement would be one, with its fsync)."""
+        self.db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def locate(self, cids: list[bytes]) -> dict[bytes, tuple[rp.Loc, float]]:
+        """chunk id -> (where in a pack, when this host last put or touched the pack)."""
+        out = {}
+        with self.lock:
+            for i in range(0, len(cids), _SQL_BATCH):
+                part = cids[i : i + _SQL_BATCH]
+                q = ("SELECT c.cid, c.pack, c.off, c.len, p.seen FROM rchunk c JOIN rpack p ON p.pack = c.pack "
+                     f"WHERE c.cid IN ({','.join('?' * len(part))})")  # fmt: skip
+                for cid, pack, off, n, seen in self.db.execute(q, part):
+                    out[cid] = (rp.Loc(pack, off, n), seen)
+        return out
+
+    def seen(self, packs: list[bytes], at: float) -> None:
+        with self.lock, self._transaction():
+            self.db.executemany("INSERT OR REPLACE INTO rpack (pack, seen) VALUES (?, ?)", [(p, at) for p in packs])
+
+    def forget_pack(self, pack: bytes) -> None:
+        """The bucket no longer has it (``gc --remote``): forget what it held."""
+        with self.lock, self._transaction():
+            self.db.execute("DELETE FROM rchunk WHERE pack = ?", (pack,))
+            self.db.execute("DELETE FROM rpack WHERE pack = ?", (pack,))
+
 
 def read_synced(root: Path) -> dict[str, bytes]:
     """rel -> sha256 of the index this host last put in or fetched from the bucket (``remote.db``
@@ -224,6 +286,7 @@ class RemoteTier:
         list_ttl: float = 5,
         fmt: BucketFormat | None = None,
         max_file_size: int | None = None,
+        pack_size: int = 16 << 20,
     ) -> None:
         self.repo = repo
         self.bucket = bucket
@@ -238,6 +301,11 @@ class RemoteTier:
         self._damage_checked = 0.0  # monotonic time of the last look at the bucket's damage reports
         # Index objects over this many bytes are refused unread (a bogus one must not cost memory).
         self.max_file_size = max_file_size
+        self.pack_size = pack_size or 16 << 20
+        self.layout = 1 if fmt is None else fmt.layout  # the bucket's, once its format object is read
+        self._learn_lock = threading.Lock()  # one reader of the bucket's pack indexes at a time
+        self._learned_at = -1e18
+        self.fetched_chunks = 0
         self.max_index = max_index_bytes(max_file_size, fmt.chunk_min if fmt else 1) if max_file_size else None
         self.grace = grace
         self.list_ttl = list_ttl
@@ -295,10 +363,12 @@ class RemoteTier:
                 if data is None:
                     raise OSError(5, f"{self.bucket.url}: the format object just written is not there")
             try:
-                why = self.format.mismatch(BucketFormat.from_json(data))
+                theirs = BucketFormat.from_json(data)
+                why = self.format.mismatch(theirs)
             except FormatError as e:
                 why = f"its format object is unreadable ({e})"
             if why is None:
+                self.layout = theirs.layout  # the bucket's layout decides how this host writes to it
                 self._format_state = "ok"
                 return
             self._format_state = (
@@ -385,6 +455,17 @@ class RemoteTier:
             "remote_refused": int(self._format_state not in (None, "ok")),
             "remote_refused_indexes": self.refused_indexes,
             "remote_corrupt_chunks": self.corrupt_chunks,
+            "remote_fetched_chunks": self.fetched_chunks,
+            "remote_index_puts": c.index_puts,
+            "remote_pack_puts": c.pack_puts,
+            "remote_pack_put_bytes": c.pack_put_bytes,
+            "remote_pack_touches": c.pack_touches,
+            "remote_packidx_puts": c.packidx_puts,
+            "remote_packidx_gets": c.packidx_gets,
+            "remote_range_gets": c.range_gets,
+            "remote_range_get_bytes": c.range_get_bytes,
+            "remote_heads": c.heads,
+            "remote_requests": c.requests(),
             "remote_healed_chunks": self.healed_chunks,
         } | self._eviction_stats()
 
@@ -562,11 +643,154 @@ class RemoteTier:
         total = sum(lengths[c] for c in todo)
         self.bytes_pending += total
         try:
+            if self.layout >= 2:
+                self._upload_packed(todo)
+                return
             futures = [self._uploads.submit(self._ensure, cid) for cid in todo]
             for f in futures:
                 f.result()
         finally:
             self.bytes_pending -= total
+
+    # -- the packed layout ----------------------------------------------------------------------
+
+    def _learn(self, force: bool = False) -> None:
+        """Read the pack indexes this host has not read yet: a LIST of those named from an hour
+        before the newest one read (writers' clocks may differ that much), or with ``force`` (a
+        restore that misses) of all; then a GET per new one. At most once per ``remote_list_ttl``
+        unless ``force``."""
+        with self._learn_lock:
+            if not force and time.monotonic() - self._learned_at < self.list_ttl:
+                return
+            newest = self.db.newest_packidx()
+            since = None if force or newest is None else max(0, int(newest[:16], 16) - _PACKIDX_SKEW_US)
+            listed = self.bucket.list_packidx(since)
+            known = self.db.read_packidx(f"{since:016x}" if since is not None else "")
+            # oldest first: a chunk put again (healed) is found where the newer pack index says
+            for name in sorted(listed.keys() - known):
+                try:
+                    self.db.learned(name, rp.decode(self.bucket.get_packidx(name, rp.MAX_PIDX_BYTES)))
+                except FileNotFoundError:
+                    continue  # deleted by gc --remote meanwhile: its packs are gone
+                except (rp.PackIndexError, TooLarge, NotItsName) as e:
+                    log.error("remote: pack index %s in %s is invalid, ignored: %s", name, self.bucket.url, e)
+            self._learned_at = time.monotonic()
+
+    def _upload_packed(self, todo: list[bytes]) -> None:
+        """Chunks the bucket's packs hold (as learned) are reused, their packs touched if older
+        than half the grace; the rest go up in new packs, then one pack index per up to 64 packs."""
+        if not todo:
+            return
+        self._learn()
+        known = self.db.locate(todo)
+        new = [c for c in todo if c not in known]
+        for pack, cids in self._by_pack(known).items():
+            seen = known[cids[0]][1]
+            age = time.time() - seen
+            if age < self.grace / 2:
+                pass
+            elif self.bucket.touch_pack(pack):
+                self.db.seen([pack], time.time())
+                age = 0
+            else:  # collected since this host learned it
+                self.db.forget_pack(pack)
+                new.extend(cids)
+                continue
+            for cid in cids:
+                self._confirm(cid, age)
+        if new:
+            self._put_packs(new)
+
+    @staticmethod
+    def _by_pack(known: dict[bytes, tuple[rp.Loc, float]]) -> dict[bytes, list[bytes]]:
+        out: dict[bytes, list[bytes]] = {}
+        for cid, (loc, _) in known.items():
+            out.setdefault(loc.pack, []).append(cid)
+        return out
+
+    def _put_packs(self, cids: list[bytes]) -> None:
+        done: list[rp.PackDesc] = []
+        pending: collections.deque[tuple[rp.PackDesc, Future[None]]] = collections.deque()
+        packer = rp.Packer(self.pack_size)
+
+        def send(full: tuple[rp.PackDesc, bytes] | None) -> None:
+            if full is None:
+                return
+            desc, data = full
+            pending.append((desc, self._uploads.submit(self.bucket.put_pack, desc.pack, data)))
+            while len(pending) > 2:  # a few packs in memory at once
+                d, f = pending.popleft()
+                f.result()
+                done.append(d)
+
+        for i in range(0, len(cids), 64):
+            part = cids[i : i + 64]
+            for cid, data in zip(part, self.repo.store.get_many(part), strict=True):  # each checked against its id
+                send(packer.add(cid, data))
+        send(packer.flush())
+        for d, f in pending:
+            f.result()
+            done.append(d)
+        for group in rp.groups(done):
+            name = self.bucket.put_packidx(rp.encode(group))
+            self.db.learned(name, group)
+            self.db.seen([g.pack for g in group], time.time())
+            for g in group:
+                for cid, _ in g.chunks:
+                    self._confirm(cid, 0)
+
+    def _fetch_run(self, run: rp.Run, gone: set[bytes]) -> list[tuple[bytes, bytes]] | None:
+        """One range GET, its chunks checked against their ids (here, in the worker: hashing runs
+        in parallel); None if the pack is gone (added to ``gone``)."""
+        try:
+            blob = self.bucket.get_ranges(run.pack, [(run.start, run.end)])[0]
+        except FileNotFoundError:
+            gone.add(run.pack)  # set.add: atomic under the GIL
+            return None
+        out = []
+        for cid, off, n in run.parts:
+            data = blob[off : off + n]
+            if hashlib.sha256(data).digest() != cid:
+                self._report_corrupt(cid)
+                raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
+            out.append((cid, data))
+        return out
+
+    def _fetch_packed(self, missing: list[bytes], owner: object) -> list[bytes]:
+        """Store the chunks of ``missing`` that the bucket's packs hold (coalesced range GETs, in
+        parallel, each chunk checked against its id); the ids no pack holds (loose, legacy)."""
+        self._learn()
+        known = self.db.locate(missing)
+        if len(known) < len(missing):
+            self._learn(force=True)  # saved moments ago by another host
+            known = self.db.locate(missing)
+        gone: set[bytes] = set()
+        runs = rp.coalesce((cid, loc) for cid, (loc, _) in known.items())
+        store = self.repo.store
+        pending: collections.deque[Future[list[tuple[bytes, bytes]] | None]] = collections.deque()
+        it = iter(runs)
+        try:
+            while True:
+                while len(pending) < self._fetch_window // 4 and (run := next(it, None)) is not None:
+                    pending.append(self._fetches.submit(self._fetch_run, run, gone))
+                if not pending:
+                    break
+                batch = pending.popleft().result()
+                if batch:
+                    store.put_many(batch, owner)
+                    self.fetched_chunks += len(batch)
+        finally:
+            for f in pending:
+                f.cancel()
+        for pack in gone:
+            self.db.forget_pack(pack)
+        rest = [c for c in missing if c not in known or known[c][0].pack in gone]
+        if gone and rest:  # repacked or collected since: what the bucket says now
+            self._learn(force=True)
+            again = self.db.locate(rest)
+            if again and not gone & {loc.pack for loc, _ in again.values()}:
+                return self._fetch_packed(list(again), owner) + [c for c in rest if c not in again]
+        return rest
 
     def _fresh(self, cid: bytes) -> bool:
         with self._confirmed_lock:
@@ -630,7 +854,10 @@ class RemoteTier:
         log.warning("remote: chunk %s in %s is bad (%s); uploading it again", cid.hex(), self.bucket.url, why)
         with self._confirmed_lock:
             self._confirmed.pop(cid, None)
-        self._put_verified(cid, data)
+        if self.layout >= 2:  # a new pack: readers learn its index, and its place replaces the bad one
+            self._put_packs([cid])
+        else:
+            self._put_verified(cid, data)
         self.healed_chunks += 1
         with contextlib.suppress(OSError):
             self.bucket.clear_damaged(cid)
@@ -818,6 +1045,18 @@ class RemoteTier:
         if not missing:
             return 0
         self.check_format()
+        if self.layout >= 2:
+            loose = self._fetch_packed(missing, owner)
+            if not loose:
+                self._poke()
+                return len(missing)
+            fetched = len(missing) - len(loose)
+            return fetched + self._fetch_loose(loose, owner)
+        return self._fetch_loose(missing, owner)
+
+    def _fetch_loose(self, missing: list[bytes], owner: object) -> int:
+        """One GET per chunk (the loose layout, and chunks of a bucket from before packs)."""
+        store = self.repo.store
         pending: collections.deque[tuple[bytes, Future[bytes]]] = collections.deque()
         batch: list[tuple[bytes, bytes | memoryview]] = []
         size = 0
@@ -834,6 +1073,7 @@ class RemoteTier:
                     self._report_corrupt(cid)
                     raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
                 batch.append((cid, data))
+                self.fetched_chunks += 1
                 size += len(data)
                 if size >= _FETCH_BATCH:
                     store.put_many(batch, owner)

@@ -7,6 +7,8 @@ Layout under ``s3://BUCKET/PREFIX`` (desync/casync-compatible, uncompressed, lik
                                              metadata ``kvcfs-format`` says how its stream is read
     PREFIX/format                            the bucket's format (store/bucketformat.py), written once
     PREFIX/damaged/<64 hex>                  empty: a host fetched that chunk and it failed its id
+    PREFIX/packs/<2 hex>/<64 hex>            packed layout: chunks back to back (store/remotepacks.py)
+    PREFIX/packidx/<16 hex>-<64 hex>         packed layout: what some packs hold (writer's clock in µs, SHA-256)
 
 Credentials and region come the usual boto3 way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/config``, instance roles); only the endpoint is a setting of ours.
@@ -20,15 +22,17 @@ import datetime
 import email.utils
 import hashlib
 import os
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvchunkfs.store.layout import loose_chunk_name
 
 INDEX_SUFFIX = ".caibx"
+_PACKIDX_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{64}")
 FORMAT_META = "kvcfs-format"  # user metadata of an index object: what its stream needs to be read
 
 
@@ -66,6 +70,10 @@ class TooLarge(RemoteError):
     """An object is larger than what may be read into memory for it (never parsed)."""
 
 
+class NotItsName(RemoteError):
+    """An object named by a hash of its content whose content does not hash to it."""
+
+
 @dataclass(frozen=True)
 class ChunkHead:
     modified: float  # epoch seconds
@@ -91,6 +99,19 @@ class BucketCounters:
     index_gets: int = 0
     index_puts: int = 0
     lists: int = 0
+    pack_puts: int = 0
+    pack_put_bytes: int = 0
+    pack_touches: int = 0
+    range_gets: int = 0
+    range_get_bytes: int = 0
+    packidx_puts: int = 0
+    packidx_gets: int = 0
+    heads: int = 0
+
+    def requests(self) -> int:
+        """Every request counted (LISTs, GETs, PUTs, HEADs of chunks and packs, touches)."""
+        return (self.chunk_gets + self.chunk_puts + self.index_gets + self.index_puts + self.lists + self.pack_puts
+                + self.pack_touches + self.range_gets + self.packidx_puts + self.packidx_gets + self.heads)  # fmt: skip
 
 
 class Bucket:
@@ -194,7 +215,125 @@ class Bucket:
             r = self._call("head_object", Key=key)
         except FileNotFoundError:
             return None
+        finally:
+            self._count(heads=1)
         return ChunkHead(r["LastModified"].timestamp(), _server_now(r), plain_etag(str(r.get("ETag", ""))))
+
+    # -- the packed layout ----------------------------------------------------------------------
+
+    def pack_key(self, pack: bytes) -> str:
+        h = pack.hex()
+        return f"{self.prefix}packs/{h[:2]}/{h}"
+
+    def packidx_key(self, name: str) -> str:
+        return f"{self.prefix}packidx/{name}"
+
+    def put_pack(self, pack: bytes, data: bytes) -> None:
+        """Put a pack; RemoteError unless the server's ETag is the bytes' MD5 (or not an MD5 at all)."""
+        key = self.pack_key(pack)
+        if self._data is not None:
+            etag = self._fast("put", key, data).get("e_tag") or ""
+        else:
+            etag = self._call("put_object", Key=key, Body=data).get("ETag", "")
+        etag = plain_etag(str(etag))
+        if len(etag) == 32 and etag != content_etag(data) and "-" not in etag:
+            raise RemoteError(5, f"{self.url}: pack {pack.hex()} stored with ETag {etag}, not its content's")
+        self._count(pack_puts=1, pack_put_bytes=len(data))
+
+    def touch_pack(self, pack: bytes) -> bool:
+        """A new modification time for a pack (server-side copy onto itself); False if it is gone."""
+        key = self.pack_key(pack)
+        try:
+            self._call("copy_object", Key=key, CopySource={"Bucket": self.name, "Key": key},
+                       MetadataDirective="REPLACE")  # fmt: skip
+        except FileNotFoundError:
+            return False
+        self._count(pack_touches=1)
+        return True
+
+    def get_ranges(self, pack: bytes, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of a pack, each one GET (parallel callers coalesce first);
+        FileNotFoundError if the pack is gone."""
+        key = self.pack_key(pack)
+        if self._data is not None:
+            starts, ends = [a for a, _ in ranges], [b for _, b in ranges]
+            out = [bytes(b) for b in self._fast("get_ranges", key, starts=starts, ends=ends)]
+        else:
+            out = [self._get(key, Range=f"bytes={a}-{b - 1}") for a, b in ranges]
+        for (a, b), got in zip(ranges, out, strict=True):
+            if len(got) != b - a:
+                raise RemoteError(5, f"{self.url}: pack {pack.hex()}: {len(got)} bytes for range {a}-{b}")
+        self._count(range_gets=len(ranges), range_get_bytes=sum(b - a for a, b in ranges))
+        return out
+
+    def put_packidx(self, data: bytes) -> str:
+        """Put a pack index; its name: this host's clock (listings from a time on find it) and its SHA-256."""
+        name = f"{int(time.time() * 1e6):016x}-{hashlib.sha256(data).hexdigest()}"
+        self._call("put_object", Key=self.packidx_key(name), Body=data)
+        self._count(packidx_puts=1)
+        return name
+
+    def get_packidx(self, name: str, limit: int) -> bytes:
+        """A pack index's content (checked against its name; TooLarge past ``limit`` bytes)."""
+        r = self._call("get_object", Key=self.packidx_key(name))
+        body = r["Body"]
+        try:
+            if int(r.get("ContentLength", -1)) > limit:
+                raise TooLarge(27, f"{self.url}: pack index {name} is larger than a pack index may be")
+            data = bytes(body.read(limit + 1))
+        finally:
+            body.close()
+        if len(data) > limit:
+            raise TooLarge(27, f"{self.url}: pack index {name} is larger than a pack index may be")
+        self._count(packidx_gets=1)
+        if hashlib.sha256(data).hexdigest() != name[17:]:
+            raise NotItsName(5, f"{self.url}: pack index {name}: its content is not its name's")
+        return data
+
+    def list_packidx(self, since_us: int | None = None) -> dict[str, ObjectInfo]:
+        """Pack indexes by name; with ``since_us``, only those named from that time on (one LIST
+        page per 1000 new ones, not per 1000 in the bucket)."""
+        base = f"{self.prefix}packidx/"
+        after = f"{base}{since_us:016x}" if since_us is not None else None
+        out = {}
+        for info, _ in self._list(base, after):
+            name = info.key[len(base) :]
+            if _PACKIDX_NAME.fullmatch(name):
+                out[name] = info
+        return out
+
+    def list_packs(self) -> tuple[dict[bytes, ObjectInfo], float]:
+        """Every pack, and the server's clock when the listing began."""
+
+        def name_of(key: str) -> bytes | None:
+            name = _hex_name(key)
+            return name if name is not None and key == self.pack_key(name) else None
+
+        return self._list_named(f"{self.prefix}packs/", name_of)
+
+    def head_pack(self, pack: bytes) -> tuple[float, float] | None:
+        """(modified, now by the server's clock) of a pack, or None if it is gone."""
+        try:
+            r = self._call("head_object", Key=self.pack_key(pack))
+        except FileNotFoundError:
+            return None
+        self._count(heads=1)
+        return r["LastModified"].timestamp(), _server_now(r)
+
+    def delete_keys(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": k} for k in keys[i : i + 1000]]
+            r = self._call("delete_objects", Delete={"Objects": batch, "Quiet": True})
+            if r.get("Errors"):
+                raise RemoteError(f"deleting from {self.url}: {r['Errors'][0]}")
+
+    def _list_hex(self, prefix: str) -> dict[bytes, ObjectInfo]:
+        out = {}
+        for info, _ in self._list(prefix):
+            name = _hex_name(info.key)
+            if name is not None:
+                out[name] = info
+        return out
 
     # -- damage reports: a host that fetched a chunk failing its id says so; one that has it heals it
 
@@ -208,21 +347,15 @@ class Bucket:
         self._call("delete_object", Key=self.damaged_key(cid))
 
     def list_damaged(self) -> set[bytes]:
-        out = set()
-        for info, _ in self._list(f"{self.prefix}damaged/"):
-            with contextlib.suppress(ValueError):
-                cid = bytes.fromhex(info.key.rpartition("/")[2])
-                if len(cid) == 32:
-                    out.add(cid)
-        return out
+        return set(self._list_hex(f"{self.prefix}damaged/"))
 
-    def _fast(self, op: str, *args: Any) -> Any:
+    def _fast(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """One obstore call; a missing object is FileNotFoundError, any other failure RemoteError."""
         import obstore
         import obstore.exceptions
 
         try:
-            return getattr(obstore, op)(self._data, *args)
+            return getattr(obstore, op)(self._data, *args, **kwargs)
         except (FileNotFoundError, obstore.exceptions.NotFoundError):
             raise FileNotFoundError(2, f"{self.url}: no {args[0]}") from None
         except (obstore.exceptions.BaseError, OSError) as e:
@@ -293,11 +426,7 @@ class Bucket:
         self._call("delete_object", Key=self.index_key(rel))
 
     def delete_chunks(self, cids: list[bytes]) -> None:
-        for i in range(0, len(cids), 1000):  # DeleteObjects takes at most 1000 keys
-            keys = [{"Key": self.chunk_key(c)} for c in cids[i : i + 1000]]
-            r = self._call("delete_objects", Delete={"Objects": keys, "Quiet": True})
-            if r.get("Errors"):
-                raise RemoteError(f"deleting chunks from {self.url}: {r['Errors'][0]}")
+        self.delete_keys([self.chunk_key(c) for c in cids])
 
     def list_indexes(self) -> dict[str, ObjectInfo]:
         """Every index in the bucket by snapshot path."""
@@ -310,19 +439,26 @@ class Bucket:
 
     def list_chunks(self) -> tuple[dict[bytes, ObjectInfo], float]:
         """Every chunk in the bucket, and the server's clock when the listing began."""
+        return self._list_named(f"{self.prefix}chunks/", self.cid_of_chunk)
+
+    def _list_named(self, prefix: str, name_of: Callable[[str], bytes | None]) -> tuple[dict[bytes, ObjectInfo], float]:
+        """Objects under ``prefix`` by the name ``name_of`` gives their key (None: skipped), and the
+        server's clock when the listing began."""
         out: dict[bytes, ObjectInfo] = {}
         now = 0.0
-        for info, server_now in self._list(f"{self.prefix}chunks/"):
+        for info, server_now in self._list(prefix):
             now = now or server_now
-            cid = self.cid_of_chunk(info.key)
-            if cid is not None:
-                out[cid] = info
+            name = name_of(info.key)
+            if name is not None:
+                out[name] = info
         return out, now or time.time()
 
-    def _list(self, prefix: str) -> Iterator[tuple[ObjectInfo, float]]:
+    def _list(self, prefix: str, start_after: str | None = None) -> Iterator[tuple[ObjectInfo, float]]:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix}
+            if start_after:
+                kwargs["StartAfter"] = start_after
             if token:
                 kwargs["ContinuationToken"] = token
             r = self._call("list_objects_v2", **kwargs)
@@ -334,8 +470,8 @@ class Bucket:
                 return
             token = r["NextContinuationToken"]
 
-    def _get(self, key: str) -> bytes:
-        return bytes(self._call("get_object", Key=key)["Body"].read())
+    def _get(self, key: str, **kwargs: Any) -> bytes:
+        return bytes(self._call("get_object", Key=key, **kwargs)["Body"].read())
 
     def _call(self, op: str, **kwargs: Any) -> Any:
         """One S3 call; a missing object is FileNotFoundError, any other failure RemoteError."""
@@ -352,6 +488,15 @@ class Bucket:
             raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None
         except (botocore.exceptions.BotoCoreError, OSError) as e:
             raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None
+
+
+def _hex_name(key: str) -> bytes | None:
+    """The 32-byte name a key ends with (``.../<64 hex>``), or None."""
+    with contextlib.suppress(ValueError):
+        name = bytes.fromhex(key.rpartition("/")[2])
+        if len(name) == 32:
+            return name
+    return None
 
 
 def region_name(client: Any) -> str:

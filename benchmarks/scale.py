@@ -53,7 +53,7 @@ PROMPT_CHUNKS = 24  # chunks of a group's system prompt, shared by every snapsho
 TURN_CHUNKS = 2  # chunks each turn adds to its conversation (later turns name the earlier ones)
 OWN_CHUNKS = 4
 CHUNK = 512
-BATCH = 250  # snapshots per add_chunks call
+BATCH = 250  # snapshots per put_many call
 DELETE = 100  # snapshots deleted before a GC of the changes (the same at every N: its cost should not grow)
 
 
@@ -101,7 +101,7 @@ def build(root: Path, n: int, start: int = 0) -> None:
                     else:
                         index.append(cid, CHUNK)
                 stubs.append((rel, index))
-            repo.store.add_chunks(list(new.items()), owner)
+            repo.store.put_many(list(new.items()), owner)
             for rel, index in stubs:
                 repo.path(rel).parent.mkdir(exist_ok=True)
                 repo.install(repo.prepare_stub(index, None, False), rel)
@@ -208,7 +208,7 @@ def save_and_list(repo: Repository, service: Service, n: int) -> None:
         chunks.append((hashlib.sha256(data).digest(), data))
         index.append(chunks[-1][0], len(data))
     owner = object()
-    repo.store.add_chunks(chunks, owner)
+    repo.store.put_many(chunks, owner)
     repo.path(rel).parent.mkdir(exist_ok=True)
     repo.install(repo.prepare_stub(index, None, False), rel)
     repo.store.unpin(owner)

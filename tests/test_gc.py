@@ -238,7 +238,7 @@ def make_repo(root: Path) -> tuple[Repository, bytes]:
     data = os.urandom(100_000)
     cid = bytes.fromhex(sha(data))
     owner = object()
-    repo.store.add_chunks([(cid, data)], owner)
+    repo.store.put_many([(cid, data)], owner)
     repo.store.unpin(owner)
     index = Index(repo.chunker.min, repo.chunker.avg, repo.chunker.max)
     index.append(cid, len(data))

@@ -104,7 +104,7 @@ def test_a_pinned_chunk_is_kept_and_freed_at_a_later_run(service: Service) -> No
     owner = object()
     data = b"an aborted save's chunk" * 100
     cid = hashlib.sha256(data).digest()
-    repo.store.add_chunks([(cid, data)], owner)  # written, pinned, never named (a save in progress)
+    repo.store.put_many([(cid, data)], owner)  # written, pinned, never named (a save in progress)
     report = gc.collect_changes(repo, service.live, 0.5)
     assert report is not None and report.chunks_freed == 0
     assert cid in mapped_ids(repo)

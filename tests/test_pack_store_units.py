@@ -39,11 +39,11 @@ def test_failed_rollback_does_not_misplace_the_next_batch(tmp_path: Path, monkey
     monkeypatch.setattr(store, "_insert_rows", full_disk)
     monkeypatch.setattr(os, "ftruncate", no_truncate)
     with pytest.raises(OSError):
-        store.add_chunks([first], owner)
+        store.put_many([first], owner)
     monkeypatch.setattr(store, "_insert_rows", real_insert)
     monkeypatch.undo()  # os.ftruncate works again
 
-    store.add_chunks([second], owner)
+    store.put_many([second], owner)
     loc = store.locate(second[0])
     assert store.read_run(loc.pack, loc.offset, loc.length) == second[1]
     with pytest.raises(LookupError):
@@ -57,7 +57,7 @@ def test_pack_fd_cache_is_bounded(tmp_path: Path) -> None:
     owner = object()
     chunks = [chunk(3000, i) for i in range(150)]
     for c in chunks:
-        store.add_chunks([c], owner)
+        store.put_many([c], owner)
     assert len(store.pack_ids()) >= 150
     before = open_fds()
     for _ in range(2):  # twice: evicted packs are opened again and read right
@@ -74,7 +74,7 @@ def test_pack_fd_in_use_is_never_evicted(tmp_path: Path) -> None:
     owner = object()
     chunks = [chunk(3000, 1000 + i) for i in range(100)]
     for c in chunks:
-        store.add_chunks([c], owner)
+        store.put_many([c], owner)
     held_cid, held_data = chunks[0]
     held = store.locate(held_cid)
     with store.pack_fd(held.pack) as fd:
@@ -91,7 +91,7 @@ def test_local_reads_check_the_rows_quick_sum(tmp_path: Path) -> None:
     before sums existed, or by recovery) is checked by its id: changed bytes fail, intact ones pass."""
     store = PackStore(tmp_path)
     cid, data = chunk(100_000, -1)
-    store.add_chunks([(cid, data)], object())
+    store.put_many([(cid, data)], object())
     loc = store.locate_many([cid])[cid]
     assert loc.sum == quick_sum(data) and len(loc.sum) == 8
 
@@ -122,7 +122,7 @@ def test_an_empty_chunk_is_read(tmp_path: Path) -> None:
     """A run of empty chunks is read (nothing to read: in place at once), not waited for forever."""
     store = PackStore(tmp_path)
     cid = hashlib.sha256(b"").digest()
-    store.add_chunks([(cid, b"")], object())
+    store.put_many([(cid, b"")], object())
     fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.extend(bytes(b) for b in fetcher.get_many([cid])), daemon=True)

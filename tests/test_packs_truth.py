@@ -282,9 +282,9 @@ from kvchunkfs.store.repository import Repository
 repo = Repository(__import__("pathlib").Path(sys.argv[1]))
 owner = object()
 chunks = [(bytes.fromhex(h), bytes.fromhex(d)) for h, d in (line.split() for line in sys.stdin)]
-repo.store.add_chunks(chunks[:2], owner)  # committed
+repo.store.put_many(chunks[:2], owner)  # committed
 repo.store._insert_rows = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # dies before the commit
-repo.store.add_chunks(chunks[2:], owner)
+repo.store.put_many(chunks[2:], owner)
 """
 
 
@@ -342,7 +342,7 @@ def test_recovery_rescues_a_row_the_map_lost(tmp_path: Path) -> None:
     """A chunk a snapshot names is re-mapped from its pack's record if its bytes hash right."""
     repo = Repository(tmp_path)
     chunks = some_chunks(3, 19)
-    repo.store.add_chunks(chunks, object())
+    repo.store.put_many(chunks, object())
     index = repo.empty_index()
     for cid, data in chunks:
         index.append(cid, len(data))
@@ -403,7 +403,7 @@ def test_read_never_assembles_chunks_of_other_lengths(tmp_path: Path) -> None:
     files = Files(repo)
     try:
         chunks = some_chunks(3, 22)
-        repo.store.add_chunks(chunks, object())
+        repo.store.put_many(chunks, object())
         index = repo.empty_index()
         for cid, data in chunks:
             index.append(cid, len(data))

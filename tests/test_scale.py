@@ -46,7 +46,7 @@ def _save(repo: Repository, rel: str, keys: list[str], tokens: list[int] | None 
     for cid, data in chunks:
         index.append(cid, len(data))
     owner = object()
-    repo.store.add_chunks(chunks, owner)
+    repo.store.put_many(chunks, owner)
     repo.path(rel).parent.mkdir(parents=True, exist_ok=True)
     repo.install(repo.prepare_stub(index, None, False), rel)
     repo.store.unpin(owner)

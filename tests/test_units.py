@@ -85,8 +85,8 @@ def test_packstore_dedup_pins_and_reads(tmp_path: Path):
     store = repo.store
     chunks = [(chunk_id(d), d) for d in (rand_bytes(300_000, i) for i in range(8))]
     owner = object()
-    assert store.add_chunks(chunks[:4], owner) == 4 * 300_000
-    assert store.add_chunks(chunks, owner) == 4 * 300_000  # only the missing half is written
+    assert store.put_many(chunks[:4], owner) == 4 * 300_000
+    assert store.put_many(chunks, owner) == 4 * 300_000  # only the missing half is written
     assert store.counters.chunks_deduped == 4
     assert len(store.pack_ids()) >= 2, "packs roll over at pack_size"
     for cid, data in chunks:
@@ -104,7 +104,7 @@ def test_packstore_concurrent_writers(tmp_path: Path):
 
     def work(part):
         for d in part:
-            repo.store.add_chunks([(chunk_id(d), d)], threading.current_thread())
+            repo.store.put_many([(chunk_id(d), d)], threading.current_thread())
 
     threads = [threading.Thread(target=work, args=(datas[i::4],)) for i in range(4)]
     for t in threads:
@@ -177,7 +177,7 @@ def test_packstore_batch_larger_than_iov_max(tmp_path: Path):
     """A backlog of many small chunks is one batch; writev takes at most IOV_MAX buffers."""
     repo = Repository(tmp_path)
     chunks = [(chunk_id(d), d) for d in (i.to_bytes(4, "little") * 100 for i in range(3000))]
-    assert repo.store.add_chunks(chunks, object()) == 3000 * 400
+    assert repo.store.put_many(chunks, object()) == 3000 * 400
     for cid, data in chunks[::97]:
         loc = repo.store.locate(cid)
         assert repo.store.read_run(loc.pack, loc.offset, loc.length) == data
@@ -188,7 +188,7 @@ def test_one_large_batch_is_split_across_packs(tmp_path: Path):
     """A backlog arrives as one batch; packs still stay within pack_size (GC deletes whole packs)."""
     repo = Repository(tmp_path, StoreSettings(pack_size=1 * MiB))
     chunks = [(chunk_id(d), d) for d in (rand_bytes(200_000, 100 + i) for i in range(16))]
-    repo.store.add_chunks(chunks, object())
+    repo.store.put_many(chunks, object())
     sizes = [repo.store.pack_path(p).stat().st_size for p in repo.store.pack_ids()]
     records = len(sizes) * (PACK_HEADER_SIZE + BATCH_HEADER_SIZE) + 16 * ENTRY_SIZE  # one batch per pack
     assert len(sizes) >= 3 and max(sizes) <= 1 * MiB and sum(sizes) == 16 * 200_000 + records

@@ -508,9 +508,6 @@ class PackStore:
     def has(self, ids: Iterable[bytes]) -> set[bytes]:
         return set(self.locate_many(ids))
 
-    def put_many(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
-        return self.add_chunks(chunks, owner)
-
     def get_many(self, ids: Sequence[bytes]) -> list[bytes]:
         """Each chunk read and checked on its own (the read-ahead reads runs instead: file/fetcher.py)."""
         found = self.locate_many(ids)
@@ -527,7 +524,7 @@ class PackStore:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def add_chunks(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
+    def put_many(self, chunks: Sequence[tuple[bytes, bytes | memoryview]], owner: object) -> int:
         """Store the chunks the store lacks and pin all of them for ``owner``.
 
         Returns the number of new bytes written. Raises OSError (e.g. ENOSPC) with nothing
@@ -616,7 +613,7 @@ class PackStore:
                 with contextlib.suppress(sqlite3.Error):
                     self.db.execute("ROLLBACK")
                 raise
-            # add_chunks found none of these ids in the map under ``lock``: every row is new.
+            # put_many found none of these ids in the map under ``lock``: every row is new.
             self._count_rows(len(rows), sum(r[3] for r in rows))
         self._note_fresh(r[0] for r in rows)
 

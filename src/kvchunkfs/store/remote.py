@@ -1094,9 +1094,3 @@ class RemoteTier:
                 self.on_idle()
             except Exception:  # a hook never fails an upload or a fetch
                 log.exception("remote: the idle hook failed")
-
-
-def remote_state(local: bool, listed: bool) -> str:
-    """Where a snapshot is: "local", "remote" or "both"."""
-    return "both" if local and listed else "remote" if listed else "local"
-

@@ -1,0 +1,559 @@
+"""Real llama-server state files saved and restored: a plain directory, the FUSE floor, kv-chunk-fs.
+
+    python3 benchmarks/real_state.py                                   # llama-server, all six configs
+    python3 benchmarks/real_state.py --configs f16-10M,q4-10M --runs 3 --json out.json
+    python3 benchmarks/real_state.py --export /work/state-files        # also keep the state files
+    python3 benchmarks/real_state.py --files /work/state-files/*       # replay them, no llama-server
+    python3 benchmarks/real_state.py --compare-src ../other/src ...    # + kv-chunk-fs from another tree
+
+llama-server mode: one llama-server (the e2e harness's build and random-weight ``llama12`` model:
+12 layers x 512, 4 KV heads of 64; one slot, ``-fa on --cache-ram 0``, f16 or ``-ctk q4_0 -ctv
+q4_0``) saves and restores its slot itself; the figures are its own ``timings.save_ms`` and
+``timings.restore_ms``. Its ``--slot-save-path`` is a directory of symlinks, one per target and
+name, so the very same slot state is saved into every target: (a) a plain directory, (b) the
+do-nothing pyfuse3 filesystem (benchmarks/nullfs.py, "floor"; restores read a second nullfs that
+keeps the bytes, ``--keep-data``, because llama-server parses what it reads), (c) kv-chunk-fs with
+default settings (plus (d), ``--compare-src``). Saves follow the proxy's pattern: ``NAME.tmp``,
+then renamed over ``NAME``. Every run, per config, targets interleaved (the order rotates):
+
+- first save: a new conversation (random tokens, the config's size) saved under a new name;
+- next-turn saves (``--turns``): the same conversation ~200 tokens later, saved again;
+- cold restore: every kv-chunk-fs daemon unmounted and mounted again, ``sync`` and
+  ``echo 3 > /proc/sys/vm/drop_caches`` before each target's restore; then warm restores.
+
+``sync`` (not a cache drop) runs before every save, so no save pays for another's writeback.
+Daemon CPU is utime+stime from /proc across the operation; peak RSS is sampled during the cold
+restore. The restored files are compared byte for byte with the plain copy after every run.
+
+``--files`` mode replays given state files with ordinary file calls, as llama-server makes them:
+a save is ``open(wb)``, one ``write`` per piece of the file (header and tokens, then one per K or V
+block, as ``llama_state_seq_save_file`` issues ``fwrite`` calls; buffered by st_blksize as stdio
+is), ``close``, rename; a restore is an ``open``/12-byte read/``close`` header probe and then a
+sequential read of the same pieces. A file ``F.t1`` next to ``F`` is its next turn. Each run uses
+a fresh kv-chunk-fs store, so the first save is all new bytes, as in the llama-server mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT))
+
+import bench  # noqa: E402  (benchmarks/bench.py: mounts, cache drops, CPU and RSS sampling)
+
+from e2e import ggsq  # noqa: E402
+from e2e.build import cache_dir, ensure_llama_server, src_tree  # noqa: E402
+from e2e.llama import LlamaServer  # noqa: E402
+from e2e.models import ensure_model  # noqa: E402
+
+MiB = 1 << 20
+MODEL = "llama12"
+ROW_BYTES = {"f16": 12 * 2 * 4 * 64 * 2, "q4": 12 * 2 * 4 * 64 // 32 * 18}  # K+V bytes per token
+CELL_BYTES = 16  # per token: cell record (pos, n_seq_id, seq_id) + token id
+CONFIGS = {f"{kv}-{mib}M": (kv, mib) for kv in ("f16", "q4") for mib in (10, 30, 110)}
+TURN_TOKENS = 200
+N_PREDICT = 4
+VOCAB = (300, 32000)  # random prompt tokens: skip control and byte tokens
+PLAIN, FLOOR, FS, FS2 = "plain", "floor", "kv-chunk-fs", "compare"
+FIRST, NEXT, COLD, WARM = "first save", "next-turn save", "cold restore", "warm restore"
+OPS = (FIRST, NEXT, COLD, WARM)
+TARGETS_MET = {  # the issue's targets: (op, against, at most)
+    FIRST: (FLOOR, 1.5),
+    NEXT: (FLOOR, 1.3),
+    COLD: (PLAIN, 1.5),
+    WARM: (PLAIN, 1.1),
+}
+
+
+# -- targets -------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where a save goes (``dir``) and a restore reads (``read_dir``: nullfs keeps no bytes)."""
+
+    name: str
+    dir: Path
+    read_dir: Path
+    mount: bench.Mount | None = None
+
+
+@dataclass
+class Bed:
+    """The mounts of one benchmark: plain, the floor (two nullfs), kv-chunk-fs (and a second one)."""
+
+    work: Path
+    mount_args: list[str]
+    compare_src: Path | None
+    targets: list[Target] = field(default_factory=list)
+    keep: bench.Mount | None = None  # the nullfs that keeps bytes: the floor's restores
+    store_no: int = 0
+
+    def fs_mounts(self) -> list[bench.Mount]:
+        return [t.mount for t in self.targets if t.name in (FS, FS2) and t.mount is not None]
+
+    def mounts(self) -> list[bench.Mount]:
+        ms = [t.mount for t in self.targets if t.mount is not None]
+        return ms + ([self.keep] if self.keep else [])
+
+    def fs_argv(self, name: str) -> list[str]:
+        store = self.work / f"store-{name}-{self.store_no}"
+        mnt = self.work / name
+        return [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(store), *self.mount_args, str(mnt)]
+
+    def setup(self) -> None:
+        cfg = bench.mount_config(self.mount_args)
+        ra = cfg.kernel_readahead_kb
+        wb = "--writeback-cache" if cfg.writeback_cache else "--no-writeback-cache"
+        null = [sys.executable, str(HERE / "nullfs.py"), "--kernel-readahead-kb", str(ra), wb]
+        w = self.work
+        (w / PLAIN).mkdir()
+        self.keep = bench.Mount([*null, "--keep-data", str(w / "keep")], w / "keep", w / "keep.log", ra, None)
+        self.targets = [
+            Target(PLAIN, w / PLAIN, w / PLAIN),
+            Target(FLOOR, w / "null", w / "keep", bench.Mount([*null, str(w / "null")], w / "null",
+                                                              w / "null.log", ra, None)),
+            Target(FS, w / "fs", w / "fs", bench.Mount(self.fs_argv("fs"), w / "fs", w / "fs.log", ra,
+                                                       "gc finished")),
+        ]  # fmt: skip
+        if self.compare_src is not None:
+            m = bench.Mount(self.fs_argv("fs2"), w / "fs2", w / "fs2.log", ra, "gc finished", src=self.compare_src)
+            self.targets.append(Target(FS2, w / "fs2", w / "fs2", m))
+        for m in self.mounts():
+            m.start()
+
+    def fresh_stores(self) -> None:
+        """Remount the kv-chunk-fs daemons on new, empty stores (replay: the first save is all new)."""
+        self.store_no += 1
+        for t in self.targets:
+            if t.name in (FS, FS2) and t.mount is not None:
+                t.mount.stop()
+                t.mount.argv = self.fs_argv("fs" if t.name == FS else "fs2")
+                t.mount.start()
+
+    def restart_fs(self) -> None:
+        for m in self.fs_mounts():
+            m.restart()  # a fresh daemon: nothing cached, as after a restart
+
+    def teardown(self) -> None:
+        for m in self.mounts():
+            m.stop()
+
+    def order(self, run_no: int) -> list[Target]:
+        k = run_no % len(self.targets)
+        return self.targets[k:] + self.targets[:k]
+
+
+# -- samples -------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ms: float  # llama-server's timings (or the replay's wall time), open to close
+    wall_ms: float  # around the whole call (HTTP round trip; + the rename for saves)
+    cpu_ms: float | None = None  # daemon utime+stime
+    rss_peak: int | None = None
+
+
+@dataclass
+class Results:
+    samples: dict[str, dict[str, dict[str, list[Sample]]]] = field(default_factory=dict)  # config/op/target
+    sizes: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    load: list[tuple[float, float, float]] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+
+    def add(self, config: str, op: str, target: str, s: Sample) -> None:
+        self.samples.setdefault(config, {}).setdefault(op, {}).setdefault(target, []).append(s)
+
+
+def measured(t: Target, fn: Callable[[], float], rss: bool = False) -> Sample:
+    """Run ``fn`` (which returns its own ms figure), with wall time, daemon CPU and RSS."""
+    pid = t.mount.pid if t.mount is not None else None
+    cpu0 = bench.cpu_seconds(pid) if pid else None
+    t0 = time.perf_counter()
+    if rss and pid:
+        with bench.RssSampler(pid) as sampler:
+            ms = fn()
+        peak: int | None = sampler.peak
+    else:
+        ms, peak = fn(), None
+    wall = (time.perf_counter() - t0) * 1e3
+    cpu = (bench.cpu_seconds(pid) - cpu0) * 1e3 if pid and cpu0 is not None else None
+    return Sample(ms, wall, cpu, peak)
+
+
+# -- llama-server mode -----------------------------------------------------------------------
+
+
+def tokens_for(kv: str, mib: int) -> int:
+    return (mib * MiB) // (ROW_BYTES[kv] + CELL_BYTES)
+
+
+class Slot:
+    """One llama-server whose slot-save path is a directory of symlinks into the targets."""
+
+    def __init__(self, binary: Path, model: Path, work: Path, kv: str, ctx: int) -> None:
+        self.links = work / f"slots-{kv}"
+        self.links.mkdir(exist_ok=True)
+        extra = ["-ctk", "q4_0", "-ctv", "q4_0"] if kv == "q4" else []
+        self.srv = LlamaServer(binary, model, self.links, work / f"llama-{kv}.log", ctx=ctx, extra=extra)
+        self.history: list[int] = []
+
+    def link(self, t: Target, name: str, reading: bool) -> str:
+        """The slot file name under which llama-server reaches ``name`` in ``t``."""
+        ln = f"{t.name}-{name}" + ("-r" if reading else "")
+        p = self.links / ln
+        if not p.is_symlink():
+            p.symlink_to((t.read_dir if reading else t.dir) / name)
+        return ln
+
+    def complete(self, prompt: list[int]) -> None:
+        body = {"prompt": prompt, "n_predict": N_PREDICT, "cache_prompt": True, "id_slot": 0, "temperature": 0.0,
+                "top_k": 1, "seed": 1, "ignore_eos": True, "return_tokens": True, "stream": False}  # fmt: skip
+        r = self.srv.request("POST", "/completion", body, timeout=3600)
+        self.history = prompt + list(r["tokens"])
+
+    def new_conversation(self, n: int, rnd: random.Random) -> None:
+        self.complete([rnd.randrange(*VOCAB) for _ in range(n - N_PREDICT)])
+
+    def next_turn(self, rnd: random.Random) -> None:
+        self.complete(self.history + [rnd.randrange(*VOCAB) for _ in range(TURN_TOKENS)])
+
+    def save(self, t: Target, name: str) -> float:
+        """``NAME.tmp`` saved by llama-server and renamed over ``NAME``; its save_ms."""
+        r = self.srv.slot_action("save", self.link(t, name + ".tmp", reading=False))
+        if r["n_saved"] != len(self.history):
+            raise RuntimeError(f"{t.name}: saved {r['n_saved']} tokens, expected {len(self.history)}")
+        os.rename(t.dir / f"{name}.tmp", t.dir / name)
+        return float(r["timings"]["save_ms"])
+
+    def restore(self, t: Target, name: str) -> float:
+        r = self.srv.slot_action("restore", self.link(t, name, reading=True))
+        if r["n_restored"] != len(self.history):
+            raise RuntimeError(f"{t.name}: restored {r['n_restored']} tokens, expected {len(self.history)}")
+        return float(r["timings"]["restore_ms"])
+
+
+def sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while b := f.read(MiB):
+            h.update(b)
+    return h.hexdigest()
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    with open(src, "rb") as a, open(dst, "wb") as b:
+        shutil.copyfileobj(a, b, MiB)
+
+
+def saves(bed: Bed, res: Results, config: str, op: str, run_no: int, save: Callable[[Target], float]) -> None:
+    for t in bed.order(run_no):
+        os.sync()
+        res.add(config, op, t.name, measured(t, lambda t=t: save(t)))
+
+
+def restores(bed: Bed, res: Results, config: str, run_no: int, restore: Callable[[Target], float]) -> None:
+    bed.restart_fs()
+    for t in bed.order(run_no):
+        bench.drop_caches()
+        res.add(config, COLD, t.name, measured_restore(bed, t, restore, cold=True))
+    for t in bed.order(run_no):
+        res.add(config, WARM, t.name, measured_restore(bed, t, restore, cold=False))
+
+
+def measured_restore(bed: Bed, t: Target, restore: Callable[[Target], float], cold: bool) -> Sample:
+    if t.name == FLOOR and bed.keep is not None:  # the keeping nullfs answers the floor's reads
+        t = Target(FLOOR, t.read_dir, t.read_dir, bed.keep)
+    return measured(t, lambda: restore(t), rss=cold)
+
+
+def verify(bed: Bed, res: Results, name: str) -> None:
+    """Every target's copy byte for byte against the plain one (a wrong byte voids the figures)."""
+    ref = sha256(bed.targets[0].dir / name)
+    for t in bed.targets[1:]:
+        if t.name != FLOOR and sha256(t.dir / name) != ref:
+            raise RuntimeError(f"{t.name}/{name} differs from the plain copy")
+    res.checks.append(f"{name}: {len(bed.targets) - 2} kv-chunk-fs copies equal the plain one")
+
+
+def export(src: Path, dest: Path, label: str, readme: str) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    copy_file(src, dest / label)
+    with open(dest / "README", "a") as f:
+        f.write(f"{label}: {src.stat().st_size} bytes; {readme}\n")
+    print(f"exported {dest / label}", flush=True)
+
+
+def llama_config(bed: Bed, res: Results, args: argparse.Namespace, config: str, binary: Path, model: Path) -> None:
+    kv, mib = CONFIGS[config]
+    n = tokens_for(kv, mib)
+    slot = Slot(binary, model, bed.work, kv, ctx=n + TURN_TOKENS * (args.turns + 1) + 256)
+    flags = f"-c {slot.srv.ctx} -np 1 -fa on --cache-ram 0" + (" -ctk q4_0 -ctv q4_0" if kv == "q4" else "")
+    slot.srv.start()
+    try:
+        for run_no in range(args.runs):
+            res.load.append(os.getloadavg())
+            rnd = random.Random(f"{config}-{run_no}-{args.seed}")
+            name = f"{config}-c{run_no}"
+            t0 = time.perf_counter()
+            slot.new_conversation(n, rnd)
+            prefill = time.perf_counter() - t0
+            saves(bed, res, config, FIRST, run_no, lambda t, name=name: slot.save(t, name))
+            res.sizes[config] = (bed.targets[0].dir / name).stat().st_size
+            res.tokens[config] = len(slot.history)
+            readme = f"llama-server {MODEL} (12 layers x 512, 4 KV heads), {flags}; {len(slot.history)} tokens"
+            if args.export and run_no == 0:
+                export(bed.targets[0].dir / name, args.export, config, readme)
+            for turn in range(args.turns):
+                slot.next_turn(rnd)
+                saves(bed, res, config, NEXT, run_no, lambda t, name=name: slot.save(t, name))
+                if args.export and run_no == 0 and turn == 0:
+                    export(bed.targets[0].dir / name, args.export, f"{config}.t1", readme + f" + {TURN_TOKENS}")
+            copy_file(bed.targets[0].dir / name, bed.targets[1].read_dir / name)
+            restores(bed, res, config, run_no, lambda t, name=name: slot.restore(t, name))
+            verify(bed, res, name)
+            drop_kept(bed, name)
+            print(f"{config} run {run_no + 1}: prefill {prefill:.1f}s; " + run_line(res, config), flush=True)
+    finally:
+        slot.srv.stop()
+
+
+def drop_kept(bed: Bed, name: str) -> None:
+    """The keeping nullfs holds files in memory: only the current one is needed."""
+    (bed.targets[1].read_dir / name).unlink(missing_ok=True)
+
+
+def run_line(res: Results, config: str) -> str:
+    parts = []
+    for op, by in res.samples[config].items():
+        parts.append(f"{op} " + " ".join(f"{t} {s[-1].ms:.1f}" for t, s in by.items()))
+    return "; ".join(parts) + " ms"
+
+
+# -- replay mode ---------------------------------------------------------------------------
+
+
+def pieces(data: bytes) -> list[tuple[int, int]]:
+    """(offset, length) of the writes llama-server makes for this file: header and tokens, then one
+    per K/V block (its 12-byte type/row header separately), then whatever follows the KV section."""
+    info = ggsq.parse_state(data)
+    cuts = [0, info.kv_offset]
+    for b in info.blocks:
+        cuts += [b.offset - 12, b.offset, b.end]
+    cuts.append(len(data))
+    cuts = sorted(set(cuts))
+    return [(a, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+@dataclass
+class StateFile:
+    label: str
+    data: bytes
+    next: bytes | None
+
+    @staticmethod
+    def load(path: Path) -> StateFile:
+        nxt = path.with_name(path.name + ".t1")
+        return StateFile(path.name, path.read_bytes(), nxt.read_bytes() if nxt.exists() else None)
+
+
+def replay_save(path: Path, data: bytes) -> float:
+    t0 = time.perf_counter()
+    view = memoryview(data)
+    with open(path.with_name(path.name + ".tmp"), "wb") as f:  # buffered by st_blksize, as stdio
+        for off, n in pieces(data):
+            f.write(view[off : off + n])
+    ms = (time.perf_counter() - t0) * 1e3
+    os.rename(path.with_name(path.name + ".tmp"), path)
+    return ms
+
+
+def replay_restore(path: Path, data: bytes) -> float:
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:  # the probe: header and token count
+        f.seek(0, os.SEEK_END)
+        f.seek(0)
+        head = f.read(12)
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(0)
+        got = [f.read(n) for _off, n in pieces(data)]
+    ms = (time.perf_counter() - t0) * 1e3
+    if head != data[:12] or size != len(data) or sum(map(len, got)) != len(data):
+        raise RuntimeError(f"{path}: short or wrong read")
+    return ms
+
+
+def replay(bed: Bed, res: Results, args: argparse.Namespace, files: list[StateFile]) -> None:
+    for f in files:
+        res.sizes[f.label] = len(f.data)
+        res.tokens[f.label] = len(ggsq.parse_state(f.data).tokens)
+    for run_no in range(args.runs):
+        res.load.append(os.getloadavg())
+        bed.fresh_stores()
+        for f in files:
+            saves(bed, res, f.label, FIRST, run_no, lambda t, f=f: replay_save(t.dir / f.label, f.data))
+            if f.next is not None:
+                saves(bed, res, f.label, NEXT, run_no, lambda t, f=f: replay_save(t.dir / f.label, f.next))
+        for f in files:
+            content = f.next if f.next is not None else f.data
+            copy_file(bed.targets[0].dir / f.label, bed.targets[1].read_dir / f.label)
+            restores(bed, res, f.label, run_no, lambda t, f=f, c=content: replay_restore(t.read_dir / f.label, c))
+            verify(bed, res, f.label)
+            drop_kept(bed, f.label)
+        print(f"run {run_no + 1}: " + " | ".join(f"{f.label}: {run_line(res, f.label)}" for f in files), flush=True)
+
+
+# -- summary -------------------------------------------------------------------------------
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def summarize(res: Results, cache_size: int) -> dict:
+    out: dict = {"configs": {}, "load_avg_at_runs": res.load, "checks": res.checks, "cache_size": cache_size}
+    for config, by_op in res.samples.items():
+        c: dict = {"size_bytes": res.sizes.get(config), "tokens": res.tokens.get(config), "ops": {}}
+        for op, by_t in by_op.items():
+            e: dict = {}
+            for t, ss in by_t.items():
+                e[t] = {"ms": stats([s.ms for s in ss]), "wall_ms": stats([s.wall_ms for s in ss])}
+                cpus = [s.cpu_ms for s in ss if s.cpu_ms is not None]
+                if cpus:
+                    e[t]["cpu_ms"] = stats(cpus)
+                peaks = [float(s.rss_peak) for s in ss if s.rss_peak is not None]
+                if peaks:
+                    e[t]["rss_peak_bytes"] = stats(peaks)
+            for fs in (FS, FS2):
+                if fs in e:
+                    e[f"{fs}/plain"] = e[fs]["ms"]["median"] / e[PLAIN]["ms"]["median"]
+                    e[f"{fs}/floor"] = e[fs]["ms"]["median"] / e[FLOOR]["ms"]["median"]
+            e["floor/plain"] = e[FLOOR]["ms"]["median"] / e[PLAIN]["ms"]["median"]
+            c["ops"][op] = e
+        out["configs"][config] = c
+    return out
+
+
+def _cell(e: dict, t: str) -> str:
+    m = e[t]["ms"]
+    return f"{m['median']:.1f} ({m['min']:.0f}–{m['max']:.0f})"
+
+
+def _verdict(op: str, e: dict, fs: str) -> str:
+    against, limit = TARGETS_MET[op]
+    r = e[f"{fs}/{against}"]
+    return f"{r:.2f}x {against} ({'met' if r <= limit else 'missed'}: ≤ {limit}x)"
+
+
+def report(s: dict) -> str:
+    fss = [fs for fs in (FS, FS2) if any(fs in op for c in s["configs"].values() for op in c["ops"].values())]
+    lines = []
+    head = ["config", "op", "plain ms", "floor ms", *[f"{fs} ms" for fs in fss], *[f"{fs} vs target" for fs in fss],
+            "floor/plain", *[f"{fs} CPU ms" for fs in fss]]  # fmt: skip
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for config, c in s["configs"].items():
+        label = f"{config} ({c['size_bytes'] / MiB:.1f} MiB, {c['tokens']} tok)"
+        for op in OPS:
+            e = c["ops"].get(op)
+            if e is None:
+                continue
+            cpu = [f"{e[fs]['cpu_ms']['median']:.0f}" if "cpu_ms" in e[fs] else "" for fs in fss]
+            cells = [label, op, _cell(e, PLAIN), _cell(e, FLOOR), *[_cell(e, fs) for fs in fss],
+                     *[_verdict(op, e, fs) for fs in fss], f"{e['floor/plain']:.2f}x", *cpu]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+            label = ""
+    lines.append("")
+    lines.append("medians (min–max) over runs, ms; plain/floor/kv-chunk-fs interleaved, order rotated per run")
+    limit = s["cache_size"] + 64 * MiB
+    for config, c in s["configs"].items():
+        cold = c["ops"].get(COLD, {})
+        for fs in fss:
+            if fs in cold and "rss_peak_bytes" in cold[fs]:
+                peak = cold[fs]["rss_peak_bytes"]["max"]
+                ok = "met" if peak <= limit or c["size_bytes"] < 100 * MiB else "missed"
+                lines.append(f"{config}: {fs} peak RSS during cold restore {peak / MiB:.0f} MiB "
+                             f"(cache_size + 64 MiB = {limit / MiB:.0f} MiB: {ok})")  # fmt: skip
+    loads = s["load_avg_at_runs"]
+    if loads:
+        l1 = [x[0] for x in loads]
+        lines.append(f"1-min load average at the start of runs: median {statistics.median(l1):.2f}, "
+                     f"{min(l1):.2f}–{max(l1):.2f} (2 CPUs)")  # fmt: skip
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def iter_configs(spec: str) -> Iterator[str]:
+    for c in spec.split(","):
+        if c not in CONFIGS:
+            sys.exit(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
+        yield c
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="llama-server mode: which (default: all)")
+    p.add_argument("--files", nargs="+", type=Path, help="replay these state files instead (F.t1: F's next turn)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--turns", type=int, default=2, help="next-turn saves per run (llama-server mode)")
+    p.add_argument("--dir", default="/var/tmp", help="where the plain files and the stores go (same disk)")
+    p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount (default: none)")
+    p.add_argument("--compare-src", type=Path, help="also measure kv-chunk-fs from this src/ (another tree)")
+    p.add_argument("--export", type=Path, help="copy each config's first state file and its next turn here")
+    p.add_argument("--seed", default="0", help="varies the random conversations")
+    p.add_argument("--json", type=Path, help="write all figures here")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (stores, logs)")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root (drop_caches, FUSE)")
+    signal.signal(signal.SIGTERM, bench.on_sigterm)
+    work = Path(tempfile.mkdtemp(prefix="kvcfs-real-", dir=args.dir))
+    bed = Bed(work, args.mount_args.split(), args.compare_src.resolve() if args.compare_src else None)
+    res = Results()
+    try:
+        bed.setup()
+        if args.files:
+            replay(bed, res, args, [StateFile.load(f) for f in args.files if not f.name.endswith((".t1", "README"))])
+        else:
+            binary = ensure_llama_server()
+            model = ensure_model(MODEL, cache_dir(), src_tree()).path
+            for config in iter_configs(args.configs):
+                llama_config(bed, res, args, config, binary, model)
+    finally:
+        bed.teardown()
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    s = summarize(res, bench.mount_config(args.mount_args.split()).cache_size)
+    s["command"] = " ".join(sys.argv)
+    print()
+    print(report(s))
+    if args.json:
+        args.json.write_text(json.dumps(s, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 
     python3 benchmarks/real_state.py                                   # llama-server, all six configs
     python3 benchmarks/real_state.py --configs f16-10M,q4-10M --runs 3 --json out.json
-    python3 benchmarks/real_state.py --export /work/state-files        # also keep the state files
+    python3 benchmarks/real_state.py --states /work/state-files        # keep the state files there
     python3 benchmarks/real_state.py --files /work/state-files/*       # replay them, no llama-server
     python3 benchmarks/real_state.py --compare-src ../other/src ...    # + kv-chunk-fs from another tree
 
@@ -14,10 +14,18 @@ name, so the very same slot state is saved into every target: (a) a plain direct
 do-nothing pyfuse3 filesystem (benchmarks/nullfs.py, "floor"; restores read a second nullfs that
 keeps the bytes, ``--keep-data``, because llama-server parses what it reads), (c) kv-chunk-fs with
 default settings (plus (d), ``--compare-src``). Saves follow the proxy's pattern: ``NAME.tmp``,
-then renamed over ``NAME``. Every run, per config, targets interleaved (the order rotates):
+then renamed over ``NAME``.
 
-- first save: a new conversation (random tokens, the config's size) saved under a new name;
-- next-turn saves (``--turns``): the same conversation ~200 tokens later, saved again;
+Each config's conversation (random prompt tokens, the config's size) is prefilled once and kept in
+``--states`` (CPU flash attention is quadratic in the context: a 100 MiB f16 context takes ~15
+minutes on 2 cores); a later run restores it instead. Every run, per config, targets interleaved
+(the order rotates):
+
+- first save: the conversation saved under a new name, with the kv-chunk-fs daemons freshly
+  mounted on empty stores (warmed up with one small file), so every byte is new to the store, as
+  a new conversation's are;
+- next-turn saves (``--turns``): the same conversation 200 prompt tokens (+4 generated) later,
+  saved again under its name;
 - cold restore: every kv-chunk-fs daemon unmounted and mounted again, ``sync`` and
   ``echo 3 > /proc/sys/vm/drop_caches`` before each target's restore; then warm restores.
 
@@ -43,6 +51,7 @@ import random
 import shutil
 import signal
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -213,42 +222,69 @@ class Slot:
         self.links = work / f"slots-{kv}"
         self.links.mkdir(exist_ok=True)
         extra = ["-ctk", "q4_0", "-ctv", "q4_0"] if kv == "q4" else []
+        # the model's GGUF says 4096 and llama-server caps a slot at the training context
+        extra += ["--override-kv", f"llama.context_length=int:{ctx}"]
         self.srv = LlamaServer(binary, model, self.links, work / f"llama-{kv}.log", ctx=ctx, extra=extra)
-        self.history: list[int] = []
+        self.history: list[int] = []  # the conversation's tokens (the last one generated)
+        self.n_cached = 0  # tokens in the slot's KV cache
 
-    def link(self, t: Target, name: str, reading: bool) -> str:
-        """The slot file name under which llama-server reaches ``name`` in ``t``."""
-        ln = f"{t.name}-{name}" + ("-r" if reading else "")
+    def link_to(self, path: Path) -> str:
+        """The slot file name under which llama-server reaches ``path``."""
+        ln = str(path).strip("/").replace("/", "_")
         p = self.links / ln
         if not p.is_symlink():
-            p.symlink_to((t.read_dir if reading else t.dir) / name)
+            p.symlink_to(path)
         return ln
 
     def complete(self, prompt: list[int]) -> None:
         body = {"prompt": prompt, "n_predict": N_PREDICT, "cache_prompt": True, "id_slot": 0, "temperature": 0.0,
                 "top_k": 1, "seed": 1, "ignore_eos": True, "return_tokens": True, "stream": False}  # fmt: skip
-        r = self.srv.request("POST", "/completion", body, timeout=3600)
+        r = self.srv.request("POST", "/completion", body, timeout=4 * 3600)
         self.history = prompt + list(r["tokens"])
+        self.n_cached = len(self.history) - 1  # the last generated token is not evaluated yet
 
     def new_conversation(self, n: int, rnd: random.Random) -> None:
-        self.complete([rnd.randrange(*VOCAB) for _ in range(n - N_PREDICT)])
+        self.complete([rnd.randrange(*VOCAB) for _ in range(n - N_PREDICT + 1)])
 
     def next_turn(self, rnd: random.Random) -> None:
         self.complete(self.history + [rnd.randrange(*VOCAB) for _ in range(TURN_TOKENS)])
 
-    def save(self, t: Target, name: str) -> float:
-        """``NAME.tmp`` saved by llama-server and renamed over ``NAME``; its save_ms."""
-        r = self.srv.slot_action("save", self.link(t, name + ".tmp", reading=False))
-        if r["n_saved"] != len(self.history):
-            raise RuntimeError(f"{t.name}: saved {r['n_saved']} tokens, expected {len(self.history)}")
-        os.rename(t.dir / f"{name}.tmp", t.dir / name)
+    def save_to(self, path: Path) -> float:
+        """llama-server saves its slot to ``path``; its save_ms."""
+        r = self.srv.slot_action("save", self.link_to(path))
+        if r["n_saved"] != self.n_cached:
+            raise RuntimeError(f"{path}: saved {r['n_saved']} tokens, expected {self.n_cached}")
         return float(r["timings"]["save_ms"])
 
-    def restore(self, t: Target, name: str) -> float:
-        r = self.srv.slot_action("restore", self.link(t, name, reading=True))
-        if r["n_restored"] != len(self.history):
-            raise RuntimeError(f"{t.name}: restored {r['n_restored']} tokens, expected {len(self.history)}")
+    def save(self, t: Target, name: str) -> float:
+        """``NAME.tmp`` saved by llama-server and renamed over ``NAME`` (the proxy's pattern); its save_ms."""
+        ms = self.save_to(t.dir / f"{name}.tmp")
+        os.rename(t.dir / f"{name}.tmp", t.dir / name)
+        return ms
+
+    def restore_from(self, path: Path, expect: int | None = None) -> float:
+        r = self.srv.slot_action("restore", self.link_to(path))
+        if expect is not None and r["n_restored"] != expect:
+            raise RuntimeError(f"{path}: restored {r['n_restored']} tokens, expected {expect}")
+        self.n_cached = r["n_restored"]
         return float(r["timings"]["restore_ms"])
+
+    def restore(self, t: Target, name: str) -> float:
+        return self.restore_from(t.read_dir / name, self.n_cached)
+
+    def resume(self, path: Path) -> None:
+        """Continue the conversation saved in ``path`` (untimed): its KV restored, its tokens read."""
+        self.restore_from(path)
+        self.history = read_tokens(path)
+        if len(self.history) != self.n_cached:
+            raise RuntimeError(f"{path}: {len(self.history)} tokens in the header, {self.n_cached} restored")
+
+
+def read_tokens(path: Path) -> list[int]:
+    with open(path, "rb") as f:
+        _magic, _version, n = struct.unpack("<III", f.read(12))
+        words = list(struct.unpack(f"<{n}I", f.read(4 * n)))
+    return ggsq.parse_tokens(words)[0]
 
 
 def sha256(p: Path) -> str:
@@ -294,44 +330,70 @@ def verify(bed: Bed, res: Results, name: str) -> None:
     res.checks.append(f"{name}: {len(bed.targets) - 2} kv-chunk-fs copies equal the plain one")
 
 
-def export(src: Path, dest: Path, label: str, readme: str) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    copy_file(src, dest / label)
-    with open(dest / "README", "a") as f:
-        f.write(f"{label}: {src.stat().st_size} bytes; {readme}\n")
-    print(f"exported {dest / label}", flush=True)
+def base_state(slot: Slot, states: Path, config: str, n: int, kv: str, seed: str) -> Path:
+    """The config's conversation (prefilled once, kept in ``states``: CPU attention is quadratic, a
+    100 MiB context takes many minutes), loaded into the slot."""
+    path = states / config
+    if not path.exists():
+        states.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        slot.new_conversation(n, random.Random(f"{config}-{seed}"))
+        prefill = time.perf_counter() - t0
+        slot.save_to(path.with_name(path.name + ".tmp"))
+        os.rename(path.with_name(path.name + ".tmp"), path)
+        with open(states / "README", "a") as f:
+            f.write(f"{config}: {path.stat().st_size} bytes; {state_origin(slot, kv)}; {slot.n_cached} tokens\n")
+        print(f"{config}: prefilled {slot.n_cached} tokens in {prefill:.0f} s, saved {path}", flush=True)
+    slot.resume(path)
+    return path
+
+
+def state_origin(slot: Slot, kv: str) -> str:
+    flags = f"-c {slot.srv.ctx} -np 1 -fa on --cache-ram 0 " + " ".join(slot.srv.extra)
+    return f"llama-server, model {MODEL} (e2e/models.py: 12 layers x 512, 4 KV heads of 64, random weights), {flags}"
+
+
+def warm_up(bed: Bed) -> None:
+    """A freshly mounted daemon's first file is not what is measured: write and read one small file."""
+    for t in bed.targets:
+        p = t.dir / "warm-up"
+        p.write_bytes(os.urandom(MiB))
+        p.read_bytes()
+        p.unlink()
 
 
 def llama_config(bed: Bed, res: Results, args: argparse.Namespace, config: str, binary: Path, model: Path) -> None:
     kv, mib = CONFIGS[config]
     n = tokens_for(kv, mib)
-    slot = Slot(binary, model, bed.work, kv, ctx=n + TURN_TOKENS * (args.turns + 1) + 256)
-    flags = f"-c {slot.srv.ctx} -np 1 -fa on --cache-ram 0" + (" -ctk q4_0 -ctv q4_0" if kv == "q4" else "")
+    slot = Slot(binary, model, bed.work, kv, ctx=n + TURN_TOKENS * (args.turns + 2) + 256)
     slot.srv.start()
     try:
+        base = base_state(slot, args.states, config, n, kv, args.seed)
         for run_no in range(args.runs):
             res.load.append(os.getloadavg())
-            rnd = random.Random(f"{config}-{run_no}-{args.seed}")
+            if run_no:
+                slot.resume(base)  # every run starts from the same conversation
+            bed.fresh_stores()  # a new conversation's bytes are all new to the store
+            warm_up(bed)
+            rnd = random.Random(f"{config}-{run_no}-{args.seed}-turns")
             name = f"{config}-c{run_no}"
-            t0 = time.perf_counter()
-            slot.new_conversation(n, rnd)
-            prefill = time.perf_counter() - t0
             saves(bed, res, config, FIRST, run_no, lambda t, name=name: slot.save(t, name))
             res.sizes[config] = (bed.targets[0].dir / name).stat().st_size
-            res.tokens[config] = len(slot.history)
-            readme = f"llama-server {MODEL} (12 layers x 512, 4 KV heads), {flags}; {len(slot.history)} tokens"
-            if args.export and run_no == 0:
-                export(bed.targets[0].dir / name, args.export, config, readme)
-            for turn in range(args.turns):
+            res.tokens[config] = slot.n_cached
+            for _turn in range(args.turns):
                 slot.next_turn(rnd)
                 saves(bed, res, config, NEXT, run_no, lambda t, name=name: slot.save(t, name))
-                if args.export and run_no == 0 and turn == 0:
-                    export(bed.targets[0].dir / name, args.export, f"{config}.t1", readme + f" + {TURN_TOKENS}")
+                t1 = args.states / f"{config}.t1"
+                if not t1.exists():
+                    copy_file(bed.targets[0].dir / name, t1)
+                    with open(args.states / "README", "a") as f:
+                        f.write(f"{t1.name}: {t1.stat().st_size} bytes; {config} + {TURN_TOKENS} tokens "
+                                f"+ {N_PREDICT} generated (its next turn)\n")  # fmt: skip
             copy_file(bed.targets[0].dir / name, bed.targets[1].read_dir / name)
             restores(bed, res, config, run_no, lambda t, name=name: slot.restore(t, name))
             verify(bed, res, name)
             drop_kept(bed, name)
-            print(f"{config} run {run_no + 1}: prefill {prefill:.1f}s; " + run_line(res, config), flush=True)
+            print(f"{config} run {run_no + 1}: " + run_line(res, config), flush=True)
     finally:
         slot.srv.stop()
 
@@ -410,6 +472,7 @@ def replay(bed: Bed, res: Results, args: argparse.Namespace, files: list[StateFi
     for run_no in range(args.runs):
         res.load.append(os.getloadavg())
         bed.fresh_stores()
+        warm_up(bed)
         for f in files:
             saves(bed, res, f.label, FIRST, run_no, lambda t, f=f: replay_save(t.dir / f.label, f.data))
             if f.next is not None:
@@ -521,7 +584,9 @@ def main() -> None:
     p.add_argument("--dir", default="/var/tmp", help="where the plain files and the stores go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount (default: none)")
     p.add_argument("--compare-src", type=Path, help="also measure kv-chunk-fs from this src/ (another tree)")
-    p.add_argument("--export", type=Path, help="copy each config's first state file and its next turn here")
+    p.add_argument("--states", type=Path, default=cache_dir() / "states",
+                   help="conversations reused across runs (CONFIG, and CONFIG.t1 a turn later; prefilled if "
+                   "missing); --files takes them. Default: %(default)s")  # fmt: skip
     p.add_argument("--seed", default="0", help="varies the random conversations")
     p.add_argument("--json", type=Path, help="write all figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (stores, logs)")

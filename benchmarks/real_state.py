@@ -22,7 +22,7 @@ minutes on 2 cores); a later run restores it instead. Every run, per config, tar
 (the order rotates):
 
 - first save: the conversation saved under a new name, with the kv-chunk-fs daemons freshly
-  mounted on empty stores (warmed up with one small file), so every byte is new to the store, as
+  mounted on empty stores (warmed up with one small state file), so every byte is new to the store, as
   a new conversation's are;
 - next-turn saves (``--turns``): the same conversation 200 prompt tokens (+4 generated) later,
   saved again under its name;
@@ -354,10 +354,13 @@ def state_origin(slot: Slot, kv: str) -> str:
 
 
 def warm_up(bed: Bed) -> None:
-    """A freshly mounted daemon's first file is not what is measured: write and read one small file."""
+    """A freshly mounted daemon's first file is not what is measured: write and read a small state
+    file (synthetic, 64 tokens of this model's shape), so the format and relayout paths have run."""
+    spec = ggsq.Spec(n_layer=12, row_bytes=512, seed=os.urandom(8))
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(64, seed=int.from_bytes(os.urandom(4))), spec)
     for t in bed.targets:
         p = t.dir / "warm-up"
-        p.write_bytes(os.urandom(MiB))
+        p.write_bytes(data)
         p.read_bytes()
         p.unlink()
 

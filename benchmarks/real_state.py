@@ -72,10 +72,23 @@ from e2e.llama import LlamaServer  # noqa: E402
 from e2e.models import ensure_model  # noqa: E402
 
 MiB = 1 << 20
-MODEL = "llama12"
-ROW_BYTES = {"f16": 12 * 2 * 4 * 64 * 2, "q4": 12 * 2 * 4 * 64 // 32 * 18}  # K+V bytes per token
+# e2e/models.py models: (layers, KV heads, head dim, description)
+MODELS = {
+    "llama12": (12, 4, 64, "12 layers x 512, 4 KV heads of 64"),
+    "llama32": (32, 8, 128, "Llama-3-8B's KV shape: 32 layers, 8 KV heads of 128, on 1024 dims"),
+}
+BLOCK_BYTES = {"f16": 64, "q4": 18}  # bytes of 32 K or V values
 CELL_BYTES = 16  # per token: cell record (pos, n_seq_id, seq_id) + token id
-CONFIGS = {f"{kv}-{mib}M": (kv, mib) for kv in ("f16", "q4") for mib in (10, 30, 110)}
+# name: (KV type, MiB, model). q4_0 at >= 100 MiB on llama12 is 33K tokens: hours of CPU prefill.
+CONFIGS = {
+    "f16-10M": ("f16", 10, "llama12"),
+    "f16-30M": ("f16", 30, "llama12"),
+    "f16-110M": ("f16", 110, "llama12"),
+    "q4-10M": ("q4", 10, "llama12"),
+    "q4-30M": ("q4", 30, "llama12"),
+    "q4-110M-l32": ("q4", 110, "llama32"),
+    "f16-110M-l32": ("f16", 110, "llama32"),
+}
 TURN_TOKENS = 200
 N_PREDICT = 4
 VOCAB = (300, 32000)  # random prompt tokens: skip control and byte tokens
@@ -211,20 +224,21 @@ def measured(t: Target, fn: Callable[[], float], rss: bool = False) -> Sample:
 # -- llama-server mode -----------------------------------------------------------------------
 
 
-def tokens_for(kv: str, mib: int) -> int:
-    return (mib * MiB) // (ROW_BYTES[kv] + CELL_BYTES)
+def tokens_for(kv: str, mib: int, model: str) -> int:
+    layers, heads, dim, _ = MODELS[model]
+    return (mib * MiB) // (2 * layers * heads * dim // 32 * BLOCK_BYTES[kv] + CELL_BYTES)
 
 
 class Slot:
     """One llama-server whose slot-save path is a directory of symlinks into the targets."""
 
     def __init__(self, binary: Path, model: Path, work: Path, kv: str, ctx: int) -> None:
-        self.links = work / f"slots-{kv}"
+        self.links = work / f"slots-{model.stem}-{kv}"
         self.links.mkdir(exist_ok=True)
         extra = ["-ctk", "q4_0", "-ctv", "q4_0"] if kv == "q4" else []
         # the model's GGUF says 4096 and llama-server caps a slot at the training context
         extra += ["--override-kv", f"llama.context_length=int:{ctx}"]
-        self.srv = LlamaServer(binary, model, self.links, work / f"llama-{kv}.log", ctx=ctx, extra=extra)
+        self.srv = LlamaServer(binary, model, self.links, work / f"llama-{model.stem}-{kv}.log", ctx=ctx, extra=extra)
         self.history: list[int] = []  # the conversation's tokens (the last one generated)
         self.n_cached = 0  # tokens in the slot's KV cache
 
@@ -330,7 +344,7 @@ def verify(bed: Bed, res: Results, name: str) -> None:
     res.checks.append(f"{name}: {len(bed.targets) - 2} kv-chunk-fs copies equal the plain one")
 
 
-def base_state(slot: Slot, states: Path, config: str, n: int, kv: str, seed: str) -> Path:
+def base_state(slot: Slot, states: Path, config: str, n: int, model: str, seed: str) -> Path:
     """The config's conversation (prefilled once, kept in ``states``: CPU attention is quadratic, a
     100 MiB context takes many minutes), loaded into the slot."""
     path = states / config
@@ -342,15 +356,15 @@ def base_state(slot: Slot, states: Path, config: str, n: int, kv: str, seed: str
         slot.save_to(path.with_name(path.name + ".tmp"))
         os.rename(path.with_name(path.name + ".tmp"), path)
         with open(states / "README", "a") as f:
-            f.write(f"{config}: {path.stat().st_size} bytes; {state_origin(slot, kv)}; {slot.n_cached} tokens\n")
+            f.write(f"{config}: {path.stat().st_size} bytes; {state_origin(slot, model)}; {slot.n_cached} tokens\n")
         print(f"{config}: prefilled {slot.n_cached} tokens in {prefill:.0f} s, saved {path}", flush=True)
     slot.resume(path)
     return path
 
 
-def state_origin(slot: Slot, kv: str) -> str:
+def state_origin(slot: Slot, model: str) -> str:
     flags = f"-c {slot.srv.ctx} -np 1 -fa on --cache-ram 0 " + " ".join(slot.srv.extra)
-    return f"llama-server, model {MODEL} (e2e/models.py: 12 layers x 512, 4 KV heads of 64, random weights), {flags}"
+    return f"llama-server, model {model} (e2e/models.py: {MODELS[model][3]}, random weights), {flags}"
 
 
 def warm_up(bed: Bed) -> None:
@@ -365,13 +379,14 @@ def warm_up(bed: Bed) -> None:
         p.unlink()
 
 
-def llama_config(bed: Bed, res: Results, args: argparse.Namespace, config: str, binary: Path, model: Path) -> None:
-    kv, mib = CONFIGS[config]
-    n = tokens_for(kv, mib)
-    slot = Slot(binary, model, bed.work, kv, ctx=n + TURN_TOKENS * (args.turns + 2) + 256)
+def llama_config(bed: Bed, res: Results, args: argparse.Namespace, config: str, binary: Path) -> None:
+    kv, mib, model = CONFIGS[config]
+    n = tokens_for(kv, mib, model)
+    gguf = ensure_model(model, cache_dir(), src_tree()).path
+    slot = Slot(binary, gguf, bed.work, kv, ctx=n + TURN_TOKENS * (args.turns + 2) + 256)
     slot.srv.start()
     try:
-        base = base_state(slot, args.states, config, n, kv, args.seed)
+        base = base_state(slot, args.states, config, n, model, args.seed)
         for run_no in range(args.runs):
             res.load.append(os.getloadavg())
             if run_no:
@@ -606,9 +621,8 @@ def main() -> None:
             replay(bed, res, args, [StateFile.load(f) for f in args.files if not f.name.endswith((".t1", "README"))])
         else:
             binary = ensure_llama_server()
-            model = ensure_model(MODEL, cache_dir(), src_tree()).path
             for config in iter_configs(args.configs):
-                llama_config(bed, res, args, config, binary, model)
+                llama_config(bed, res, args, config, binary)
     finally:
         bed.teardown()
         if args.keep:

@@ -472,13 +472,17 @@ def replay_restore(path: Path, data: bytes) -> float:
         f.seek(0, os.SEEK_END)
         f.seek(0)
         head = f.read(12)
+    parts = pieces(data)
+    buf = memoryview(bytearray(max(n for _off, n in parts)))  # llama-server reuses one buffer too
+    got = 0
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(0)
-        got = [f.read(n) for _off, n in pieces(data)]
+        for _off, n in parts:
+            got += f.readinto(buf[:n])
     ms = (time.perf_counter() - t0) * 1e3
-    if head != data[:12] or size != len(data) or sum(map(len, got)) != len(data):
+    if head != data[:12] or size != len(data) or got != len(data):
         raise RuntimeError(f"{path}: short or wrong read")
     return ms
 

@@ -553,8 +553,9 @@ def _verdict(op: str, e: dict, fs: str) -> str:
 def report(s: dict) -> str:
     fss = [fs for fs in (FS, FS2) if any(fs in op for c in s["configs"].values() for op in c["ops"].values())]
     lines = []
-    head = ["config", "op", "plain ms", "floor ms", *[f"{fs} ms" for fs in fss], *[f"{fs} vs target" for fs in fss],
-            "floor/plain", *[f"{fs} CPU ms" for fs in fss]]  # fmt: skip
+    name = {fs: s.get("labels", {}).get(fs, fs) for fs in fss}
+    head = ["config", "op", "plain ms", "floor ms", *[f"{name[fs]} ms" for fs in fss],
+            *[f"{name[fs]} vs target" for fs in fss], "floor/plain", *[f"{name[fs]} CPU ms" for fs in fss]]  # fmt: skip
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for config, c in s["configs"].items():
@@ -577,7 +578,7 @@ def report(s: dict) -> str:
             if fs in cold and "rss_peak_bytes" in cold[fs]:
                 peak = cold[fs]["rss_peak_bytes"]["max"]
                 ok = "met" if peak <= limit or c["size_bytes"] < 100 * MiB else "missed"
-                lines.append(f"{config}: {fs} peak RSS during cold restore {peak / MiB:.0f} MiB "
+                lines.append(f"{config}: {name[fs]} peak RSS during cold restore {peak / MiB:.0f} MiB "
                              f"(cache_size + 64 MiB = {limit / MiB:.0f} MiB: {ok})")  # fmt: skip
     loads = s["load_avg_at_runs"]
     if loads:
@@ -606,6 +607,7 @@ def main() -> None:
     p.add_argument("--dir", default="/var/tmp", help="where the plain files and the stores go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount (default: none)")
     p.add_argument("--compare-src", type=Path, help="also measure kv-chunk-fs from this src/ (another tree)")
+    p.add_argument("--compare-label", default="compare", help="its name in the table")
     p.add_argument("--states", type=Path, default=cache_dir() / "states",
                    help="conversations reused across runs (CONFIG, and CONFIG.t1 a turn later; prefilled if "
                    "missing); --files takes them. Default: %(default)s")  # fmt: skip
@@ -635,6 +637,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     s = summarize(res, bench.mount_config(args.mount_args.split()).cache_size)
     s["command"] = " ".join(sys.argv)
+    s["labels"] = {FS2: args.compare_label}
     print()
     print(report(s))
     if args.json:

@@ -20,6 +20,39 @@ TESTS = Path(__file__).resolve().parent
 BUSY = os.environ.get("KVCFS_TEST_BUSY") == "1"
 MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it serves
 
+# Test tiers (pytest markers, see pyproject.toml). Modules here need neither root nor FUSE; every other
+# module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
+# also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
+UNIT_MODULES = {
+    "test_config", "test_evict_units", "test_format_cutter", "test_format_stream", "test_formula",
+    "test_gc_changes", "test_layers", "test_ops_inprocess", "test_pack_store_units", "test_prefix_match",
+    "test_prefixtree", "test_stream_interleave", "test_units",
+}
+EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser", "test_stream_interleave": "slow"}
+
+
+def fuse_missing() -> str | None:
+    """Why real mounts cannot run here, or None."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if os.geteuid() != 0:
+        return "real-mount tests need root (allow_other, dropping caches, other users)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = fuse_missing()
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in EXTRA_MARKS:
+            item.add_marker(getattr(pytest.mark, EXTRA_MARKS[module]))
+        if module in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
+            continue
+        item.add_marker(pytest.mark.fuse)
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=missing))
+
 
 def is_mounted(path: Path) -> bool:
     target = str(path)

@@ -84,6 +84,7 @@ class FakeLlama:
         self.save_delay = save_delay
         self.fail_restores = False
         self.save_fails = False
+        self.fail_erases = False
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.records: list[Record] = []
         self.actions: list[tuple[str, int, str]] = []  # (save|restore, slot, filename)
@@ -99,13 +100,24 @@ class FakeLlama:
             Route("/v1/completions", self.completion, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ], middleware=[Middleware(KeyCheck, key=api_key)] if api_key else [])  # fmt: skip
+        self.calls: list[str] = []  # every request's path, in order
+        self.n_ctx = 4096  # per slot, as /props tells
+        inner = self.app
+
+        async def logged(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                self.calls.append(scope["path"])
+            await inner(scope, receive, send)
+
+        self.app = logged  # type: ignore[assignment]
 
     def restart(self) -> None:
         """What a restarted llama-server looks like: every slot empty."""
         self.slots = [FakeSlot(i) for i in range(len(self.slots))]
 
     async def props(self, request: Request) -> Response:
-        return JSONResponse({"model_path": "/models/fake.gguf", "total_slots": len(self.slots)})
+        return JSONResponse({"model_path": "/models/fake.gguf", "total_slots": len(self.slots),
+                             "default_generation_settings": {"n_ctx": self.n_ctx}})  # fmt: skip
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "created": 0,
@@ -130,7 +142,15 @@ class FakeLlama:
 
     async def slot_action(self, request: Request) -> Response:
         slot = self.slots[request.path_params["id"]]
-        action, filename = request.query_params.get("action"), (await request.json())["filename"]
+        action = request.query_params.get("action")
+        if action == "erase":
+            if self.fail_erases:
+                return _err(500, "erase failing on purpose")
+            async with slot.lock:
+                self.actions.append(("erase", slot.id, ""))
+                slot.tokens, slot.used = [], False
+            return JSONResponse({"id_slot": slot.id, "n_erased": 0})
+        filename = (await request.json())["filename"]
         if "/" in filename:
             return _err(400, "Invalid filename")
         async with slot.lock:
@@ -182,6 +202,8 @@ class FakeLlama:
                     break
                 common += 1
             common = min(common, len(prompt) - 1)  # the last prompt token is always evaluated
+            if body.get("cache_prompt") is False:  # llama-server then reuses nothing the slot holds
+                common = 0
             timings = {"prompt_n": len(prompt) - common, "cache_n": common, "prompt_ms": 1.0 * (len(prompt) - common)}
             self.records.append(Record(path, body.get("id_slot"), len(prompt) - common, common))
             slot.tokens, slot.used = list(prompt), True

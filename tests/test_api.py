@@ -561,7 +561,7 @@ def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None
 def test_big_answers_are_encoded_in_pieces_to_the_same_json() -> None:
     """Long lists and big tree nodes go through orjson a piece at a time (the FUSE thread gets the
     GIL between pieces); the bytes must parse to the same answer."""
-    from kvchunkfs.service.api import PIECE, _dumps
+    from kvchunkfs.service.api.encode import PIECE, _dumps
     from kvchunkfs.service.prefixtree import build_tree, to_json
 
     rows = [{"path": f"p{i}", "size": i, "labels": {"k": "v"}, "score": 0.5} for i in range(2 * PIECE + 7)]

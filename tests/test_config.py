@@ -362,3 +362,17 @@ def test_store_settings_defaults_are_the_tables():
     for f in dataclasses.fields(StoreSettings):
         assert f.default == config.SETTINGS[f.name].default, f.name
     assert StoreSettings.from_config(config.Config()) == StoreSettings()
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("none", "none"), ("API-Key", "api-key"), ("header:X-User", "header:x-user")]
+)
+def test_proxy_tenant_values(env: dict[str, str], raw: str, value: str) -> None:
+    assert load({"proxy_tenant": raw}, environ=env).proxy_tenant == value
+    assert load(None, environ={**env, "KV_CHUNK_FS_PROXY_TENANT": raw}).proxy_tenant == value
+
+
+@pytest.mark.parametrize("raw", ["", "user", "header:", "header:X User", "api-key:x"])
+def test_proxy_tenant_rejects_what_it_cannot_mean(env: dict[str, str], raw: str) -> None:
+    with pytest.raises(ConfigError, match="proxy_tenant .*none, api-key or header:NAME"):
+        load({"proxy_tenant": raw}, environ=env)

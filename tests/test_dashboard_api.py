@@ -132,7 +132,8 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        client = TestClient(dashboard.create_ui_app(service.repo.root), base_url="http://localhost:9000")
+        client = TestClient(dashboard.create_ui_app(service.repo.root, "t0ken"), base_url="http://localhost:9000",
+                            headers={"Authorization": "Bearer t0ken"})  # fmt: skip
         for _ in range(200):  # 502 until the server listens
             r = client.get("/api/snapshots", params={"prefix": "d0/", "limit": "2", "offset": "1"})
             if r.status_code != 502:
@@ -147,6 +148,32 @@ def test_dashboard_proxies_to_the_daemon_socket(service: Service, tmp_path: Path
         thread.join(10)
 
 
+def test_the_dashboard_has_no_tokenless_mode() -> None:
+    with pytest.raises(ValueError, match="always needs a token"):
+        dashboard.create_ui_app(Path("/nonexistent"), "")
+    assert dashboard.new_token() != dashboard.new_token() and len(dashboard.new_token()) >= 32
+
+
+@pytest.mark.parametrize("family", ["127.0.0.1", "::1"])
+def test_peer_uid_finds_the_owner_of_a_local_tcp_peer(family: str) -> None:
+    import os
+    import socket
+
+    kind = socket.AF_INET6 if ":" in family else socket.AF_INET
+    with socket.socket(kind) as server, socket.socket(kind) as client:
+        server.bind((family, 0))
+        server.listen(1)
+        client.connect(server.getsockname()[:2])
+        conn, _ = server.accept()
+        with conn:
+            peer, ours = client.getsockname(), server.getsockname()
+            assert dashboard.peer_uid(peer[0], peer[1], ours[0], ours[1]) == os.getuid()
+            assert dashboard.peer_uid(peer[0], peer[1] ^ 1, ours[0], ours[1]) is None  # no such socket
+            scope = {"client": (peer[0], peer[1]), "server": (ours[0], ours[1])}
+            assert dashboard.describe_client(scope) == f"dashboard client {peer[0]}:{peer[1]} uid {os.getuid()}"
+    assert dashboard.describe_client({}) == "dashboard client (unknown)"
+
+
 @pytest.mark.parametrize(
     ("header", "name"),
     [("127.0.0.1:8765", "127.0.0.1"), ("localhost", "localhost"), ("[::1]:9000", "::1"), ("a.b:1", "a.b")],
@@ -156,7 +183,7 @@ def test_host_name(header: str, name: str) -> None:
 
 
 def test_next_gc_due_counts_whole_intervals_past_skipped_timer_runs() -> None:
-    from kvchunkfs.service.api import _next_due
+    from kvchunkfs.service.api.service import _next_due
 
     assert _next_due(None, 3600, 100.0) is None and _next_due(100.0, 0, 100.0) is None
     assert _next_due(1000.0, 3600, 2000.0) == 4600.0

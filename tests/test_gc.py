@@ -204,8 +204,9 @@ def test_restore_while_its_packs_are_compacted(tmp_path: Path) -> None:
     try:
         for r in range(4):
             keep, drop = rand_bytes(6 * MiB, 100 + r), rand_bytes(6 * MiB, 200 + r)
+            # Same packs as keep{r}, and before it: its dead chunks are not a tail GC could cut off.
+            write_in_pieces(m.path(f"drop{r}"), drop, MiB)
             write_in_pieces(m.path(f"keep{r}"), keep, MiB)
-            write_in_pieces(m.path(f"drop{r}"), drop, MiB)  # same packs as keep{r}
             with lock:
                 files[f"keep{r}"] = keep
                 files.pop(f"keep{r - 2}", None)

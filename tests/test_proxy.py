@@ -4,9 +4,12 @@ the budget and the metrics, driven with the real ``openai`` client where a clien
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,8 +66,7 @@ class Rig:
 
     def restart_proxy(self, **kw: int) -> None:
         self.server.stop()
-        self.proxy = Proxy(self.upstream.url, self.mount.mnt, self.mount.store, min_restore=kw.get("min_restore", 4),
-                           cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
+        self.proxy = Proxy(self.upstream.url, self.mount.mnt, self.mount.store, **{"min_restore": 4, **kw})
         self.server = ServerThread(self.proxy.app, free_port()).start()
 
 
@@ -72,18 +74,22 @@ def make_rig(tmp_path: Path, slots: int = 2, delay: float = 0.0, save_delay: flo
              **kw: int) -> Iterator[Rig]:  # fmt: skip
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start()
-    fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
-    upstream = ServerThread(fake.app, free_port()).start()
-    (tmp_path / "direct").mkdir()
-    proxy = Proxy(upstream.url, mount.mnt, mount.store, min_restore=kw.get("min_restore", 4),
-                  cache_max_bytes=kw.get("cache_max_bytes", 0))  # fmt: skip
-    rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
-              FakeLlama(tmp_path / "direct", slots))  # fmt: skip
+    servers: list[ServerThread] = []  # stopped however the setup or the test ends (no mount left behind)
+    rig: Rig | None = None
     try:
+        fake = FakeLlama(mount.mnt, slots, delay, save_delay, api_key)
+        upstream = ServerThread(fake.app, free_port()).start()
+        servers.append(upstream)
+        (tmp_path / "direct").mkdir()
+        proxy = Proxy(upstream.url, mount.mnt, mount.store, **{"min_restore": 4, **kw})
+        rig = Rig(mount, fake, upstream, proxy, ServerThread(proxy.app, free_port()).start(),
+                  FakeLlama(tmp_path / "direct", slots))  # fmt: skip
         yield rig
     finally:
-        rig.server.stop()
-        upstream.stop()
+        if rig is not None:
+            rig.server.stop()  # the proxy serving now (restart_proxy replaces it)
+        for server in servers:
+            server.stop()
         mount.stop()
     assert "Traceback" not in mount.log(), mount.log()
 
@@ -188,7 +194,27 @@ def test_a_conversation_replaces_its_snapshot_and_matches_direct_answers(rig: Ri
             assert record.cache_n > len(SYSTEM.split()) and record.prompt_n < 20, record
     name = rig.files()[0]
     assert int(os.getxattr(rig.mount.mnt / name, LABEL_XATTR)) > len(SYSTEM.split())
-    assert ("save", 0, name + ".tmp") in rig.fake.actions
+    saved_as = [a[2] for a in rig.fake.actions if a[0] == "save"]
+    assert len(saved_as) == 3 and all(re.fullmatch(re.escape(name) + r"\.[0-9a-f]{12}\.tmp", t) for t in saved_as)
+    assert len(set(saved_as)) == 3, "a temporary name of its own per save"
+
+
+def test_the_next_turn_on_its_own_slot_asks_the_store_nothing(rig: Rig) -> None:
+    asked: list[str] = []
+    ask_daemon = rig.proxy._ask_daemon
+
+    async def spy(method: str, path: str, **kw: object) -> httpx.Response:
+        asked.append(path)
+        return await ask_daemon(method, path, **kw)
+
+    rig.proxy._ask_daemon = spy  # type: ignore[method-assign]
+    messages = turn(rig, conversation("A"), "first")
+    assert asked == ["/prefix-match"]  # a new conversation: is any of it stored?
+    for i in range(3):
+        messages = turn(rig, messages, f"turn {i}")
+    assert asked == ["/prefix-match"], "the slot holds the conversation: no lookup"
+    assert all(r.prompt_n < 20 for r in rig.fake.records[1:]), rig.fake.records
+    assert len(rig.files()) == 1
 
 
 def test_a_branch_keeps_both_and_other_conversations_reuse_the_system_prompt(rig: Rig) -> None:
@@ -253,6 +279,38 @@ def test_parallel_conversations_run_on_different_slots(tmp_path: Path) -> None:
         assert len(rig.files()) == 2
 
 
+def saved_tokens(path: Path) -> list[int]:
+    """The tokens in the header of a fake llama-server slot file."""
+    data = path.read_bytes()
+    n = struct.unpack_from("<3I", data)[2]
+    return list(struct.unpack_from(f"<{n}i", data, 12))
+
+
+def test_two_continuations_of_one_turn_at_once_each_keep_their_branch(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fake_llama import template, tokenize
+
+    for rig in make_rig(tmp_path, slots=2, delay=0.05, save_delay=0.2):
+        a1 = turn(rig, conversation("A"), "first question")
+        branches = [[*a1, {"role": "user", "content": f"second question, take {i}"}] for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda m, rig=rig: chat(rig, m, stream=True), branches))
+        rig.idle()
+        assert all(answers)
+        assert rig.metrics().get("kvcfs_proxy_errors_total[('step', 'save')]", 0) == 0
+        files = rig.files()
+        assert len(files) == 2 and not [f for f in files if f.endswith(".tmp")], files
+        held = [saved_tokens(rig.mount.mnt / f) for f in files]
+        for branch in branches:  # each branch is in a file of its own, with the whole shared history
+            prompt = tokenize(template(branch), True)
+            assert sum(t[: len(prompt)] == prompt for t in held) == 1, branch[-1]
+        # Both go on from their own snapshot.
+        for branch, answer in zip(branches, answers, strict=True):
+            turn(rig, [*branch, {"role": "assistant", "content": answer}], "third")
+        assert len(rig.files()) == 2
+
+
 def test_the_next_turn_right_away_waits_for_its_slot_to_finish_saving(tmp_path: Path) -> None:
     for rig in make_rig(tmp_path, slots=2, save_delay=0.3):
         messages = [*conversation("A"), {"role": "user", "content": "first"}]
@@ -289,18 +347,150 @@ def test_failed_restores_and_saves_cost_prefill_not_answers(rig: Rig) -> None:
     a2 = turn(rig, a1, "two")  # the restore fails: prefill instead, same answer
     assert a2[-1]["content"] == direct_chat(rig, a2[:-1])
     assert rig.fake.records[-1].cache_n == 0
-    rig.proxy.mount = rig.mount.mnt / "elsewhere"  # the rename cannot work: the save fails
-    turn(rig, conversation("B"), "one")
     m = rig.metrics()
     assert m["kvcfs_proxy_errors_total[('step', 'restore')]"] == 1
-    assert m["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
     assert all(not s.busy for s in rig.proxy.pool.slots)  # type: ignore[union-attr]
-    rig.proxy.mount = rig.mount.mnt
-    left = rig.files()  # B's NAME.tmp, which the proxy looked for in the wrong place
+    left = rig.files()
     rig.fake.save_fails = True  # llama-server cannot save (e.g. the disk is full) after writing part of it
     turn(rig, conversation("C"), "one")
-    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 2
+    assert rig.metrics()["kvcfs_proxy_errors_total[('step', 'save')]"] == 1
     assert rig.files() == left  # C's partial NAME.tmp is removed
+
+
+def test_no_save_lands_on_the_bare_mountpoint_and_mount_refuses_a_non_empty_one(rig: Rig) -> None:
+    a1 = turn(rig, conversation("A"), "one")
+    assert len(rig.files()) == 1
+    rig.mount.stop()  # the daemon stops (a restart, a crash): the mountpoint is a plain directory again
+    turn(rig, a1, "two")
+    turn(rig, conversation("B"), "one")
+    assert os.listdir(rig.mount.mnt) == [], "llama-server's full files on the disk under the mount"
+    assert rig.metrics()["kvcfs_proxy_skipped_saves_total[('reason', 'not_mounted')]"] == 2
+    assert rig.metrics().get("kvcfs_proxy_errors_total[('step', 'save')]", 0) == 0
+    # A directory that is not a mount is refused however it looks; so is a subdirectory of one.
+    rig.proxy.mount = rig.mount.mnt.parent / "direct"
+    turn(rig, conversation("C"), "one")
+    assert os.listdir(rig.mount.mnt.parent / "direct") == []
+    assert rig.metrics()["kvcfs_proxy_skipped_saves_total[('reason', 'not_mounted')]"] == 3
+    # kv-chunk-fs mount does not cover files it would hide, unless told to.
+    (rig.mount.mnt / "left-behind").write_bytes(b"x")
+    with pytest.raises(RuntimeError, match="is not empty"):
+        rig.mount.start()
+    rig.mount.start(["--nonempty"])
+    (rig.mount.mnt / "sub").mkdir()
+    rig.proxy.mount = rig.mount.mnt / "sub"
+    rig.fake.slot_dir = rig.mount.mnt / "sub"
+    turn(rig, a1, "two")
+    assert len(os.listdir(rig.mount.mnt / "sub")) == 1  # saved again, on the mount
+    rig.mount.stop()
+    os.unlink(rig.mount.mnt / "left-behind")
+    rig.mount.start()
+
+
+def test_bodies_over_the_limit_and_malformed_json_are_4xx_never_500(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, max_body=256 * 1024):
+        big = b'{"prompt": "' + b"x " * 200_000 + b'"}'
+        assert httpx.post(rig.url + "/completion", content=big).status_code == 413
+        chunked = httpx.post(rig.url + "/completion", content=iter([big[:1000], big[1000:]]))  # no Content-Length
+        assert chunked.status_code == 413 and "proxy_max_body" in chunked.json()["error"]["message"]
+        assert httpx.post(rig.url + "/tokenize", content=big).status_code == 413  # every path
+        deep = 100_000
+        bad = [b"{nope", b"[1, 2]", b'"text"', b"null", b"\xff\xfe{}",
+               b'{"prompt": ' + b"[" * deep + b"]" * deep + b"}",
+               b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}",
+               b'{"prompt": "a", "x": ' + b'{"a":' * 65 + b"1" + b"}" * 65 + b"}"]  # fmt: skip
+        for body in bad:
+            for path in ("/completion", "/v1/chat/completions"):
+                r = httpx.post(rig.url + path, content=body)
+                assert r.status_code == 400 and r.json()["error"]["message"], (path, body[:30], r.text[:200])
+        assert rig.fake.records == [], "nothing reached llama-server's generation"
+        assert rig.metrics()["kvcfs_proxy_refused_requests_total[('status', '400')]"] == 2 * len(bad)
+        code = "def f(x): return [[[[x]]]] " * 20  # brackets in a prompt are not nesting
+        ok = httpx.post(rig.url + "/completion", json={"prompt": code, "n_predict": 2}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_request_the_upstream_would_refuse_costs_the_proxy_one_small_request(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, api_key="sekrit"):
+        good = {"Authorization": "Bearer sekrit"}
+        messages = [*conversation("K"), {"role": "user", "content": "hi"}]
+        first = httpx.post(rig.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2},
+                           headers=good, timeout=30)  # fmt: skip
+        assert first.status_code == 200
+        rig.idle()
+        huge = {"messages": [{"role": "user", "content": "word " * 2_000_000}], "max_tokens": 2}  # 10 MB
+        for headers in ({"Authorization": "Bearer wrong"}, {}):
+            rig.fake.calls.clear()
+            r = httpx.post(rig.url + "/v1/chat/completions", json=huge, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["message"] == "Invalid API Key"
+            assert rig.fake.calls == ["/props"], "no template, tokenize or generation for a refused key"
+        rig.fake.calls.clear()
+        again = httpx.post(rig.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2},
+                           headers=good, timeout=30)  # fmt: skip
+        assert again.status_code == 200
+        assert "/props" not in rig.fake.calls, "a key the upstream took is not asked about again"
+
+
+def test_prompts_over_the_token_limit_are_refused_before_any_copy(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, max_prompt_tokens=60):
+        r = httpx.post(rig.url + "/completion", json={"prompt": list(range(2, 63)), "n_predict": 2})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error", r.text
+        assert "61 tokens" in r.json()["error"]["message"]
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 100, "n_predict": 2}).status_code == 400
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 10_000, "n_predict": 2}).status_code == 400
+        with pytest.raises(openai.BadRequestError):
+            chat(rig, [{"role": "user", "content": "w " * 100}])
+        assert rig.fake.records == [] and rig.files() == []
+        assert httpx.post(rig.url + "/completion", json={"prompt": "w " * 50, "n_predict": 2}).status_code == 200
+        rig.idle()
+        rig.restart_proxy()  # no limit set: the upstream's context size
+        rig.fake.n_ctx = 80
+        r = httpx.post(rig.url + "/completion", json={"prompt": list(range(2, 83)), "n_predict": 2})
+        assert r.status_code == 400 and "81 tokens" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("mode", ["api-key", "header:X-Tenant"])
+def test_with_tenant_isolation_no_request_reuses_another_tenants_prefix(tmp_path: Path, mode: str) -> None:
+    for rig in make_rig(tmp_path, slots=1, tenant=mode):  # type: ignore[arg-type]
+
+        def ask(who: str, messages: list[dict], rig: Rig = rig) -> str:
+            key, extra = (who, {}) if mode == "api-key" else ("none", {"X-Tenant": who})
+            client = openai.OpenAI(base_url=rig.url + "/v1", api_key=key, max_retries=0, default_headers=extra)
+            out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
+            rig.idle()
+            return out.choices[0].message.content or ""
+
+        secret = [*conversation("A"), {"role": "user", "content": "the secret word is swordfish"}]
+        answer = ask("alice", secret)
+        alice_file = rig.files()
+        # Bob sends alice's very prompt, on the slot that holds it: nothing of it may come from alice.
+        guess = [*conversation("A"), {"role": "user", "content": "the secret word is swordfish"}]
+        ask("bob", guess)
+        assert rig.fake.records[-1].cache_n == 0, rig.fake.records[-1]
+        assert not [a for a in rig.fake.actions if a[0] == "restore"]
+        assert len(rig.files()) == 2 and set(alice_file) < set(rig.files())
+        m = rig.metrics()
+        assert m["kvcfs_proxy_prompt_tokens_total[('source', 'store')]"] == 0
+        assert m["kvcfs_proxy_prompt_tokens_total[('source', 'slot')]"] == 0
+        # Alice goes on: her own snapshot comes back into the slot bob used.
+        ask("alice", [*secret, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}])
+        assert ("restore", 0, alice_file[0]) in rig.fake.actions
+        assert rig.fake.records[-1].cache_n > len(SYSTEM.split())
+        # If the slot cannot be erased, the request goes with cache_prompt false: still nothing reused.
+        rig.fake.fail_erases = True
+        ask("carol", guess)
+        assert rig.fake.records[-1].cache_n == 0 and rig.metrics()["kvcfs_proxy_errors_total[('step', 'erase')]"] == 1
+        rig.fake.fail_erases = False
+        assert len(rig.files()) == 3  # alice's (her second turn replaced it), bob's, carol's
+        # Nor can a client restore (or save, or list) slots by hand through the proxy.
+        by_hand = httpx.post(rig.url + "/slots/0", params={"action": "restore"}, json={"filename": alice_file[0]})
+        assert by_hand.status_code == 403 and httpx.get(rig.url + "/slots").status_code == 403
+        # Without a key (or header), a request restores nothing and saves nothing.
+        files = rig.files()
+        r = httpx.post(rig.url + "/v1/chat/completions", json={"messages": secret, "max_tokens": 2}, timeout=30)
+        rig.idle()
+        assert r.status_code == 200 and rig.fake.records[-1].cache_n == 0 and rig.files() == files
+        tag = hashlib.sha256(b"/models/fake.gguf").hexdigest()[:8]
+        assert all(re.fullmatch(rf"kvp-{tag}\.[0-9a-f]{{12}}-[0-9a-f]{{16}}", f) for f in files), files
 
 
 def test_cache_prompt_false_runs_uncached(rig: Rig) -> None:
@@ -353,6 +543,28 @@ def test_budget_deletes_lowest_score_snapshots(tmp_path: Path) -> None:
         m = rig.metrics()
         assert m["kvcfs_proxy_evicted_snapshots_total[]"] >= 2
         assert len(rig.files()) <= 1
+
+
+def test_budget_touches_only_this_proxys_own_snapshots(tmp_path: Path) -> None:
+    from fake_llama import MAGIC, rows, tokenize
+
+    for rig in make_rig(tmp_path, cache_max_bytes=1):
+        tokens = tokenize(SYSTEM + " another model's conversation", True)
+        other_model = rig.mount.mnt / "kvp-00000000-0123456789abcdef"  # what a proxy for another model saves
+        other_model.write_bytes(struct.pack("<3I", MAGIC, 1, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+                                + rows(tokens))  # fmt: skip
+        os.setxattr(other_model, LABEL_XATTR, str(len(tokens)).encode())
+        tag = hashlib.sha256(b"/models/fake.gguf").hexdigest()[:8]  # the fake's model: this proxy's names
+        users = {"kvp-notes.txt": b"my notes", f"kvp-{tag}-mine": b"named like ours, not ours"}
+        for name, data in users.items():
+            (rig.mount.mnt / name).write_bytes(data)
+        for name in "ABC":
+            turn(rig, conversation(name), f"{name} hi")
+        rig.idle()
+        assert rig.metrics()["kvcfs_proxy_evicted_snapshots_total[]"] >= 2
+        assert other_model.exists()
+        assert all((rig.mount.mnt / name).read_bytes() == data for name, data in users.items())
+        assert len([f for f in rig.files() if f not in users and f != other_model.name]) <= 1
 
 
 def test_prefix_match_endpoint(rig: Rig) -> None:

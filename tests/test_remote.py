@@ -573,3 +573,140 @@ def test_kill9_during_eviction_leaves_a_store_fsck_accepts(hosts: Hosts) -> None
         assert read_direct(a.path(name)) == data  # ... and read back from the bucket
     a.stop()
     fsck_clean(a)
+
+
+# -- the bucket's recorded format -------------------------------------------------------------------
+
+
+def state_file(seed: int) -> bytes:
+    """A llama.cpp state file: the chunkers relayout and format store it as different streams."""
+    from e2e import ggsq
+
+    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, seed), ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True))
+
+
+def refused_mount(hosts: Hosts, name: str, *extra: str) -> str:
+    """Start host ``name``; it must refuse the bucket by failing to mount. Its log."""
+    m = Mount(hosts.tmp / name / "store", hosts.tmp / name / "mnt", hosts.tmp / name / "daemon.log", hosts.args(*extra))
+    with pytest.raises(RuntimeError, match="daemon exited 1"):
+        m.start()
+    m.stop()
+    return m.log()
+
+
+@pytest.mark.parametrize("first,second", [("format", "relayout"), ("relayout", "format")])
+def test_a_host_of_another_chunker_refuses_the_bucket(hosts: Hosts, first: str, second: str) -> None:
+    data = state_file(42)
+    a = hosts.new("a", "--chunker", first)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    fmt = json.loads(hosts.bucket.get_format(1 << 16) or b"{}")
+    assert fmt["chunker"] == first and fmt["chunk_avg"] == 64 * 1024
+    log = refused_mount(hosts, "b", "--chunker", second)
+    assert f"refused: the bucket was written with chunker '{first}'" in log
+    assert read_direct(a.path("state")) == data
+    c = hosts.new("c", "--chunker", first)  # the bucket's own chunker reads it byte for byte
+    assert read_visible(c, "state") == data
+    # other chunk sizes: refused too (nothing would deduplicate across the fleet)
+    assert "chunk_avg" in refused_mount(hosts, "d", "--chunker", first, "--chunk-avg", "32KiB")
+
+
+def test_an_index_written_for_another_stream_is_never_fetched(hosts: Hosts) -> None:
+    """Exact per snapshot: each index object says what reading its stream needs (e.g. written by a
+    host that raced this bucket's format object); a host whose store reads streams otherwise
+    leaves it alone."""
+    a = hosts.new("a")  # relayout
+    data = state_file(43)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    raw, _ = hosts.bucket.get_index("state")
+    hosts.bucket.put_index("alien", raw, "plain")  # the same index, tagged as a format/cdc store's stream
+    b = hosts.new("b")
+    assert read_visible(b, "state") == data
+    wait_for(lambda: "alien" not in os.listdir(b.mnt) and b.stats()["remote_refused_indexes"] > 0,
+             "B to refuse the alien index", 30)  # fmt: skip
+    assert not os.path.exists(b.path("alien"))
+    assert "was written by a plain store" in b.log()
+
+
+def test_a_mismatch_found_after_mount_turns_the_tier_off(hosts: Hosts, weed: Weed) -> None:
+    """The bucket down at mount: the mount goes on; once it is back, the format is checked before
+    anything is listed, fetched or uploaded."""
+    a = hosts.new("a", "--chunker", "format")
+    data = state_file(44)
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    weed.stop()
+    try:
+        b = hosts.new("b")  # relayout: refused, but it cannot know yet
+        write_in_pieces(b.path("mine"), rand_bytes(MiB, 45), MiB)
+    finally:
+        weed.start()
+    wait_for(lambda: b.stats()["remote_refused"] == 1, f"B to refuse the bucket ({b.log()[-2000:]})")
+    assert not os.path.exists(b.path("state"))
+    assert set(hosts.bucket.list_indexes()) == {"state"}  # nothing of B's went up
+    assert read_direct(b.path("mine"))  # the local store goes on
+
+
+def test_index_objects_over_the_max_file_size_limit_are_refused_unread(hosts: Hosts) -> None:
+    from kvchunkfs.store.remote import max_index_bytes
+
+    a = hosts.new("a")
+    data = rand_bytes(MiB, 46)
+    write_in_pieces(a.path("fine"), data, MiB)
+    drained(a)
+    limit = max_index_bytes(64 * MiB, 16 * 1024)
+    huge = idx.Index(16 << 10, 64 << 10, 256 << 10)
+    for i in range(limit // 40 + 10):  # a well-formed index, a little over the limit
+        huge.append(hashlib.sha256(i.to_bytes(8, "little")).digest(), 16 << 10)
+    hosts.bucket.put_index("huge", idx.encode(huge))
+    liar = idx.Index(16 << 10, 64 << 10, 256 << 10)
+    liar.append(b"\1" * 32, 1 << 30)  # small, but a file bigger than max_file_size
+    hosts.bucket.put_index("liar", idx.encode(liar))
+    b = hosts.new("b", "--max-file-size", "64MiB")
+    wait_for(lambda: "fine" in os.listdir(b.mnt) and b.stats()["remote_refused_indexes"] >= 2,
+             f"B to refuse both bogus indexes ({b.log()[-2000:]})", 30)  # fmt: skip
+    assert sorted(os.listdir(b.mnt)) == ["fine"]
+    assert not os.path.exists(b.path("huge")) and not os.path.exists(b.path("liar"))
+    assert read_direct(b.path("fine")) == data
+    assert "more than an index may" in b.log() and "more than max_file_size" in b.log()
+    report = run_remote_gc(hosts.bucket, grace=0, max_index=limit)  # nothing deleted past an unread index
+    assert report.errors and report.deleted == 0
+
+
+def test_a_corrupt_chunk_object_is_reported_and_healed(hosts: Hosts) -> None:
+    a = hosts.new("a")
+    data = rand_bytes(2 * MiB, 47)
+    write_in_pieces(a.path("x"), data, MiB)
+    drained(a)
+    index = stubs.read_index(a.store / "snapshots" / "x")
+    client = hosts.weed.client()
+
+    def corrupt(i: int) -> tuple[bytes, bytes]:
+        cid = index.ids[i]
+        good = hosts.bucket.get_chunk(cid)
+        client.put_object(Bucket=BUCKET, Key=hosts.bucket.chunk_key(cid), Body=bytes(b ^ 1 for b in good))
+        return cid, good
+
+    cid, good = corrupt(1)
+    b = hosts.new("b")
+    wait_for(lambda: os.path.exists(b.path("x")), "x to appear on B")
+    with pytest.raises(OSError) as err:
+        read_direct(b.path("x"))
+    assert err.value.errno == 5  # EIO, never the bucket's wrong bytes
+    assert b.stats()["remote_corrupt_chunks"] == 1 and "fails its checksum; reported as damaged" in b.log()
+    # A, which has the chunk, saves the same content again: it puts the chunk right
+    write_in_pieces(a.path("again"), data, MiB)
+    drained(a)
+    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert read_direct(b.path("x")) == data
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    assert "kvcfs_remote_corrupt_chunks_total 1.0" in DaemonClient(b.store).text("GET", "/metrics")
+    # No report at all (nobody fetched it): A's next upload naming it finds it by its ETag
+    cid, good = corrupt(2)
+    a.remount()
+    write_in_pieces(a.path("third"), data, MiB)
+    drained(a)
+    assert hosts.bucket.get_chunk(cid) == good and a.stats()["remote_healed_chunks"] == 1
+    assert remote_bytes(hosts.bucket, "third") == data

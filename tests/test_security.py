@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,6 +414,75 @@ def test_token_from_a_file_and_every_delete_and_gc_names_its_caller(shared: Path
         m.start(["--api-address", f"127.0.0.1:{port}", "--api-token-file", str(token_file)])
     stop_mount(m)
     assert "holds no token" in m.log() and "Traceback" not in m.log()
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def http_as(user: User, port: int, request_line: str, headers: list[str]) -> str:
+    """Like raw_http with headers of our choice (Host a loopback name: the dashboard answers to no other)."""
+    extra = "".join(f"{h}\\r\\n" for h in headers)
+    r = as_user(user, f"exec 3<>/dev/tcp/127.0.0.1/{port} && "
+                      f"printf '{request_line} HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n{extra}Content-Length: 0\\r\\n"
+                      "Connection: close\\r\\n\\r\\n' >&3 && head -n 1 <&3")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def start_dashboard(store: Path, log: Path) -> tuple[subprocess.Popen[bytes], int, str]:
+    """``kv-chunk-fs ui`` with no token configured; (process, port, the URL it printed)."""
+    import re
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CHUNK_FS_")}
+    env["PYTHONPATH"] = str(SRC)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvchunkfs.cli", "ui", "--store", str(store), "--listen",
+                                 f"127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    for _ in range(200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ui-config", timeout=2).status_code == 200:
+                printed = re.search(r"dashboard on (http://\S+)", log.read_text())
+                assert printed, log.read_text()
+                return proc, port, printed.group(1)
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"ui did not start: {log.read_text()}")
+
+
+def test_the_dashboard_without_a_configured_token_refuses_other_users_and_names_the_real_caller(
+    fs: Mount, user: User, tmp_path: Path
+) -> None:
+    fs.path("victim").write_bytes(b"x")
+    proc, port, url = start_dashboard(fs.store, tmp_path / "ui.log")
+    try:
+        assert url.startswith(f"http://127.0.0.1:{port}/?token="), url
+        token = url.partition("?token=")[2]
+        assert len(token) >= 32
+        ui = ["X-KVCFS-UI: 1"]
+        for line in ("DELETE /api/snapshots/victim", "POST /api/gc", "GET /api/logs", "GET /api/prefix-tree",
+                     "GET /api/stats", "GET /api/snapshots"):  # fmt: skip
+            assert " 401 " in http_as(user, port, line, ui), line
+            assert " 401 " in http_as(user, port, line, [*ui, "Authorization: Bearer guess"]), line
+        assert fs.path("victim").exists()
+        assert "API GC requested" not in fs.log()
+        # With the token (handed over by the operator) the user may delete, and the audit line names them.
+        assert " 200 " in http_as(user, port, "DELETE /api/snapshots/victim", [*ui, f"Authorization: Bearer {token}"])
+        assert not fs.path("victim").exists()
+        audit = [line for line in fs.log().splitlines() if "API deleted snapshot victim" in line]
+        assert len(audit) == 1 and "(unix socket) for dashboard client 127.0.0.1:" in audit[0], audit
+        assert audit[0].endswith(f" uid {user.uid})"), audit
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # Each start has a token of its own.
+    proc, _, url2 = start_dashboard(fs.store, tmp_path / "ui2.log")
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert url2.partition("?token=")[2] != token
 
 
 # -- 9: names that are not UTF-8 --------------------------------------------------------------------

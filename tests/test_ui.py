@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -58,6 +59,12 @@ class Ui:
 
     proc: subprocess.Popen[bytes]
     url: str
+    token_url: str  # what ``kv-chunk-fs ui`` printed: the URL carrying this run's token ("" if configured)
+
+    def login(self, driver: WebDriver) -> None:
+        """Open the printed URL once, as a user would: the page keeps the token for the tab."""
+        driver.get(self.token_url)
+        wait(driver, lambda d: "token=" not in d.current_url, what="token taken from the URL")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -80,7 +87,9 @@ def start_ui(store: Path, log: Path, extra: list[str] | None = None) -> Ui:
     while True:
         try:
             if httpx.get(url + "/ui-config", timeout=2).status_code == 200:
-                return Ui(proc, url)
+                printed = re.search(r"dashboard on (http://\S+)", log.read_text())
+                assert printed, log.read_text()
+                return Ui(proc, url, printed.group(1) if "?token=" in printed.group(1) else "")
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -173,6 +182,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 pass
         ui = start_ui(mount.store, base / "ui.log")
         driver = chrome()
+        ui.login(driver)
         shots = screenshot_dir(Path(str(tmp_path_factory.getbasetemp())))
         print(f"\nscreenshots in {shots}")
         yield Env(mount, ui, driver, shots)
@@ -401,6 +411,7 @@ def test_page_load_at_10000_snapshots(tmp_path: Path) -> None:
         assert client.json("GET", "/stats")["snapshots"] == LOAD_N  # waits for the catalog's load
         ui = start_ui(mount.store, tmp_path / "ui.log")
         driver = chrome()
+        ui.login(driver)
         shots = screenshot_dir(tmp_path.parent)
         results: dict[str, float] = {}
         ready = {

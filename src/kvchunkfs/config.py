@@ -141,6 +141,16 @@ def _parse_address(value: object) -> str:
     return text
 
 
+def _parse_tenant(value: object) -> str:
+    text = _parse_str(value).strip()
+    if text.lower() in ("none", "api-key"):
+        return text.lower()
+    kind, _, header = text.partition(":")
+    if kind.lower() != "header" or not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", header):
+        raise ValueError("must be none, api-key or header:NAME (e.g. header:X-User)")
+    return f"header:{header.lower()}"
+
+
 def _parse_remote(value: object) -> str:
     text = _parse_str(value).strip()
     if text and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^/].*)?", text.rstrip("/")):
@@ -156,7 +166,7 @@ class Setting:
     """One setting: how to parse it, its default, its bounds and its help text."""
 
     name: str
-    kind: str  # size, duration, int, float, bool, choice, str, address, formula, remote, path, file (optional path)
+    kind: str  # size, duration, int, float, bool, choice, str, address, formula, remote, tenant, path, file (optional)
     default: Any
     help: str
     lo: float | None = None
@@ -182,6 +192,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "address": _parse_address,
     "formula": _parse_formula,
     "remote": _parse_remote,
+    "tenant": _parse_tenant,
 }
 
 # Chunk bounds are pyfastcdc's, so a bad value fails here rather than at the first write.
@@ -233,6 +244,15 @@ SETTINGS: dict[str, Setting] = {
         Setting("proxy_min_restore", "int", 32,
                 "proxy: restore a snapshot only if it brings at least this many more prompt tokens than the slot holds",
                 lo=1),
+        Setting("proxy_max_body", "size", 16 * MiB,
+                "proxy: largest request body; a larger one is refused with 413 before it is read", lo=KiB),
+        Setting("proxy_max_prompt_tokens", "int", 0,
+                "proxy: longest prompt in tokens, refused with 400 before the proxy copies it "
+                "(0 = the upstream's context size per slot)", lo=0),
+        Setting("proxy_tenant", "tenant", "none",
+                "proxy: whose stored conversations a request may restore: none (any: one user or one team), "
+                "api-key (only those saved with the same Authorization header) or header:NAME (the same value "
+                "of that header, set by a gateway in front)"),
         Setting("cache_max_bytes", "size", 0,
                 "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)", lo=0),
         Setting("remote", "remote", "", "shared chunk tier: s3://bucket/prefix (empty = this host only)"),
@@ -287,6 +307,9 @@ class Config:
     proxy_listen: str = SETTINGS["proxy_listen"].default
     proxy_mount: Path | None = SETTINGS["proxy_mount"].default
     proxy_min_restore: int = SETTINGS["proxy_min_restore"].default
+    proxy_max_body: int = SETTINGS["proxy_max_body"].default
+    proxy_max_prompt_tokens: int = SETTINGS["proxy_max_prompt_tokens"].default
+    proxy_tenant: str = SETTINGS["proxy_tenant"].default
     cache_max_bytes: int = SETTINGS["cache_max_bytes"].default
     remote: str = SETTINGS["remote"].default
     remote_endpoint: str = SETTINGS["remote_endpoint"].default

@@ -45,6 +45,10 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
+    problem = daemon.check_mountpoint(mountpoint, args.nonempty)
+    if problem is not None:
+        print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
+        return 1
     Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
@@ -62,6 +66,8 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 repo.remote = _remote_tier(cfg, repo)
             except OSError as e:  # e.g. boto3 not installed
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
+                return 1
+            if not _remote_format_ok(repo.remote):
                 return 1
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
@@ -107,10 +113,30 @@ def _cache_locally(repo: Repository, tier: RemoteTier, collector: GarbageCollect
     tier.on_idle = check
 
 
+def _remote_format_ok(tier: RemoteTier) -> bool:
+    """The bucket's recorded format against this store's: a mismatch fails the mount (the operator
+    asked for a shared tier this host cannot use; a mount without it would quietly stop sharing).
+    An unreachable bucket does not: the tier checks again before its first use."""
+    from kvchunkfs.store.bucketformat import FormatMismatch
+
+    try:
+        tier.check_format()
+    except FormatMismatch as e:
+        print(f"kv-chunk-fs: cannot mount: {e.strerror}", file=sys.stderr)
+        return False  # the caller's cleanup closes the tier
+    except OSError as e:
+        logging.getLogger(__name__).warning("remote %s unreachable, its format is checked before first use: %s",
+                                            tier.bucket.url, e)  # fmt: skip
+    return True
+
+
 def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
+    from kvchunkfs.store.bucketformat import LAYOUT, BucketFormat
     from kvchunkfs.store.remote import RemoteTier
     from kvchunkfs.store.s3 import Bucket
 
+    c = repo.chunker
+    fmt = BucketFormat(LAYOUT, c.kind, c.min, c.avg, c.max, c.group_w)
     return RemoteTier(
         repo,
         Bucket(cfg.remote, cfg.remote_endpoint),
@@ -118,18 +144,23 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
         fetch_workers=cfg.remote_fetch_workers,
         grace=cfg.remote_grace,
         list_ttl=cfg.remote_list_ttl,
+        fmt=fmt,
+        max_file_size=cfg.max_file_size,
     )
 
 
 def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.remotegc import run_remote_gc
+    from kvchunkfs.store.remote import max_index_bytes
     from kvchunkfs.store.s3 import Bucket
 
     if not cfg.remote:
         print("kv-chunk-fs: gc --remote needs the remote setting (s3://bucket/prefix)", file=sys.stderr)
         return 2
     try:
-        report = run_remote_gc(Bucket(cfg.remote, cfg.remote_endpoint), cfg.remote_grace, args.dry_run)
+        bucket = Bucket(cfg.remote, cfg.remote_endpoint)
+        limit = max_index_bytes(cfg.max_file_size, cfg.chunk_min)
+        report = run_remote_gc(bucket, cfg.remote_grace, args.dry_run, limit, cfg.max_file_size)
     except OSError as e:
         print(f"kv-chunk-fs: gc --remote failed: {e}", file=sys.stderr)
         return 1
@@ -286,7 +317,13 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: ui: refusing to listen on {host} without a token: set api_token_file (or use an SSH "
               "tunnel to the default 127.0.0.1)", file=sys.stderr)  # fmt: skip
         return 2
-    print(f"kv-chunk-fs: dashboard on http://{'[' + host + ']' if ':' in host else host}:{port}/", file=sys.stderr)
+    url = dashboard.base_url(host, port)
+    if token:
+        print(f"kv-chunk-fs: dashboard on {url} (token: the configured api_token)", file=sys.stderr)
+    else:  # every local user can reach the port: a token for this run, handed over in the URL (as Jupyter does)
+        token = dashboard.new_token()
+        print(f"kv-chunk-fs: dashboard on {url}?token={token}", file=sys.stderr)
+    sys.stderr.flush()
     dashboard.serve(Path(cfg.store), host, port, token)
     return 0
 
@@ -313,7 +350,8 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
-                  cache_max_bytes=cfg.cache_max_bytes)  # fmt: skip
+                  cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
+                  max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
     serve(proxy, cfg.proxy_listen)
@@ -336,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
     p.add_argument("mountpoint")
+    p.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that holds files (they stay hidden until the unmount)")
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")

@@ -74,12 +74,6 @@ def _extents(fd: int) -> Iterator[bytes | int]:
             pos += len(piece)
 
 
-def _zero_batches(n: int) -> Iterator[bytes]:
-    while n > 0:
-        yield bytes(min(n, BATCH))
-        n -= BATCH
-
-
 class ChunkPool:
     """The threads that run file workers' turns: a bounded number, however many files are written."""
 
@@ -816,21 +810,34 @@ class FileContent:
         state, tail = self.chunker.initial(), b""
         held: list[bytes] = []  # batches held back until a group being gathered is whole
         for part in _extents(fd):
-            if isinstance(part, int) and state.plain_cdc:  # never with batches held (no group)
+            if isinstance(part, bytes):
+                state, tail = self._add_staged(index, state, tail, held, part)
+                continue
+            # A format decision may read a hole's first zeros (a file that starts with one); once
+            # the cut is plain CDC (never with batches held: no group) the rest is not read.
+            while part and not (state.plain_cdc and not held):
+                n = min(part, BATCH)
+                state, tail = self._add_staged(index, state, tail, held, bytes(n))
+                part -= n
+            if part:
                 stream = StreamChunker(self.chunker.cdc, tail)
                 runs = stream.feed_zeros(part)
                 self._store_runs(index, runs)
                 state = replace(state, pos=state.pos + sum(len(p) * n for p, n in runs))
                 tail = stream.tail
-                continue
-            for data in _zero_batches(part) if isinstance(part, int) else (part,):
-                held.append(data)
-                if state.pos + len(tail) + sum(map(len, held)) < state.waits_for:
-                    continue
-                state, tail = self._cut_staged(index, state, tail, b"".join(held), final=False)
-                held.clear()
         self._cut_staged(index, state, tail, b"".join(held), final=True)
         return index
+
+    def _add_staged(
+        self, index: Index, state: CutState, tail: bytes, held: list[bytes], data: bytes
+    ) -> tuple[CutState, bytes]:
+        """One batch of the staged copy: held until the cutter's decision has the bytes it waits for."""
+        held.append(data)
+        if state.pos + len(tail) + sum(map(len, held)) < state.waits_for:
+            return state, tail
+        state, tail = self._cut_staged(index, state, tail, b"".join(held), final=False)
+        held.clear()
+        return state, tail
 
     def _cut_staged(
         self, index: Index, state: CutState, tail: bytes, data: bytes, final: bool

@@ -29,6 +29,8 @@ _TABLE_HEADER = struct.Struct("<2Q")
 _ITEM = struct.Struct("<Q32s")
 _TAIL = struct.Struct("<5Q")
 ID_LEN = 32
+FIXED_BYTES = _HEADER.size + _TABLE_HEADER.size + _TAIL.size  # an index of no chunks
+ITEM_BYTES = _ITEM.size  # each chunk adds this many
 
 
 class IndexFormatError(ValueError):

@@ -36,6 +36,22 @@ def clear_stale_mount(mountpoint: Path) -> None:
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
 
 
+def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> str | None:
+    """Why ``mountpoint`` should not be mounted on, or None. A dead mount of a killed daemon is cleared
+    first. A non-empty directory is refused unless ``nonempty``: its files would vanish under the
+    mount, and they are usually full, undeduplicated saves llama-server made while nothing was mounted."""
+    clear_stale_mount(mountpoint)
+    try:
+        with os.scandir(mountpoint) as it:
+            first = next(it, None)
+    except OSError as e:
+        return f"cannot use {mountpoint} as the mountpoint: {e.strerror or e}"
+    if first is not None and not nonempty:
+        return (f"{mountpoint} is not empty (it holds {first.name!r}, among others perhaps); the mount would hide "
+                "its files. Move them away, or mount over them with --nonempty")  # fmt: skip
+    return None
+
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 ARENAS = 4  # glibc's default is 8 per core: each thread's arena keeps its own high-water mark
 TRIM_THRESHOLD = 64 << 20  # free heap kept for reuse; more is returned to the kernel
@@ -113,15 +129,31 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     ops = Operations(files)
+    ops.mountpoint = str(mountpoint.resolve())
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
-        tasks: list[BackgroundTask] = [partial(trim_when_idle, above=trim_above), *(background or [])]
+        tasks: list[BackgroundTask] = [partial(trim_when_idle, above=trim_above), checkpoints, *(background or [])]
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
     finally:
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", mountpoint)
     return ops
+
+
+CHECKPOINT_INTERVAL = 5.0  # seconds: with durability=close, the saves a power cut may take back
+
+
+async def checkpoints(ops: Operations, interval: float = CHECKPOINT_INTERVAL) -> None:
+    """durability=close: every ``interval`` seconds, make the saves that replaced a version durable
+    and drop the versions kept for them (``Repository.checkpoint``), in a thread."""
+    repo = ops.repo
+    while not repo.durable:
+        await trio.sleep(interval)
+        try:
+            await trio.to_thread.run_sync(repo.checkpoint)
+        except OSError as e:  # the versions stay kept; the next checkpoint tries again
+            log.warning("checkpoint failed: %s", e)
 
 
 def rss_bytes() -> int:

@@ -34,6 +34,7 @@ from kvchunkfs.file.content import Action, FileContent, Mode
 from kvchunkfs.file.fetcher import Cursor
 from kvchunkfs.file.files import Files
 from kvchunkfs.format.index import IndexFormatError
+from kvchunkfs.fuse import openers
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
@@ -57,6 +58,9 @@ class Node:
     loading: trio.Event | None = None  # set while an open loads the content: later opens wait for it
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
+    # Times set (utimensat/futimens) on the open file, with the content's generation then: the
+    # save's new stub gets them too, unless the file was written after they were set.
+    set_times: tuple[int | None, int | None, int] | None = None
 
 
 @dataclass(eq=False)
@@ -64,6 +68,7 @@ class Handle:
     node: Node
     cursor: Cursor = field(default_factory=Cursor)
     writer: bool = False
+    opener: int | None = None  # process that opened it for writing: its own last close commits (flush)
     restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
 
 
@@ -141,6 +146,8 @@ class Operations(pyfuse3.Operations):
         self.idle_gen = 0  # bumped by every first open and every last release: "still the same idle spell?"
         self.memory_trims = 0
         self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
+        self.mountpoint: str | None = None  # set by the daemon: which FLUSH is the writer's own close
+        self._device: str | None = None  # the mount's major:minor, looked up at the first such FLUSH
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -332,15 +339,11 @@ class Operations(pyfuse3.Operations):
                     follow_symlinks=False,
                 )
             if path is not None and (fields.update_atime or fields.update_mtime):
-                st = os.lstat(path)
-                os.utime(
-                    path,
-                    ns=(
-                        attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
-                        attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
-                    ),
-                    follow_symlinks=False,
-                )
+                times = (attr.st_atime_ns if fields.update_atime else None,
+                         attr.st_mtime_ns if fields.update_mtime else None)
+                _set_times(path, *times)
+                if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
+                    node.set_times = (*times, node.content.gen)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(node)
@@ -414,6 +417,7 @@ class Operations(pyfuse3.Operations):
             os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        await self._sync_dirs(rel)
         node = self._remember(rel, True)
         attrs = self._attrs(node)
         node.nlookup += 1
@@ -428,6 +432,7 @@ class Operations(pyfuse3.Operations):
         node = self.by_path.get(rel)
         if node is not None:
             self._detach(node)
+        await self._sync_dirs(rel)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent_inode, name)
@@ -440,6 +445,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         if node is not None:
             self._detach(node)
+        await self._sync_dirs(rel)
 
     async def rename(
         self,
@@ -451,7 +457,7 @@ class Operations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
-        if flags & pyfuse3.RENAME_EXCHANGE:
+        if flags & ~pyfuse3.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
             raise pyfuse3.FUSEError(errno.EINVAL)
         target = self.by_path.get(new)
         try:
@@ -465,6 +471,24 @@ class Operations(pyfuse3.Operations):
         if target is not None:
             self._detach(target)
         self._move(old, new)
+        await self._sync_dirs(old, new)
+
+    async def _sync_dirs(self, *rels: str) -> None:
+        """durability=fsync: a namespace change survives a power cut once its call returns."""
+        if self.repo.durable:
+            try:
+                await self._thread(self.repo.sync_dirs, *rels)
+            except OSError as e:
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        node = self._node(fh)
+        if node.path is None:
+            return
+        try:
+            await self._thread(self.repo.sync_entries, node.path)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
     def _move(self, old: str, new: str) -> None:
         prefix = old + "/"
@@ -547,12 +571,14 @@ class Operations(pyfuse3.Operations):
                         self.went_idle.set()
         self._maybe_drop(node)
 
-    def _new_handle(self, node: Node, flags: int) -> int:
+    async def _new_handle(self, node: Node, flags: int, ctx: pyfuse3.RequestContext) -> int:
         """A handle for an open already counted by ``_acquire``."""
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        # The process, not the thread: its descriptor table tells which FLUSH is its last close.
+        opener = await self._thread(openers.task_group, ctx.pid) if writer and self.mountpoint else None
         fh = self._next_fh
         self._next_fh += 1
-        writer = flags & os.O_ACCMODE != os.O_RDONLY
-        handle = self.handles[fh] = Handle(node, writer=writer)
+        handle = self.handles[fh] = Handle(node, writer=writer, opener=opener)
         if node.content is not None and node.content.mode is Mode.CLEAN:
             handle.cursor.locations = node.content.locations  # looked up once, at load
         node.writers += writer
@@ -571,7 +597,7 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 await self._drop_open(node, commit=False)
                 raise
-        fh = self._new_handle(node, flags)
+        fh = await self._new_handle(node, flags, ctx)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
@@ -585,22 +611,55 @@ class Operations(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
         index = self.repo.empty_index()
+        args = (self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         try:
-            stubs.create_empty(self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+            if self.repo.durable:  # the empty stub and its name survive a power cut once create returns
+                await self._thread(functools.partial(stubs.create_empty, *args, fsync=True))
+                await self._thread(self.repo.sync_dirs, rel)
+            else:
+                stubs.create_empty(*args)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
-        fh = self._new_handle(node, flags)
+        fh = await self._new_handle(node, flags, ctx)
         attrs = self._attrs(node)
         node.nlookup += 1
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attrs
 
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
-        if handle.writer:  # a reader's close must not save a half-written file, nor fail with its error
-            await self._commit(handle.node)
+        if not handle.writer:  # a reader's close must not save a half-written file, nor fail with its error
+            return
+        content = handle.node.content
+        if content is None or not content.dirty:
+            return
+        if await self._thread(self._other_copy_closed, handle):
+            # A dup() or a child's copy (close-on-exec, exit) was closed while the writer still has
+            # the file open: committing now would install a prefix. Its own close (or the last
+            # release) commits.
+            log.debug("flush of %s from another copy of the descriptor: not a commit", handle.node.path)
+            return
+        await self._commit(handle.node)
+
+    def _other_copy_closed(self, handle: Handle) -> bool:
+        """True if the handle's opener still holds the file open for writing, so this FLUSH came
+        from another copy of its descriptor (blocking: reads /proc). False when in doubt: the opener
+        is gone or its table cannot be read, and a commit keeps the crash contract."""
+        if handle.opener is None or self.mountpoint is None:
+            return False
+        if self._device is None:
+            self._device = openers.mount_device(self.mountpoint)
+            if self._device is None:
+                log.warning("mount %s not found in /proc/self/mountinfo: every flush commits", self.mountpoint)
+                self.mountpoint = None
+                return False
+        try:
+            return openers.holds_for_writing(handle.opener, handle.node.ino, self._device)
+        except OSError as e:  # gone (its exit was this FLUSH), or not ours to read
+            log.debug("descriptor table of %d: %s; flush commits", handle.opener, e)
+            return False
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         node = self.handles[fh].node
@@ -643,6 +702,7 @@ class Operations(pyfuse3.Operations):
                 if not self.files.finish_save(pending, rel):
                     return  # unlinked while open: nothing to save
                 assert rel is not None
+                self._carry_set_times(node, pending.gen, rel)
                 if pending.durable:
                     await self._thread(self.files.sync_dir, rel)
             except (ChunkMissing, ChunkCorrupt, OSError) as e:
@@ -653,6 +713,16 @@ class Operations(pyfuse3.Operations):
             self._observe("on_save", time.monotonic() - start, pending.index.size, pending.new_bytes)
             log.debug("saved %s: %d bytes, %d chunks in %.3fs", rel, pending.index.size, len(pending.index),
                       time.monotonic() - start)
+
+    def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
+        """Give the saved stub the times set on the open file, if nothing was written after them."""
+        times, node.set_times = node.set_times, None
+        if times is None or times[2] != gen:
+            return
+        try:
+            _set_times(self.repo.path(rel), times[0], times[1])
+        except OSError as e:  # the save stands; only its times are the save's
+            log.warning("times set on %s not kept: %s", rel, e)
 
     def _observe(self, event: str, *args: float) -> None:
         if self.observer is None:
@@ -800,6 +870,13 @@ def _list_dir(path: os.PathLike[str]) -> list[str]:
         return sorted(os.listdir(fd))
     finally:
         os.close(fd)
+
+
+def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
+    """utime of the stub itself (never a symlink's target); None keeps that time."""
+    st = os.lstat(path)
+    os.utime(path, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                       st.st_mtime_ns if mtime_ns is None else mtime_ns), follow_symlinks=False)
 
 
 def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:

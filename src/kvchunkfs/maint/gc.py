@@ -362,13 +362,17 @@ def reclaim_packs(
                 report.interrupted = True
                 left.update(packs[n:])
                 return left
-            if pack == store.open_pack:
-                left.add(pack)
-                continue
             if pack in out.packs:
                 continue
             size = file_size(store.pack_path(pack))
             live = usage[pack][1] if pack in usage else 0
+            # The pack saves append to is left alone, unless it is worth reclaiming: then it is
+            # sealed (the next save starts a new one). Otherwise a store whose every save fits in
+            # one pack would never get its space back until a remount.
+            if pack == store.open_pack and not (_worth_reclaiming(store, pack, size, live, threshold)
+                                                and store.seal(pack)):  # fmt: skip
+                left.add(pack)
+                continue
             if live == 0:
                 if store.remove_pack(pack):  # re-checks under the lock: rows may have come since
                     report.packs_deleted += 1
@@ -382,6 +386,14 @@ def reclaim_packs(
     finally:
         out.close()
     return left
+
+
+def _worth_reclaiming(store: PackStore, pack: int, size: int, live: int, threshold: float) -> bool:
+    """Whether GC would delete or compact ``pack`` (nothing live, or too little; a pack that holds
+    no chunk yet is not: sealing it would only start another)."""
+    if size <= PACK_HEADER_SIZE:
+        return False
+    return live == 0 or (bool(size) and live / size < threshold and _dead_bytes(store, pack, size, live) > 0)
 
 
 def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
@@ -547,6 +559,13 @@ class GarbageCollector:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
         read every stub even if the changes are known."""
         with self._lock:
+            # Versions kept for power loss (durability=close) name chunks no stub names: make the
+            # saves that replaced them durable first, which drops them. If that fails (a full disk
+            # can fail an fsync), GC still runs: space matters more than the fallback of a cut.
+            try:
+                self.repo.checkpoint()
+            except OSError as e:
+                log.warning("checkpoint before gc failed (%s): versions kept for a power cut may lose chunks", e)
             state = self._state()
             report = None if walk else self._collect_changes()
             if report is None:

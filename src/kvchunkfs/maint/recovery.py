@@ -44,11 +44,11 @@ from typing import Any
 
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import DB_NAME, file_size
+from kvchunkfs.store.layout import DB_NAME, file_size, fsync_dir
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described, Scan, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.remote import read_synced
-from kvchunkfs.store.repository import Repository
+from kvchunkfs.store.repository import Repository, prev_rel
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class RecoveryReport:
     missing: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks it needs that are gone
     mismatched: dict[str, str] = field(default_factory=dict)  # snapshot -> how its index disagrees with the map
     in_bucket: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks only the shared tier has
+    restored: list[str] = field(default_factory=list)  # snapshots whose save a power cut took back: previous version
+    set_aside: dict[str, str] = field(default_factory=dict)  # after a crash: unreadable snapshot -> where it went
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,7 +88,8 @@ class RecoveryReport:
             f"({self.chunks_added} chunks added to the map, {self.chunks_rescued} rescued), "
             f"{self.legacy_unknown} unknown legacy packs kept, {len(self.unreadable)} unreadable, "
             f"{len(self.missing)} incomplete and {len(self.mismatched)} inconsistent snapshots, "
-            f"{len(self.skipped)} entries skipped, {self.duration_s:.2f}s"
+            f"{len(self.skipped)} entries skipped, {len(self.restored)} previous versions restored, "
+            f"{len(self.set_aside)} set aside in lost+found, {self.duration_s:.2f}s"
         )
 
 
@@ -150,6 +153,7 @@ def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     if moved_aside or _packs_changed(report):
         report.clean, since = False, None
     check_snapshots(repo, report, since=None if since is None else since - _CLOCK_SLACK)
+    resolve_damaged(repo, report, crashed=unmounted is None)
     repo.store.set_meta(_CHECKED_AT, repr(now))  # every stub changed before now is checked
     report.duration_s = time.monotonic() - start
     log.info("%s", report.summary())
@@ -164,6 +168,74 @@ def _packs_changed(report: RecoveryReport) -> bool:
     r = report
     return bool(r.rows_dropped or r.packs_truncated or r.packs_removed or r.packs_scanned or r.chunks_added
                 or r.legacy_unknown)  # fmt: skip
+
+
+def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> None:
+    """After the checks: put back the previous version of a snapshot whose last save a power cut took
+    back (kept in ``prev/``, durability=close), and after a crash set every snapshot that still
+    cannot be read aside into ``lost+found/`` (reported by name; its name is free again), so the store
+    fsck sees is clean instead of flagged at every mount. After a clean unmount nothing is moved: a
+    damaged snapshot then is not a crash's doing, and stays for fsck --repair to mark."""
+    damaged = set(report.unreadable) | set(report.missing) | set(report.mismatched)
+    changed = False
+    try:
+        kept = list(os.scandir(repo.layout.prev))
+    except FileNotFoundError:  # a store made before prev/ existed, opened read-only
+        kept = []
+    for entry in kept:
+        rel = prev_rel(entry.name)
+        if rel is not None and rel in damaged and _whole(repo, Path(entry.path)):
+            os.rename(entry.path, repo.path(rel))
+            damaged.discard(rel)
+            _forget_damage(report, rel)
+            report.restored.append(rel)
+            log.warning("snapshot %s: its last save was lost with the power; the version before it is back", rel)
+        else:  # the current version is whole, or the name was removed or renamed since
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(entry.path)
+        changed = True
+    if crashed:
+        for rel in sorted(damaged):
+            report.set_aside[rel] = _set_aside(repo, rel)
+            _forget_damage(report, rel)
+            log.error("snapshot %s cannot be read after a crash: set aside as %s", rel, report.set_aside[rel])
+            changed = True
+    if changed:  # the resolution survives the next power cut (it is redone if it does not)
+        dirs = {repo.path(rel).parent for rel in [*report.restored, *report.set_aside]} | {repo.layout.prev}
+        if report.set_aside:
+            dirs.add(repo.layout.lost_found)
+        for d in dirs:
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(d)
+
+
+def _whole(repo: Repository, path: Path) -> bool:
+    """A stub that parses and whose every chunk the map has, with the length the index gives it."""
+    try:
+        index = stubs.read_index(path)
+    except OSError:
+        return False
+    found = repo.store.locate_many(index.ids)
+    return len(found) == len(set(index.ids)) and repo.store.length_mismatch(index, found) is None
+
+
+def _forget_damage(report: RecoveryReport, rel: str) -> None:
+    if rel in report.unreadable:
+        report.unreadable.remove(rel)
+    report.missing.pop(rel, None)
+    report.mismatched.pop(rel, None)
+
+
+def _set_aside(repo: Repository, rel: str) -> str:
+    """Move the stub of ``rel`` into ``lost+found/`` (a name of its own); returns where it went."""
+    lost = repo.layout.lost_found
+    lost.mkdir(mode=0o700, exist_ok=True)
+    name = rel.replace("%", "%25").replace("/", "%2F")
+    if len(os.fsencode(name)) > 200:
+        name = name[:100] + "..." + hashlib.sha256(os.fsencode(rel)).hexdigest()[:16]
+    dest = lost / f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.urandom(4).hex()}"
+    os.rename(repo.path(rel), dest)
+    return str(dest)
 
 
 def clean_temp_dirs(repo: Repository) -> int:

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvchunkfs.format import index as idx
-from kvchunkfs.store.s3 import Bucket
+from kvchunkfs.store.remote import decode_checked
+from kvchunkfs.store.s3 import Bucket, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +41,20 @@ class RemoteGCReport:
         )
 
 
-def run_remote_gc(bucket: Bucket, grace: float, dry_run: bool = False) -> RemoteGCReport:
+def run_remote_gc(
+    bucket: Bucket, grace: float, dry_run: bool = False, max_index: int | None = None, max_file_size: int | None = None
+) -> RemoteGCReport:
+    """``max_index``: index objects larger than this are not read (``remote.max_index_bytes``)."""
     report = RemoteGCReport()
     named: set[bytes] = set()
     for rel in bucket.list_indexes():
         try:
-            data, _ = bucket.get_index(rel)
-            named.update(idx.decode(data).ids)
+            data, _ = bucket.get_index(rel, max_index)
+            named.update(decode_checked(data, max_file_size).ids)
             report.indexes += 1
         except FileNotFoundError:
             continue  # deleted meanwhile: its chunks are garbage or named elsewhere
-        except idx.IndexFormatError as e:
+        except (idx.IndexFormatError, TooLarge) as e:
             # An index we cannot read may name anything: collect nothing rather than something live.
             report.errors.append(f"index {rel}: {e}")
             log.error("remote gc: index %s is unreadable, nothing is deleted: %s", rel, e)

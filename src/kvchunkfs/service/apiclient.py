@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 SOCKET_NAME = "api.sock"
 TIMEOUT = 600.0  # a GC run on a large store can take minutes
@@ -103,10 +103,13 @@ class DaemonClient:
         finally:
             conn.close()
 
-    def forward(self, method: str, url: str, body: bytes = b"", content_type: str = "") -> tuple[int, str, bytes]:
+    def forward(self, method: str, url: str, body: bytes = b"", content_type: str = "",
+                headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:  # fmt: skip
         """Send a request as given (``url``: path and query, already encoded): the dashboard's proxy."""
         conn = _UnixConnection(self.path, self.timeout)
-        headers = {"Content-Type": content_type} if content_type else {}
+        headers = dict(headers or {})
+        if content_type:
+            headers["Content-Type"] = content_type
         try:
             conn.request(method, url, body=body or None, headers=headers)
             resp = conn.getresponse()
@@ -144,8 +147,3 @@ def running_daemon(store: Path) -> DaemonClient | None:
     except OSError:
         return None
     return DaemonClient(store) if listening else None
-
-
-def quote_path(rel: str) -> str:
-    """A snapshot path as a URL path segment sequence (``/`` kept, everything else escaped)."""
-    return quote(os.fsencode(rel), safe="/")  # the name's bytes, also when they are not UTF-8

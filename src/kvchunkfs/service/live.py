@@ -515,22 +515,6 @@ class LiveCatalog:
         found.sort(key=lambda m: (-m.match, m.tokens, m.path))
         return found[:limit]
 
-    def _prefix_match_scan(self, tokens: list[int], prefix: str = "", exclude_suffix: str = "", limit: int = 1
-                           ) -> list[PrefixMatch]:  # fmt: skip
-        """``prefix_match`` by looking at every row: the reference the tests compare it with."""
-        want = array.array("i", tokens)
-        found: list[PrefixMatch] = []
-        with self._reading():
-            for path, entry in self.entries.items():
-                have = entry.tokens
-                if have is None or not path.startswith(prefix) or (exclude_suffix and path.endswith(exclude_suffix)):
-                    continue
-                n = prefixtree.common_prefix_len(want, have)
-                if n:
-                    found.append(PrefixMatch(path, n, len(have), dict(entry.info.labels)))
-        found.sort(key=lambda m: (-m.match, m.tokens, m.path))
-        return found[:limit]
-
     def token_tree(self, prefix: str = "") -> tuple[prefixtree.Node, dict[str, str]]:
         prefix = prefix.lstrip("/")
         names = catalog.display_name

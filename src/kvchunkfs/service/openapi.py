@@ -106,7 +106,8 @@ _PATHS: dict[str, Any] = {
                 "type": "object", "required": ["labels"], "properties": {"labels": {
                     "type": "object", "additionalProperties": {"type": ["string", "null"]},
                     "description": "KEY: VALUE sets a label, KEY: null removes it"}}}}}},
-            "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR},
+            "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR,
+                          "413": _ERROR},
         },  # fmt: skip
     },
     "/deletion-preview": {

@@ -11,7 +11,9 @@ status codes, SSE streams chunk by chunk). Generation requests (``/completion``,
    that beats the slot by ``proxy_min_restore`` tokens it is restored into the slot
    (``POST /slots/{id}?action=restore``). The request is pinned with ``id_slot``.
 2. **After** the response (a stream's end, or a client that went away mid-stream): the slot is saved
-   as ``NAME.tmp`` and renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic.
+   as ``NAME.<random>.tmp`` (a name of its own, so concurrent saves never rename each other's file) and
+   renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic. Only onto a live
+   kv-chunk-fs mount: else llama-server would write full files to the disk under the mountpoint.
 3. **Budget** (``cache_max_bytes``): past it, the lowest-score proxy snapshots are deleted through the
    daemon's API, then GC runs.
 
@@ -21,7 +23,8 @@ differently by the next turn, so they do not count) is the next turn of that con
 replaces it under the same name. One that diverges inside that prompt (an edited message, a
 regenerated turn, another conversation with the same system prompt) gets a new name, so both
 branches stay. Two continuations of one turn: the first replaces it, the second diverges from the
-first's prompt and gets its own name; each keeps the full shared history.
+first's prompt and gets its own name; each keeps the full shared history. When they run at once, the
+name the first claimed is taken, so the second gets a new one.
 
 Concurrency: a pool of slots; a slot is held from routing until its save is done (a background task,
 so a client that disconnects cannot cancel it), and only requests routed to that slot wait for it.
@@ -37,6 +40,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -55,6 +60,13 @@ from starlette.types import Receive, Scope, Send
 
 from kvchunkfs.service.apiclient import socket_path
 from kvchunkfs.service.prefixtree import common_prefix_len
+from kvchunkfs.service.proxyinput import (
+    RequestError,
+    declared_too_large,
+    parse_payload,
+    read_body,
+    too_many_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +81,10 @@ NAME_PREFIX = "kvp-"
 TMP_SUFFIX = ".tmp"
 PROMPT_LABEL = "prompt_tokens"  # user.kvcfs.label.prompt_tokens: the prompt part of a snapshot's tokens
 LABEL_XATTR = "user.kvcfs.label." + PROMPT_LABEL
+DEFAULT_PROMPT_LIMIT = 1 << 20  # prompt tokens, when neither proxy_max_prompt_tokens nor the upstream says
+TOKEN_JSON_BYTES = 12  # an upper bound of one token in /tokenize's answer ("151935, " is 8)
+KEY_TTL = 60.0  # seconds an API key the upstream accepted is not asked about again
+KEYS_KEPT = 4096
 # Not forwarded: per-connection headers, and the ones the HTTP layer recomputes.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})  # fmt: skip
@@ -110,6 +126,7 @@ class Slot:
     prompt_len: int = 0  # the prompt part of ``snapshot``
     busy: bool = False
     saving: bool = False  # its request is answered; the save is running
+    tenant: str | None = None  # with tenant isolation: whose content it holds (None: not known)
     last_used: float = 0.0
 
     def forget(self) -> None:
@@ -127,17 +144,19 @@ class SlotPool:
         self.min_gain = min_gain
         self._changed = asyncio.Condition()
 
-    async def acquire(self, tokens: list[int]) -> Slot:
+    async def acquire(self, tokens: list[int], tenant: str | None = None) -> Slot:
+        """``tenant`` (with isolation): only slots holding that tenant's content count what they hold."""
         async with self._changed:
             while True:
-                slot = self._pick(tokens)
+                slot = self._pick(tokens, tenant)
                 if slot is not None:
                     slot.busy = True
                     return slot
                 await self._changed.wait()
 
-    def _pick(self, tokens: list[int]) -> Slot | None:
-        held = {s.id: common_prefix_len(tokens, s.tokens) for s in self.slots}
+    def _pick(self, tokens: list[int], tenant: str | None = None) -> Slot | None:
+        held = {s.id: common_prefix_len(tokens, s.tokens) if tenant is None or s.tenant == tenant else 0
+                for s in self.slots}  # fmt: skip
         free = [s for s in self.slots if not s.busy]
         best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
         saving = [held[s.id] for s in self.slots if s.busy and s.saving]
@@ -179,6 +198,7 @@ class Plan:
     prepare_s: float = 0.0
     first_token_s: float | None = None
     prompt_n: int | None = None  # tokens llama-server evaluated (its timings), when it said
+    no_reuse: bool = False  # the slot may hold another tenant's tokens: tell llama-server not to reuse them
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -198,7 +218,13 @@ class ProxyMetrics:
                               registry=r)  # fmt: skip
         self.restore_s = Histogram("kvcfs_proxy_restore_seconds", "Slot restores from the store", registry=r)
         self.save_s = Histogram("kvcfs_proxy_save_seconds", "Slot saves into the store (save + rename)", registry=r)
+        self.refused = Counter("kvcfs_proxy_refused_requests", "Requests the proxy refused itself (413: body over "
+                               "proxy_max_body; 400: not a JSON object, nested too deep, prompt over the token "
+                               "limit)", ["status"], registry=r)  # fmt: skip
         self.errors = Counter("kvcfs_proxy_errors", "Failed steps (the request itself went on)", ["step"], registry=r)
+        self.skipped = Counter("kvcfs_proxy_skipped_saves", "Saves not made (not_mounted: the directory is not on a "
+                               "live kv-chunk-fs mount, so llama-server would write full files to the disk "
+                               "under it)", ["reason"], registry=r)  # fmt: skip
         self.evicted = Counter("kvcfs_proxy_evicted_snapshots", "Snapshots deleted for cache_max_bytes", registry=r)
         hit = Gauge("kvcfs_proxy_prompt_hit_ratio", "Share of prompt tokens not evaluated (store + slot)", registry=r)
         hit.set_function(self.hit_ratio)
@@ -230,12 +256,23 @@ class Proxy:
         *,
         min_restore: int = 32,
         cache_max_bytes: int = 0,
+        max_body: int = 16 << 20,
+        max_prompt_tokens: int = 0,
+        tenant: str = "none",
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.upstream_url = upstream.rstrip("/")
         self.mount = mount
         self.min_restore = min_restore
         self.cache_max_bytes = cache_max_bytes
+        self.max_body = max_body
+        if tenant not in ("none", "api-key") and not (tenant.startswith("header:") and len(tenant) > 7):
+            raise ValueError(f"tenant must be none, api-key or header:NAME, not {tenant!r}")
+        self.tenant = tenant  # none | api-key | header:NAME
+        self.max_prompt_tokens = max_prompt_tokens  # 0: the upstream's context size, once known
+        self.prompt_limit = max_prompt_tokens or DEFAULT_PROMPT_LIMIT
+        self.open_upstream = False  # the upstream takes requests without an API key (learnt in ready())
+        self._keys_ok: dict[bytes, float] = {}  # hash of an Authorization header the upstream took -> until
         self.metrics = ProxyMetrics(registry)
         # llama-server closes idle keep-alive connections after 5 s; reusing one it just closed fails the
         # request, so pooled connections expire well before that.
@@ -251,6 +288,7 @@ class Proxy:
         self._ready_lock = asyncio.Lock()
         self._budget_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._claimed: set[str] = set()  # names a request in flight will save under
         self.app = self._make_app()
 
     # -- app ------------------------------------------------------------------------------------
@@ -293,19 +331,29 @@ class Proxy:
             log.error("proxy background task failed", exc_info=task.exception())
 
     async def handle(self, request: Request) -> Response:
-        body = await request.body()
+        """Cheap checks first: the declared size, then (generation) the upstream's word on the API key,
+        and only then the body is read (bounded) and parsed (bounded): a client the upstream would
+        refuse costs the proxy one small request, not a copy of its prompt."""
         kind = GENERATION.get(request.url.path) if request.method == "POST" else None
-        payload: Any = None
-        if kind is not None:
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                payload = None  # llama-server says what is wrong with it
         _AUTH.set(request.headers.get("authorization", ""))
         try:
-            if isinstance(payload, dict) and kind is not None and await self.ready():
-                return await self.generate(request, kind, payload)
-            return await self.forward(request, body)
+            refused = declared_too_large(request, self.max_body)
+            if refused is not None:
+                raise refused
+            if self.tenant != "none" and (request.url.path == "/slots" or request.url.path.startswith("/slots/")):
+                # A client's own save/restore/list of slots would bypass the namespaces.
+                raise RequestError(403, "slots are managed by the proxy alone with proxy_tenant set",
+                                   "permission_error")  # fmt: skip
+            if kind is not None and await self.ready():
+                denied = await self.upstream_refusal(request)
+                if denied is not None:
+                    return denied
+                return await self.generate(request, kind, parse_payload(await read_body(request, self.max_body)))
+            return await self.forward(request, await read_body(request, self.max_body))
+        except RequestError as e:
+            log.info("proxy refused %s %s: %s", request.method, request.url.path, e)
+            self.metrics.refused.labels(str(e.status)).inc()
+            return _error(e.status, str(e), e.kind)
         except httpx.TransportError as e:
             log.warning("upstream %s unreachable for %s %s: %s", self.upstream_url, request.method,
                         request.url.path, e)  # fmt: skip
@@ -326,6 +374,24 @@ class Proxy:
             await resp.aclose()
         return Response(data, resp.status_code, headers=_response_headers(resp))
 
+    async def upstream_refusal(self, request: Request) -> Response | None:
+        """The upstream's 401/403 for this request's API key (asked with ``GET /props``, before the proxy
+        reads the body), or None. An upstream without keys is not asked; a key it took is not asked
+        about again for ``KEY_TTL`` seconds."""
+        if self.open_upstream:
+            return None
+        auth = request.headers.get("authorization", "")
+        key, now = hashlib.sha256(auth.encode("latin-1", "replace")).digest(), time.monotonic()
+        if self._keys_ok.get(key, 0.0) > now:
+            return None
+        r = await self.http.get("/props", headers={"authorization": auth} if auth else {})
+        if r.status_code in (401, 403):
+            return Response(r.content, r.status_code, headers=_response_headers(r))
+        if len(self._keys_ok) >= KEYS_KEPT:
+            self._keys_ok.clear()
+        self._keys_ok[key] = now + KEY_TTL
+        return None
+
     # -- setup ---------------------------------------------------------------------------------
 
     async def ready(self) -> bool:
@@ -340,7 +406,8 @@ class Proxy:
                     log.warning("cannot learn the upstream's slots and model (requests pass through): %s", e)
                     return False
                 self.pool, self.tag = SlotPool(n, self.min_restore), tag
-                log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*", n, NAME_PREFIX, tag)
+                log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*, prompts up to %d tokens", n,
+                         NAME_PREFIX, tag, self.prompt_limit)  # fmt: skip
         return True
 
     async def _discover(self) -> tuple[int, str]:
@@ -348,6 +415,11 @@ class Proxy:
         slots = await self._json("GET", "/slots")
         n = len(slots) if isinstance(slots, list) and slots else int(props["total_slots"])
         model = str(props.get("model_path") or props.get("model_alias") or "")
+        self.open_upstream = (await self.http.get("/props")).status_code == 200  # no --api-key
+        if not self.max_prompt_tokens:  # llama-server refuses a prompt longer than a slot's context anyway
+            settings = props.get("default_generation_settings")
+            n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+            self.prompt_limit = n_ctx if type(n_ctx) is int and n_ctx > 0 else DEFAULT_PROMPT_LIMIT
         return n, hashlib.sha256(model.encode()).hexdigest()[:8]
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -371,16 +443,20 @@ class Proxy:
 
     async def generate(self, request: Request, kind: str, payload: dict[str, Any]) -> Response:
         start = time.monotonic()
-        tokens = await self.prompt_tokens(kind, payload)
+        space = self.namespace(request)
+        tokens = await self.prompt_tokens(kind, payload) if space is not None else None
         assert self.pool is not None
-        slot = await self.pool.acquire(tokens or [])
+        tenant = None if self.tenant == "none" else space or f"anonymous {secrets.token_hex(8)}"
+        slot = await self.pool.acquire(tokens or [], tenant)
         plan = Plan(None)
         resp: httpx.Response | None = None
         handed_off = False  # from here on the slot is released by the task finish() runs in
         try:
-            plan = await self.prepare(slot, tokens)
+            plan = await self.prepare(slot, tokens, space or "", tenant)
             plan.prepare_s = time.monotonic() - start
             payload["id_slot"] = slot.id
+            if plan.no_reuse:
+                payload["cache_prompt"] = False
             req = self.http.build_request("POST", request.url.path, params=request.query_params,
                                           headers=_request_headers(request, identity=True),
                                           content=json.dumps(payload).encode())  # fmt: skip
@@ -449,6 +525,8 @@ class Proxy:
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 return await self._tokenize(prompt)
+            if isinstance(prompt, list) and len(prompt) > self.prompt_limit:
+                raise too_many_tokens(len(prompt), self.prompt_limit)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return list(prompt)
         except (httpx.HTTPStatusError, ValueError, KeyError, TypeError) as e:
@@ -456,22 +534,51 @@ class Proxy:
         return None
 
     async def _tokenize(self, text: str) -> list[int] | None:
+        """The tokens of ``text``; over ``prompt_limit`` a 400, told from the answer's size before it is
+        parsed (each token is at most ``TOKEN_JSON_BYTES`` of it)."""
+        cap = self.prompt_limit * TOKEN_JSON_BYTES + 4096
         # add_special and parse_special as llama-server's completion handlers tokenize prompts.
-        out = await self._json("POST", "/tokenize", json={"content": text, "add_special": True, "parse_special": True})
+        body = {"content": text, "add_special": True, "parse_special": True}
+        auth = _AUTH.get()
+        req = self.http.build_request("POST", "/tokenize", json=body, headers={"authorization": auth} if auth else {})
+        resp = await self.http.send(req, stream=True)
+        try:
+            resp.raise_for_status()
+            parts, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise too_many_tokens(None, self.prompt_limit)
+                parts.append(chunk)
+        finally:
+            await resp.aclose()
+        out = json.loads(b"".join(parts))
         tokens = [t if type(t) is int else t["id"] for t in out["tokens"]]
+        if len(tokens) > self.prompt_limit:
+            raise too_many_tokens(len(tokens), self.prompt_limit)
         return tokens or None
 
     # -- before: route, look up, restore ----------------------------------------------------------
 
-    async def prepare(self, slot: Slot, tokens: list[int] | None) -> Plan:
-        """Restore into ``slot`` if the store has more of the prompt; decide the save name."""
+    async def prepare(self, slot: Slot, tokens: list[int] | None, space: str = "", tenant: str | None = None) -> Plan:
+        """Restore into ``slot`` if the store has more of the prompt; decide the save name. ``space``:
+        the namespace of the names it restores and saves; ``tenant`` (isolation on): who the slot is
+        for, whose content it must not reuse."""
+        no_reuse = False
+        if tenant is not None and slot.tenant != tenant:
+            slot.forget()  # nothing it holds is this tenant's: no parent, no held prefix
+            no_reuse = not await self._erase(slot)
+        slot.tenant = tenant
         if tokens is None:
             slot.forget()  # an uncached request changes the slot in ways the proxy cannot follow
             self.metrics.requests.labels("uncached").inc()
-            return Plan(None)
+            return Plan(None, no_reuse=no_reuse)
         await self._check_slot(slot)
         held = common_prefix_len(tokens, slot.tokens)
-        best = await self.lookup(tokens)
+        # The next turn of the conversation the slot holds: its latest save is the slot's content, so the
+        # store has no more of this prompt (steady state costs no round trip to the daemon).
+        continues = slot.snapshot is not None and held >= slot.prompt_len > 0
+        best = None if continues else await self.lookup(tokens, space)
         restored = 0
         if best is not None and best.path == slot.snapshot:
             held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
@@ -480,13 +587,44 @@ class Proxy:
                 restored = min(best.match, len(tokens)) - held
                 held += restored
         parent = None
-        if slot.snapshot is not None and held >= slot.prompt_len > 0:
+        if continues:
             parent = slot.snapshot  # the next turn of the slot's conversation: replace it
         elif best is not None and best.match >= best.prompt_len > 0:
             parent = best.path
-        name = parent or f"{NAME_PREFIX}{self.tag}-{_digest(tokens)}"
+        name = parent or f"{self.name_prefix(space)}{_digest(tokens)}"
+        if name in self._claimed:  # another continuation of the same turn replaces it: this one branches off
+            name = f"{self.name_prefix(space)}{secrets.token_hex(8)}"
+        self._claimed.add(name)  # released in finish(); nothing awaits in between, so no other request sees it free
         self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
-        return Plan(name, held=held, restored=restored)
+        return Plan(name, held=held, restored=restored, no_reuse=no_reuse and not restored)
+
+    def name_prefix(self, space: str) -> str:
+        """``kvp-MODEL-`` without tenant isolation, ``kvp-MODEL.NAMESPACE-`` with it: neither is a prefix
+        of the other, so a lookup in one never sees the other."""
+        return f"{NAME_PREFIX}{self.tag}.{space}-" if space else f"{NAME_PREFIX}{self.tag}-"
+
+    def namespace(self, request: Request) -> str | None:
+        """The request's namespace: "" without tenant isolation; with it, a hash of the API key or of the
+        configured header, or None when the request has none (then it runs uncached)."""
+        if self.tenant == "none":
+            return ""
+        header = "authorization" if self.tenant == "api-key" else self.tenant.partition(":")[2]
+        value = request.headers.get(header, "").strip()
+        if not value:
+            return None
+        return hashlib.sha256(b"kv-chunk-fs tenant\0" + value.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+    async def _erase(self, slot: Slot) -> bool:
+        """Empty a slot that held another tenant's tokens (llama-server would reuse their common prefix,
+        and its timings would tell). False if it could not: then the request asks for no reuse."""
+        try:
+            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "erase"})
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.warning("erase of slot %d failed (the request runs without prompt reuse): %s", slot.id, _why(e))
+            self.metrics.errors.labels("erase").inc()
+            return False
+        return True
 
     async def _check_slot(self, slot: Slot) -> None:
         """Forget what the slot held if llama-server says otherwise (restarted, or used by another client)."""
@@ -503,11 +641,11 @@ class Proxy:
             slot.forget()
             slot.n_tokens = n
 
-    async def lookup(self, tokens: list[int]) -> Match | None:
-        """The stored snapshot of this model sharing the longest prefix with ``tokens``."""
+    async def lookup(self, tokens: list[int], space: str = "") -> Match | None:
+        """The stored snapshot of this model and namespace sharing the longest prefix with ``tokens``."""
         if self.daemon is None:
             return None
-        body = {"tokens": tokens, "prefix": f"{NAME_PREFIX}{self.tag}-", "exclude_suffix": TMP_SUFFIX}
+        body = {"tokens": tokens, "prefix": self.name_prefix(space), "exclude_suffix": TMP_SUFFIX}
         try:
             r = await self._ask_daemon("POST", "/prefix-match", json=body)
             r.raise_for_status()
@@ -567,9 +705,24 @@ class Proxy:
             elif tokens is None:
                 slot.forget()
         finally:
+            if plan.name is not None:
+                self._claimed.discard(plan.name)
             await self.pool.release(slot)
         if ok and plan.name is not None and self.cache_max_bytes:
             await self.keep_budget()
+
+    def owns(self, row: dict[str, Any]) -> bool:
+        """A listed snapshot is this proxy's: named as it names them (its model, its namespace: tenant
+        ones with tenant isolation, the others without) and labelled with a prompt length. A file a user
+        called ``kvp-something``, another model's or another namespace's snapshots are not."""
+        labels = row.get("labels")
+        return (isinstance(labels, dict) and PROMPT_LABEL in labels and "path_b64" not in row
+                and self._own_name.fullmatch(str(row.get("path", ""))) is not None)  # fmt: skip
+
+    @property
+    def _own_name(self) -> re.Pattern[str]:
+        space = r"\.[0-9a-f]{12}" if self.tenant != "none" else ""
+        return re.compile(re.escape(f"{NAME_PREFIX}{self.tag}") + space + r"-[0-9a-f]{16}")
 
     def _count_tokens(self, plan: Plan, n: int) -> None:
         evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, n - plan.held)
@@ -581,13 +734,20 @@ class Proxy:
         if self.mount is None:
             return
         start = time.monotonic()
-        tmp = name + TMP_SUFFIX
+        tmp = f"{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"  # its own: a concurrent save never renames it
         try:
+            await asyncio.to_thread(self._check_mount)
             r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
             r.raise_for_status()
             n = int(r.json()["n_saved"])
             prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
             await asyncio.to_thread(self._install, tmp, name, prompt_len)
+        except NotMounted as e:
+            log.warning("save of slot %d as %s skipped: %s", slot.id, name, e)
+            self.metrics.skipped.labels("not_mounted").inc()
+            slot.forget()
+            await asyncio.to_thread(self._discard, tmp)  # written while the mount went away: off the bare disk
+            return
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
             self.metrics.errors.labels("save").inc()
@@ -598,20 +758,30 @@ class Proxy:
         slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
 
     def _discard(self, tmp: str) -> None:
-        """Remove a half-done save's NAME.tmp (if llama-server wrote one): the store frees it at GC."""
+        """Remove a half-done save's temporary file (if llama-server wrote one): the store frees it at GC."""
         assert self.mount is not None
         with contextlib.suppress(OSError):
             os.unlink(self.mount / tmp)
 
-    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
-        """Label NAME.tmp, then rename it over NAME: readers see the old or the new snapshot, whole."""
+    def _check_mount(self) -> None:
         assert self.mount is not None
+        problem = mount_problem(self.mount)
+        if problem is not None:
+            raise NotMounted(problem)
+
+    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
+        """Label the temporary file, then rename it over NAME: readers see the old or the new snapshot, whole.
+        The mount is checked again: it may have gone while llama-server was writing."""
+        assert self.mount is not None
+        self._check_mount()
         os.setxattr(self.mount / tmp, LABEL_XATTR, str(prompt_len).encode())
         os.rename(self.mount / tmp, self.mount / name)
 
     async def keep_budget(self) -> None:
-        """Delete the lowest-score proxy snapshots until stored bytes fit ``cache_max_bytes`` (one run at
-        a time; a save arriving meanwhile is covered by the run after it)."""
+        """Delete the lowest-score snapshots this proxy owns until what they hold alone (what deleting all
+        of them would free) fits ``cache_max_bytes``; other models', other namespaces' and users' files
+        are neither counted nor touched. One run at a time; a save arriving meanwhile is covered by the
+        run after it."""
         if self.daemon is None or self._budget_lock.locked():
             return
         async with self._budget_lock:
@@ -623,18 +793,21 @@ class Proxy:
 
     async def _evict(self) -> None:
         assert self.daemon is not None and self.pool is not None
-        stats = await self._ask_daemon("GET", "/stats")
-        stats.raise_for_status()
-        excess = int(stats.json()["stored_bytes"]) - self.cache_max_bytes
+        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": f"{NAME_PREFIX}{self.tag}", "sort": "score"})
+        r.raise_for_status()
+        own = [row for row in r.json()["snapshots"] if self.owns(row)]
+        if not own:
+            return
+        preview = await self._ask_daemon("POST", "/deletion-preview", json={"paths": [row["path"] for row in own]})
+        preview.raise_for_status()
+        excess = int(preview.json()["freed_bytes"]) - self.cache_max_bytes
         if excess <= 0:
             return
-        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": NAME_PREFIX, "sort": "score"})
-        r.raise_for_status()
-        in_use = {s.snapshot for s in self.pool.slots if s.busy}  # about to be rewritten: keep
+        in_use = {s.snapshot for s in self.pool.slots if s.busy} | self._claimed  # about to be rewritten: keep
         freed = deleted = 0
-        for row in r.json()["snapshots"]:
+        for row in own:
             path = row["path"]
-            if path in in_use or path.endswith(TMP_SUFFIX) or "path_b64" in row:
+            if path in in_use:
                 continue
             d = await self._ask_daemon("DELETE", "/snapshots/" + quote(path, safe="/"))
             if d.status_code >= 400 and d.status_code != 404:
@@ -650,6 +823,36 @@ class Proxy:
             self.metrics.evicted.inc(deleted)
             (await self._ask_daemon("POST", "/gc")).raise_for_status()
             log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
+
+
+class NotMounted(Exception):
+    """The save directory is not on a live kv-chunk-fs mount."""
+
+
+FSTYPE = "fuse.kv-chunk-fs"  # what /proc/self/mountinfo calls the daemon's mounts (fsname and subtype)
+
+
+def mount_problem(directory: Path) -> str | None:
+    """None if ``directory`` is on a live kv-chunk-fs mount, else why not. Existing is not enough: with
+    the daemon stopped, the bare mountpoint is a directory on the root disk. The directory's device
+    must be a kv-chunk-fs mount in ``/proc/self/mountinfo`` (the mountpoint itself or a directory in
+    it), and it must answer (a killed daemon's mount fails with ENOTCONN)."""
+    try:
+        dev = os.stat(directory).st_dev
+        os.statvfs(directory)
+        with open("/proc/self/mountinfo") as f:
+            table = f.read()
+    except OSError as e:
+        return f"{directory}: {e.strerror or e}"
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+            fstype = fields[fields.index("-") + 1 :][:1]
+            if fstype == [FSTYPE]:
+                return None
+            return f"{directory} is on a {fstype[0] if fstype else 'unknown'} filesystem, not a kv-chunk-fs mount"
+    return f"{directory}: its device {wanted} is not in /proc/self/mountinfo"
 
 
 class Relay(StreamingResponse):

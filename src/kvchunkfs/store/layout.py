@@ -7,6 +7,8 @@ STORE/
   chunks.db       the chunk map (SQLite, WAL)
   tmp/            complete new stubs waiting for their rename; the API socket's staging dir
   staging/        plain copies of files written out of order
+  prev/           durability=close: the version a save replaced, until the new one is durable
+  lost+found/     stubs recovery set aside after a crash (unreadable, or naming chunks that are gone)
   lock            flock held by the one process working on the store
   api.sock        the daemon's HTTP API
 ```
@@ -52,6 +54,14 @@ class Layout:
         return self.root / "staging"
 
     @property
+    def prev(self) -> Path:
+        return self.root / "prev"
+
+    @property
+    def lost_found(self) -> Path:
+        return self.root / "lost+found"
+
+    @property
     def db(self) -> Path:
         return self.root / DB_NAME
 
@@ -94,7 +104,7 @@ class Layout:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         restrict(self.root, 0o700)
         self.snapshots.mkdir(mode=0o777, exist_ok=True)
-        for d in (self.packs, self.tmp, self.staging):
+        for d in (self.packs, self.tmp, self.staging, self.prev):
             d.mkdir(mode=0o700, exist_ok=True)
             restrict(d, 0o700)
 

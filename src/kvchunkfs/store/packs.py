@@ -648,8 +648,17 @@ class PackStore:
 
     @property
     def open_pack(self) -> int | None:
-        """The pack new chunks go to; GC never touches it."""
+        """The pack new chunks go to; GC never touches it (it may ``seal`` it first)."""
         return self._pack_id
+
+    def seal(self, pack: int) -> bool:
+        """Stop appending to ``pack`` if it is still the open one: the next batch starts a new pack,
+        and GC may delete, trim or compact this one like any other. False if it was not open."""
+        with self.lock:  # appends hold it: none is writing to the fd being closed
+            if self._pack_id != pack:
+                return False
+            self._close_pack()
+            return True
 
     def sync(self) -> None:
         """Make every chunk written so far durable (pack data, then the map)."""

@@ -48,8 +48,9 @@ from typing import Protocol
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
+from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, PackStore
-from kvchunkfs.store.s3 import Bucket, ObjectInfo
+from kvchunkfs.store.s3 import Bucket, ChunkHead, IndexObject, ObjectInfo, TooLarge, content_etag
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,25 @@ _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
 _MAX_BACKOFF = 5.0  # seconds between retries of a failing upload
 _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 _CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
+_SHORT_CHUNKS = 1 << 12  # chunks shorter than the minimum an index may have (segment ends)
+
+
+def max_index_bytes(max_file_size: int, chunk_min: int) -> int:
+    """The largest index a file of ``max_file_size`` bytes can have: index objects larger than this
+    are refused before a byte of them is parsed (one entry is 40 bytes; chunks are at least
+    ``chunk_min`` long, or relayout's small stride, except at a bounded number of segment ends)."""
+    from kvchunkfs.format.cutter import SMALL_STRIDE
+
+    entries = max_file_size // max(1, min(chunk_min, SMALL_STRIDE)) + _SHORT_CHUNKS
+    return idx.FIXED_BYTES + idx.ITEM_BYTES * entries
+
+
+def decode_checked(data: bytes, max_file_size: int | None) -> idx.Index:
+    """An index object's content, parsed: IndexFormatError also for a file over ``max_file_size``."""
+    index = idx.decode(data)
+    if max_file_size is not None and index.size > max_file_size:
+        raise idx.IndexFormatError(f"a file of {index.size} bytes, more than max_file_size ({max_file_size})")
+    return index
 
 
 class RepoView(Protocol):
@@ -202,9 +222,23 @@ class RemoteTier:
         fetch_workers: int = 8,
         grace: float = 86400,
         list_ttl: float = 5,
+        fmt: BucketFormat | None = None,
+        max_file_size: int | None = None,
     ) -> None:
         self.repo = repo
         self.bucket = bucket
+        # What this host's store writes and can read; None (tools, tests of other parts): unchecked.
+        self.format = fmt
+        self._format_state: str | None = None if fmt is not None else "ok"  # None: not checked yet
+        self._format_lock = threading.Lock()  # held across the format object's GET/PUT (tier threads only)
+        self.refused_indexes = 0
+        self.corrupt_chunks = 0  # fetched chunks that failed their id (reported in the bucket)
+        self.healed_chunks = 0  # bad chunk objects this host put right
+        self._etags_are_md5 = True  # until a good object shows otherwise (SSE-KMS, multipart)
+        self._damage_checked = 0.0  # monotonic time of the last look at the bucket's damage reports
+        # Index objects over this many bytes are refused unread (a bogus one must not cost memory).
+        self.max_file_size = max_file_size
+        self.max_index = max_index_bytes(max_file_size, fmt.chunk_min if fmt else 1) if max_file_size else None
         self.grace = grace
         self.list_ttl = list_ttl
         self.db = SyncDb(repo.snapshots.parent / DB_NAME, bucket.url)
@@ -237,6 +271,69 @@ class RemoteTier:
         # Called on the uploader thread whenever the queue has drained (the daemon: evict if over
         # the local limit, in a thread of its own). Must not block.
         self.on_idle: Callable[[], None] | None = None
+
+    # -- the bucket's format -------------------------------------------------------------------
+
+    def check_format(self) -> None:
+        """Make sure this host may use the bucket: read its format object, or create it (a
+        conditional PUT, then read back: of two hosts racing to create it, the one whose format is
+        not there refuses). FormatMismatch if the store differs (the tier then stays off: nothing
+        is uploaded, listed or fetched); OSError if the bucket cannot be reached (checked again
+        before the next use). Blocking: never on the FUSE thread."""
+        with self._format_lock:
+            if self._format_state == "ok":
+                return
+            if self._format_state is not None:
+                raise FormatMismatch(5, self._format_state)
+            assert self.format is not None
+            ours = self.format.to_json()
+            data = self.bucket.get_format(MAX_FORMAT_BYTES)
+            if data is None:
+                if self.bucket.create_format(ours):
+                    log.info("remote: %s had no format; recorded this store's (%s)", self.bucket.url, self.format)
+                data = self.bucket.get_format(MAX_FORMAT_BYTES)
+                if data is None:
+                    raise OSError(5, f"{self.bucket.url}: the format object just written is not there")
+            try:
+                why = self.format.mismatch(BucketFormat.from_json(data))
+            except FormatError as e:
+                why = f"its format object is unreadable ({e})"
+            if why is None:
+                self._format_state = "ok"
+                return
+            self._format_state = (
+                f"remote {self.bucket.url} refused: {why}. Its snapshots would not read back as their "
+                "files here; use another prefix, or a store created with the bucket's chunker and sizes"
+            )
+            log.error("%s", self._format_state)
+            raise FormatMismatch(5, self._format_state)
+
+    def _readable(self, rel: str, obj: IndexObject) -> bool:
+        """An index object whose stream this host reads as it was written (one from before the tag
+        existed is the bucket's format, checked at mount)."""
+        if self.format is None or obj.stream is None or obj.stream == self.format.stream:
+            return True
+        self.refused_indexes += 1
+        log.error("remote: %s in %s was written by a %s store; this store (%s) cannot read it: not fetched",
+                  rel, self.bucket.url, obj.stream, self.format.stream)  # fmt: skip
+        return False
+
+    def _read_index(self, rel: str) -> IndexObject | None:
+        """The bucket's index object of ``rel`` (None: gone, or refused unread for its size)."""
+        try:
+            return self.bucket.read_index(rel, self.max_index)
+        except FileNotFoundError:
+            return None
+        except TooLarge as e:
+            self._bad_index(rel, e)
+            return None
+
+    def _bad_index(self, rel: str, e: Exception) -> None:
+        self.refused_indexes += 1
+        log.error("remote: %s in %s is not a valid index here, not fetched: %s", rel, self.bucket.url, e)
+
+    def _stream_tag(self) -> str:
+        return self.format.stream if self.format is not None else ""
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -285,6 +382,10 @@ class RemoteTier:
             "remote_chunk_get_bytes": c.chunk_get_bytes,
             "remote_index_gets": c.index_gets,
             "remote_lists": c.lists,
+            "remote_refused": int(self._format_state not in (None, "ok")),
+            "remote_refused_indexes": self.refused_indexes,
+            "remote_corrupt_chunks": self.corrupt_chunks,
+            "remote_healed_chunks": self.healed_chunks,
         } | self._eviction_stats()
 
     def _eviction_stats(self) -> dict[str, int]:
@@ -354,8 +455,15 @@ class RemoteTier:
                 del self._queue[rel]
                 self._busy = 1
             try:
+                self.check_format()
                 self._sync(rel)
                 failures = 0
+            except FormatMismatch:  # logged once; the queue waits (remote.db re-queues it at the next mount)
+                with self._cond:
+                    self._queue.setdefault(rel, None)
+                    while not self._stop:
+                        self._cond.wait()
+                return
             except (ChunkMissing, ChunkCorrupt) as e:  # retrying cannot help; a later change queues it again
                 self.upload_errors += 1
                 log.error("remote: cannot upload %s: %s", rel, e)
@@ -419,8 +527,9 @@ class RemoteTier:
         except idx.IndexFormatError as e:
             log.error("remote: %s is not a valid index, not uploaded: %s", rel, e)
             return
+        self._heal()
         self._upload_chunks(index)
-        etag = self.bucket.put_index(rel, data)
+        etag = self.bucket.put_index(rel, data, self._stream_tag())
         self.db.put(rel, Synced(sha, etag, ctime_ns))
         self.uploaded_indexes += 1
         log.info("remote: uploaded %s (%d chunks)", rel, len(index))
@@ -471,22 +580,84 @@ class RemoteTier:
             self._confirmed[cid] = time.monotonic() - max(0.0, age)
 
     def _ensure(self, cid: bytes) -> None:
-        """The chunk is in the bucket and younger than half the grace when this returns."""
-        head = self.bucket.head_chunk(cid)
+        """The chunk is in the bucket, with its content, and younger than half the grace when this returns."""
+        head = self.bucket.stat_chunk(cid)
+        data = None
         if head is not None:
-            modified, now = head
-            if now - modified < self.grace / 2:
-                self._confirm(cid, now - modified)
+            with contextlib.suppress(ChunkMissing):  # evicted here: the bucket's copy is all there is
+                data = self._local(cid)
+            if data is not None and not self._holds(cid, head, data):
+                self._heal_one(cid, data, "its ETag is not its content's")
+                return
+            if head.now - head.modified < self.grace / 2:
+                self._confirm(cid, head.now - head.modified)
                 return
             self.bucket.touch_chunk(cid)
             self._confirm(cid, 0)
             return
+        self._put_verified(cid, data or self._local(cid))
+
+    def _local(self, cid: bytes) -> bytes:
         try:
-            data = self.repo.store.get_many([cid])[0]
+            return bytes(self.repo.store.get_many([cid])[0])
         except ChunkMissing:
             raise ChunkMissing(f"chunk {cid.hex()} is neither in the local packs nor in the bucket") from None
-        self.bucket.put_chunk(cid, data)
+
+    def _holds(self, cid: bytes, head: ChunkHead, data: bytes) -> bool:
+        """The bucket's object is the chunk's content: its ETag is the content's MD5, or (a server
+        whose ETags are not MD5s: SSE-KMS) the object fetched hashes to its id."""
+        if not self._etags_are_md5 or head.etag == content_etag(data):
+            return True
+        try:
+            good = hashlib.sha256(self.bucket.get_chunk(cid)).digest() == cid
+        except FileNotFoundError:
+            return False
+        if good:
+            self._etags_are_md5 = False  # one good object with another ETag: stop comparing them
+            log.info("remote: %s gives ETags that are not MD5s; existing chunks are trusted by key", self.bucket.url)
+        return good
+
+    def _put_verified(self, cid: bytes, data: bytes) -> None:
+        """Never put bytes under an id they do not hash to; the server's ETag must be their MD5."""
+        if hashlib.sha256(data).digest() != cid:
+            raise ChunkCorrupt(f"chunk {cid.hex()} read from the local packs fails its checksum: not uploaded")
+        etag = self.bucket.put_chunk(cid, data)
+        if self._etags_are_md5 and etag and etag != content_etag(data):
+            raise OSError(5, f"{self.bucket.url}: chunk {cid.hex()} stored with ETag {etag}, not its content's")
         self._confirm(cid, 0)
+
+    def _heal_one(self, cid: bytes, data: bytes, why: str) -> None:
+        log.warning("remote: chunk %s in %s is bad (%s); uploading it again", cid.hex(), self.bucket.url, why)
+        with self._confirmed_lock:
+            self._confirmed.pop(cid, None)
+        self._put_verified(cid, data)
+        self.healed_chunks += 1
+        with contextlib.suppress(OSError):
+            self.bucket.clear_damaged(cid)
+
+    def _heal(self) -> None:
+        """Put right the chunks other hosts reported bad that this host has (at most once per
+        ``remote_list_ttl``, before an upload: one LIST, almost always empty)."""
+        if time.monotonic() - self._damage_checked < self.list_ttl:
+            return
+        self._damage_checked = time.monotonic()
+        damaged = self.bucket.list_damaged()
+        if not damaged:
+            return
+        have = self.repo.store.has(list(damaged))
+        for cid in damaged:
+            if cid in have:
+                self._heal_one(cid, self._local(cid), "reported by a host that fetched it")
+
+    def _report_corrupt(self, cid: bytes) -> None:
+        """A fetched chunk failed its id: say so here (log, metric) and in the bucket (a host that
+        has the chunk uploads it again at its next upload)."""
+        self.corrupt_chunks += 1
+        log.error("remote: chunk %s from %s fails its checksum; reported as damaged", cid.hex(), self.bucket.url)
+        try:
+            self.bucket.report_damaged(cid)
+        except OSError as e:
+            log.warning("remote: cannot report chunk %s as damaged: %s", cid.hex(), e)
 
     # -- read-through -------------------------------------------------------------------------
 
@@ -510,6 +681,7 @@ class RemoteTier:
 
     def _refresh(self) -> None:
         try:
+            self.check_format()  # a refused bucket lists nothing: no lookup brings its snapshots
             names = self.bucket.list_indexes()
             with self._list_lock:
                 self._listing = (time.monotonic(), names)
@@ -563,11 +735,16 @@ class RemoteTier:
         uploader is about to delete it there; fetching it back would undo the unlink)."""
         if self.db.get(rel) is not None:
             return False
-        try:
-            data, etag = self.bucket.get_index(rel)
-        except FileNotFoundError:
+        self.check_format()
+        obj = self._read_index(rel)
+        if obj is None or not self._readable(rel, obj):
             return False
-        index = idx.decode(data)
+        data, etag = obj.data, obj.etag
+        try:
+            index = decode_checked(data, self.max_file_size)
+        except idx.IndexFormatError as e:
+            self._bad_index(rel, e)
+            return False
         path = self.repo.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = stubs.prepare(self.repo.tmp, index, None, 0o644)
@@ -607,13 +784,19 @@ class RemoteTier:
             os.close(fd)
         if hashlib.sha256(local).digest() != row.sha:
             return None
-        try:
-            data, etag = self.bucket.get_index(rel)
-        except FileNotFoundError:
+        self.check_format()
+        obj = self._read_index(rel)
+        if obj is None or not self._readable(rel, obj):
             return None
+        data, etag = obj.data, obj.etag
         if etag == row.etag:
             return None  # the listing was older than what we synced
-        tmp = stubs.prepare(self.repo.tmp, idx.decode(data), path)  # keeps use count, labels, mode
+        try:
+            index = decode_checked(data, self.max_file_size)
+        except idx.IndexFormatError as e:
+            self._bad_index(rel, e)
+            return None
+        tmp = stubs.prepare(self.repo.tmp, index, path)  # keeps use count, labels, mode
         return Fetched(rel, tmp, Synced(hashlib.sha256(data).digest(), etag, 0), ctime_ns)
 
     def refreshed(self, fetched: Fetched) -> None:
@@ -634,6 +817,7 @@ class RemoteTier:
         missing = [c for c in wanted if c not in have]
         if not missing:
             return 0
+        self.check_format()
         pending: collections.deque[tuple[bytes, Future[bytes]]] = collections.deque()
         batch: list[tuple[bytes, bytes | memoryview]] = []
         size = 0
@@ -647,6 +831,7 @@ class RemoteTier:
                 cid, fut = pending.popleft()
                 data = fut.result()
                 if hashlib.sha256(data).digest() != cid:
+                    self._report_corrupt(cid)
                     raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
                 batch.append((cid, data))
                 size += len(data)

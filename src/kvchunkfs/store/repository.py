@@ -8,6 +8,8 @@ can miss a stub renamed meanwhile); see docs/design.md, "Garbage collection" and
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import logging
 import os
@@ -21,7 +23,7 @@ from typing import Any
 from kvchunkfs.format.cutter import Cutter
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
-from kvchunkfs.store.layout import Layout, fsync_path
+from kvchunkfs.store.layout import Layout, fsync_dir, fsync_path
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.remote import RemoteTier
 
@@ -63,6 +65,12 @@ class Repository:
         self.tmp = self.layout.tmp
         self.staging = self.layout.staging
         self.durable = settings.durability == "fsync"
+        # durability=close: names whose replaced version is kept in prev/ until a checkpoint makes
+        # the new one durable -> the number of their last replace (see ``checkpoint``). The lock
+        # guards only the dict, never I/O.
+        self._prev_lock = threading.Lock()
+        self._kept: dict[str, int] = {}
+        self._replaces = 0
         # Paths created by namespace changes since GC's last mark; _ns_lock guards only list
         # operations (never I/O), so the FUSE thread may take it.
         self._ns_lock = threading.Lock()
@@ -124,6 +132,7 @@ class Repository:
 
     def install(self, tmp: Path, rel: str) -> None:
         """The commit point of a save: the complete new stub replaces the old one."""
+        self._keep_previous(rel)
         with self._changing(rel):
             os.rename(tmp, self.path(rel))
             self.touched(rel)
@@ -154,12 +163,93 @@ class Repository:
         """Make every chunk written so far durable (before a stub that names them is renamed)."""
         self.store.sync()
 
+    # -- power loss -------------------------------------------------------------------------
+
+    def _keep_previous(self, rel: str) -> None:
+        """durability=close, just before ``rel`` is replaced: hard-link its stub into ``prev/``.
+
+        Nothing of a save is fsynced in this mode, so after a power cut the new stub (or the chunks
+        it names) may be gone while its rename survived; the link, a metadata change made before
+        the rename, survives with it (file systems journal metadata in order), and recovery puts the
+        previous version back. One link per name until the next ``checkpoint``: that one is the
+        version that was durable. Costs one link per save; no fsync.
+        """
+        if self.durable or not _is_file(self.path(rel)):
+            return
+        name = prev_name(rel)
+        if name is None:
+            log.debug("%s: name too long to keep its previous version until a checkpoint", rel)
+            return
+        with self._prev_lock:
+            self._replaces += 1
+            known = rel in self._kept
+            self._kept[rel] = self._replaces
+        if known:
+            return
+        try:
+            os.link(self.path(rel), self.layout.prev / name, follow_symlinks=False)
+        except FileExistsError:  # kept by an earlier replace whose checkpoint did not finish
+            pass
+        except OSError as e:  # the save goes on; only its power-loss fallback is missing
+            log.warning("cannot keep the previous version of %s: %s", rel, e)
+
+    def checkpoint(self) -> int:
+        """durability=close: make the saves that replaced a kept version durable (chunks, map, stubs,
+        directories), then drop those versions from ``prev/``. Blocking: a background task every few
+        seconds, GC before it runs, unmount. Returns the number of versions dropped."""
+        with self._prev_lock:
+            kept = dict(self._kept)
+        if not kept:
+            return 0
+        # The bulk of the writeback (the pack saves append to) outside store.lock, which the sync
+        # holds across its fsyncs: saves keep appending meanwhile.
+        pack = self.store.open_pack
+        if pack is not None:
+            with contextlib.suppress(OSError), self.store.pack_fd(pack) as fd:
+                os.fsync(fd)
+        self.store.sync()
+        dirs = set()
+        for rel in kept:
+            path = self.path(rel)
+            _fsync_stub(path)
+            dirs.add(path.parent)
+        for d in dirs:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                fsync_dir(d)
+        with self._prev_lock:  # a name replaced again meanwhile keeps its version until the next one
+            done = [rel for rel, n in kept.items() if self._kept.get(rel) == n]
+            for rel in done:
+                del self._kept[rel]
+        for rel in done:
+            name = prev_name(rel)
+            assert name is not None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.layout.prev / name)
+        return len(done)
+
+    def sync_dirs(self, *rels: str) -> None:
+        """durability=fsync, after a namespace change: the directories holding ``rels`` (blocking)."""
+        for d in {self.path(rel).parent for rel in rels}:
+            fsync_dir(d)
+
+    def sync_entries(self, rel: str) -> None:
+        """A client's fsyncdir: the directory's entries survive a power cut, and so does every
+        snapshot they name (in close mode: its chunks, the map and its stub first). Blocking."""
+        path = self.path(rel)
+        if not self.durable:
+            self.store.sync()
+            for entry in os.scandir(path):
+                if entry.is_file(follow_symlinks=False):
+                    _fsync_stub(Path(entry.path))
+        fsync_dir(path)
+
     # -- namespace --------------------------------------------------------------------------
 
     def rename(self, old: str, new: str) -> None:
         src, dst = self.path(old), self.path(new)
         if _is_file(dst) and _is_file(src):
             stubs.carry_metadata(dst, src)
+            self._keep_previous(new)
         with self._changing(new):
             os.rename(src, dst)
             self.touched(old, new)
@@ -221,7 +311,38 @@ class Repository:
             return self.ns_gen, [p for p in new if p is not None]
 
     def close(self) -> None:
+        self.checkpoint()
         self.store.close()
+
+
+PREV_NAME_MAX = 240  # a file name in prev/ (most file systems allow 255 bytes)
+
+
+def prev_name(rel: str) -> str | None:
+    """The name in ``prev/`` of the kept version of ``rel`` (its path, base64); None if too long."""
+    name = base64.urlsafe_b64encode(os.fsencode(rel)).decode()
+    return name if len(name) <= PREV_NAME_MAX else None
+
+
+def prev_rel(name: str) -> str | None:
+    """The snapshot path a name in ``prev/`` keeps a version of; None for a name that is not one."""
+    try:
+        rel = os.fsdecode(base64.urlsafe_b64decode(name.encode()))
+    except (binascii.Error, ValueError):
+        return None
+    return rel if rel and prev_name(rel) == name else None
+
+
+def _fsync_stub(path: Path) -> None:
+    """fsync the stub at ``path`` if it is a regular file (never through a symlink, never blocking on a FIFO)."""
+    try:
+        fd = stubs.open_stub(path)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_file(path: Path) -> bool:

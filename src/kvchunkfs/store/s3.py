@@ -3,7 +3,10 @@
 Layout under ``s3://BUCKET/PREFIX`` (desync/casync-compatible, uncompressed, like ``export-store``)::
 
     PREFIX/chunks/<first 4 hex>/<64 hex>     one chunk, its SHA-256 id in hex
-    PREFIX/index/<snapshot path>.caibx       a snapshot's index (the stub's content)
+    PREFIX/index/<snapshot path>.caibx       a snapshot's index (the stub's content); its user
+                                             metadata ``kvcfs-format`` says how its stream is read
+    PREFIX/format                            the bucket's format (store/bucketformat.py), written once
+    PREFIX/damaged/<64 hex>                  empty: a host fetched that chunk and it failed its id
 
 Credentials and region come the usual boto3 way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/config``, instance roles); only the endpoint is a setting of ours.
@@ -12,8 +15,10 @@ A boto3 client is thread-safe; one is shared by all threads.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import email.utils
+import hashlib
 import os
 import threading
 import time
@@ -24,10 +29,15 @@ from typing import Any
 from kvchunkfs.store.layout import loose_chunk_name
 
 INDEX_SUFFIX = ".caibx"
+FORMAT_META = "kvcfs-format"  # user metadata of an index object: what its stream needs to be read
 
 
 class RemoteError(OSError):
     """The bucket could not be reached or refused a request (an OSError: FUSE answers EIO)."""
+
+
+class PreconditionFailed(RemoteError):
+    """A conditional request's condition did not hold (the object exists, or changed)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,33 @@ def parse_remote(url: str) -> tuple[str, str]:
     rest = url.removeprefix("s3://")
     bucket, _, prefix = rest.partition("/")
     return bucket, prefix.strip("/")
+
+
+@dataclass(frozen=True)
+class IndexObject:
+    data: bytes
+    etag: str
+    stream: str | None  # the index's ``kvcfs-format`` metadata; None for one written before it existed
+
+
+class TooLarge(RemoteError):
+    """An object is larger than what may be read into memory for it (never parsed)."""
+
+
+@dataclass(frozen=True)
+class ChunkHead:
+    modified: float  # epoch seconds
+    now: float  # the server's clock (boto3: the Date header) or this host's (obstore gives no headers)
+    etag: str
+
+
+def content_etag(data: bytes | memoryview) -> str:
+    """The ETag S3 gives an object of these bytes put in one request without KMS (its MD5)."""
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def plain_etag(etag: str) -> str:
+    return etag.strip('"').lower()
 
 
 @dataclass
@@ -121,13 +158,15 @@ class Bucket:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def put_chunk(self, cid: bytes, data: bytes | memoryview) -> None:
+    def put_chunk(self, cid: bytes, data: bytes | memoryview) -> str:
+        """Put the chunk; its ETag as the server computed it ("" if none came back)."""
         key = self.chunk_key(cid)
         if self._data is not None:
-            self._fast("put", key, bytes(data))
+            etag = self._fast("put", key, bytes(data)).get("e_tag") or ""
         else:
-            self._call("put_object", Key=key, Body=bytes(data))
+            etag = self._call("put_object", Key=key, Body=bytes(data)).get("ETag", "")
         self._count(chunk_puts=1, chunk_put_bytes=len(data))
+        return plain_etag(str(etag))
 
     def get_chunk(self, cid: bytes) -> bytes:
         key = self.chunk_key(cid)
@@ -141,17 +180,41 @@ class Bucket:
         self._call("copy_object", Key=key, CopySource={"Bucket": self.name, "Key": key}, MetadataDirective="REPLACE")
 
     def head_chunk(self, cid: bytes) -> tuple[float, float] | None:
-        """(modified, now) of a chunk, or None if the bucket lacks it. ``now`` is the server's clock
-        (boto3: the Date header) or this host's (obstore gives no headers)."""
+        """(modified, now) of a chunk, or None if the bucket lacks it."""
+        head = self.stat_chunk(cid)
+        return None if head is None else (head.modified, head.now)
+
+    def stat_chunk(self, cid: bytes) -> ChunkHead | None:
+        """A chunk's HEAD, or None if the bucket lacks it."""
         key = self.chunk_key(cid)
         try:
             if self._data is not None:
                 meta = self._fast("head", key)
-                return meta["last_modified"].timestamp(), time.time()
+                return ChunkHead(meta["last_modified"].timestamp(), time.time(), plain_etag(meta.get("e_tag") or ""))
             r = self._call("head_object", Key=key)
         except FileNotFoundError:
             return None
-        return r["LastModified"].timestamp(), _server_now(r)
+        return ChunkHead(r["LastModified"].timestamp(), _server_now(r), plain_etag(str(r.get("ETag", ""))))
+
+    # -- damage reports: a host that fetched a chunk failing its id says so; one that has it heals it
+
+    def damaged_key(self, cid: bytes) -> str:
+        return f"{self.prefix}damaged/{cid.hex()}"
+
+    def report_damaged(self, cid: bytes) -> None:
+        self._call("put_object", Key=self.damaged_key(cid), Body=b"")
+
+    def clear_damaged(self, cid: bytes) -> None:
+        self._call("delete_object", Key=self.damaged_key(cid))
+
+    def list_damaged(self) -> set[bytes]:
+        out = set()
+        for info, _ in self._list(f"{self.prefix}damaged/"):
+            with contextlib.suppress(ValueError):
+                cid = bytes.fromhex(info.key.rpartition("/")[2])
+                if len(cid) == 32:
+                    out.add(cid)
+        return out
 
     def _fast(self, op: str, *args: Any) -> Any:
         """One obstore call; a missing object is FileNotFoundError, any other failure RemoteError."""
@@ -166,18 +229,59 @@ class Bucket:
             first = str(e).partition("\n")[0]  # the rest is a multi-line debug dump
             raise RemoteError(5, f"{self.url}: {op} failed: {first}") from None
 
-    def put_index(self, rel: str, data: bytes) -> str:
-        """Replace the index object (atomic for readers); returns its ETag."""
-        r = self._call("put_object", Key=self.index_key(rel), Body=data)
+    def put_index(self, rel: str, data: bytes, stream: str = "") -> str:
+        """Replace the index object (atomic for readers); returns its ETag. ``stream`` (metadata)
+        says what reading it needs (``BucketFormat.stream``)."""
+        meta = {"Metadata": {FORMAT_META: stream}} if stream else {}
+        r = self._call("put_object", Key=self.index_key(rel), Body=data, **meta)
         self._count(index_puts=1)
         return str(r.get("ETag", ""))
 
-    def get_index(self, rel: str) -> tuple[bytes, str]:
-        """(content, ETag); FileNotFoundError if there is none."""
+    def read_index(self, rel: str, limit: int | None = None) -> IndexObject:
+        """The index object; FileNotFoundError if there is none, TooLarge (nothing read past the
+        headers) if it is over ``limit`` bytes."""
         r = self._call("get_object", Key=self.index_key(rel))
-        data = r["Body"].read()
+        body = r["Body"]
+        try:
+            size = int(r.get("ContentLength", -1))
+            if limit is not None and size > limit:
+                raise TooLarge(27, f"{self.url}: index {rel} has {size} bytes, more than an index may ({limit})")
+            data = body.read() if limit is None else body.read(limit + 1)
+        finally:
+            body.close()
+        if limit is not None and len(data) > limit:  # a server that sent no length, or a wrong one
+            raise TooLarge(27, f"{self.url}: index {rel} is larger than an index may be ({limit} bytes)")
         self._count(index_gets=1)
-        return data, str(r.get("ETag", ""))
+        return IndexObject(bytes(data), str(r.get("ETag", "")), r.get("Metadata", {}).get(FORMAT_META))
+
+    def get_index(self, rel: str, limit: int | None = None) -> tuple[bytes, str]:
+        """(content, ETag); FileNotFoundError if there is none."""
+        obj = self.read_index(rel, limit)
+        return obj.data, obj.etag
+
+    def format_key(self) -> str:
+        return f"{self.prefix}format"
+
+    def get_format(self, limit: int) -> bytes | None:
+        """The bucket's format object, or None if it has none."""
+        try:
+            r = self._call("get_object", Key=self.format_key())
+        except FileNotFoundError:
+            return None
+        data = bytes(r["Body"].read(limit + 1))
+        if len(data) > limit:
+            raise TooLarge(27, f"{self.url}: {self.format_key()} is larger than a format object may be")
+        return data
+
+    def create_format(self, data: bytes) -> bool:
+        """Put the format object if the bucket has none (a conditional PUT: of two hosts racing,
+        one wins). False if one was there. A server that ignores the condition is caught by the
+        caller reading the object back."""
+        try:
+            self._call("put_object", Key=self.format_key(), Body=data, IfNoneMatch="*")
+        except PreconditionFailed:
+            return False
+        return True
 
     def head_index(self, rel: str) -> str | None:
         try:
@@ -243,6 +347,8 @@ class Bucket:
             code = str(e.response.get("Error", {}).get("Code", ""))
             if code in ("404", "NoSuchKey", "NotFound"):
                 raise FileNotFoundError(2, f"{self.url}: no {kwargs.get('Key', '')}") from None
+            if code in ("412", "PreconditionFailed", "ConditionalRequestConflict"):
+                raise PreconditionFailed(17, f"{self.url}: {op} {kwargs.get('Key', '')}: precondition failed") from None
             raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None
         except (botocore.exceptions.BotoCoreError, OSError) as e:
             raise RemoteError(5, f"{self.url}: {op} failed: {e}") from None

@@ -148,9 +148,12 @@ def prepare(
     return tmp
 
 
-def create_empty(tmp_dir: Path, path: Path, index: idx.Index, mode: int, uid: int, gid: int) -> None:
-    """Create a new empty snapshot at ``path`` (fails with EEXIST if it exists)."""
-    tmp = prepare(tmp_dir, index, None, mode)
+def create_empty(
+    tmp_dir: Path, path: Path, index: idx.Index, mode: int, uid: int, gid: int, fsync: bool = False
+) -> None:
+    """Create a new empty snapshot at ``path`` (fails with EEXIST if it exists); ``fsync``: its
+    content is durable before the name exists (the caller fsyncs the directory after)."""
+    tmp = prepare(tmp_dir, index, None, mode, fsync=fsync)
     try:
         os.chown(tmp, uid, gid, follow_symlinks=False)
         os.link(tmp, path)  # atomic create-if-absent, unlike rename

@@ -51,6 +51,19 @@ function setVal(id, value, text) {  // data-value: the raw number, for the tests
 
 const state = { token: sessionStorage.getItem("kvcfs-token") || "", tokenRequired: false };
 
+// The URL `kv-chunk-fs ui` prints carries the token (?token=...): keep it for this tab, then drop it
+// from the address bar and the history.
+function takeTokenFromUrl() {
+  const url = new URL(location.href);
+  const token = url.searchParams.get("token");
+  if (!token) return;
+  state.token = token;
+  sessionStorage.setItem("kvcfs-token", token);
+  url.searchParams.delete("token");
+  history.replaceState(null, "", url.pathname + url.search + url.hash);
+}
+takeTokenFromUrl();
+
 async function api(method, path, body) {
   const headers = {};
   if (state.token) headers["Authorization"] = "Bearer " + state.token;
@@ -71,7 +84,7 @@ let tokenPrompt = null;
 function askToken(message) {
   if (tokenPrompt) return tokenPrompt;  // one prompt for all requests waiting on it
   const input = el("input", { type: "password", id: "token-input", size: "40", autocomplete: "off" });
-  tokenPrompt = dialog("API token", [el("p", {}, message, " (api_token_file of the daemon's config)"), input], "Use token")
+  tokenPrompt = dialog("API token", [el("p", {}, message, " (the URL kv-chunk-fs ui printed carries it, or api_token_file of the config)"), input], "Use token")
     .then((ok) => {
       tokenPrompt = null;
       if (!ok) throw new Error("no token given");

@@ -1,9 +1,9 @@
 """Real llama-server state files saved and restored: a plain directory, the FUSE floor, kv-chunk-fs.
 
-    python3 benchmarks/real_state.py                                   # llama-server, all six configs
+    python3 benchmarks/real_state.py                                   # llama-server, all seven configs
     python3 benchmarks/real_state.py --configs f16-10M,q4-10M --runs 3 --json out.json
-    python3 benchmarks/real_state.py --states /work/state-files        # keep the state files there
-    python3 benchmarks/real_state.py --files /work/state-files/*       # replay them, no llama-server
+    python3 benchmarks/real_state.py --states DIR                      # keep the state files in DIR
+    python3 benchmarks/real_state.py --files DIR/*                     # replay them, no llama-server
     python3 benchmarks/real_state.py --compare-src ../other/src ...    # + kv-chunk-fs from another tree
 
 llama-server mode: one llama-server (the e2e harness's build and random-weight ``llama12`` model:
@@ -600,7 +600,7 @@ def iter_configs(spec: str) -> Iterator[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="llama-server mode: which (default: all)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"llama-server mode: which, of {', '.join(CONFIGS)} (default: all)")
     p.add_argument("--files", nargs="+", type=Path, help="replay these state files instead (F.t1: F's next turn)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--turns", type=int, default=2, help="next-turn saves per run (llama-server mode)")

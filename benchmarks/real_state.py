@@ -600,7 +600,8 @@ def iter_configs(spec: str) -> Iterator[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"llama-server mode: which, of {', '.join(CONFIGS)} (default: all)")
+    which = f"llama-server mode: which, of {', '.join(CONFIGS)} (default: all)"
+    p.add_argument("--configs", default=",".join(CONFIGS), help=which)
     p.add_argument("--files", nargs="+", type=Path, help="replay these state files instead (F.t1: F's next turn)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--turns", type=int, default=2, help="next-turn saves per run (llama-server mode)")

@@ -1,12 +1,14 @@
 """A do-nothing pyfuse3 filesystem: the floor of the FUSE binding for the benchmark.
 
 One flat directory. Writes are accepted and dropped (only the file size is kept); reads answer with
-slices of one preallocated buffer. Everything else about the mount is kv-chunk-fs's own: the mount
+slices of one preallocated buffer. With ``--keep-data`` the bytes written are kept in memory and
+read back (a copy per write: the floor for restores that must parse what they read, e.g.
+llama-server's; saves are measured without it). Everything else about the mount is kv-chunk-fs's own: the mount
 options, the process tuning, the trio loop with its task counts and signal handling, the bdi tuning
 (read_ahead_kb, max_bytes), keep_cache on open, the attribute timeouts and st_blksize. So the time a
 save or restore takes here is what pyfuse3 and the kernel cost before any store does work.
 
-    python3 benchmarks/nullfs.py [--kernel-readahead-kb 4096] [--writeback-cache] MOUNTPOINT
+    python3 benchmarks/nullfs.py [--kernel-readahead-kb 4096] [--writeback-cache] [--keep-data] MOUNTPOINT
 
 Serves until SIGINT/SIGTERM or ``fusermount3 -u MOUNTPOINT``; always unmounts.
 """
@@ -47,12 +49,14 @@ class File:
     opens: int = 0
     linked: bool = True
     dirty: bool = False
+    data: bytearray | None = None  # --keep-data: the file's bytes
 
 
 class NullOperations(pyfuse3.Operations):
-    def __init__(self, writeback_cache: bool) -> None:
+    def __init__(self, writeback_cache: bool, keep_data: bool = False) -> None:
         super().__init__()
         self.enable_writeback_cache = writeback_cache
+        self.keep_data = keep_data
         self.by_name: dict[bytes, File] = {}
         self.files: dict[int, File] = {}  # by inode; the file handle is the inode too
         self._next_ino = pyfuse3.ROOT_INODE + 1
@@ -106,6 +110,14 @@ class NullOperations(pyfuse3.Operations):
         a.st_blksize = BLKSIZE
         return a
 
+    @staticmethod
+    def _resize(f: File, size: int) -> None:
+        assert f.data is not None
+        if size < len(f.data):
+            del f.data[size:]
+        else:
+            f.data.extend(bytes(size - len(f.data)))
+
     def _read_buffer(self, size: int) -> memoryview:
         if len(self._buf) < size:  # once per mount in practice: requests are at most max_read
             self._buf = memoryview(os.urandom(size))
@@ -145,6 +157,8 @@ class NullOperations(pyfuse3.Operations):
             f = self._file(inode)
             if fields.update_size:
                 f.size = attr.st_size
+                if f.data is not None:
+                    self._resize(f, attr.st_size)
             if fields.update_mode:
                 f.mode = stat.S_IFREG | stat.S_IMODE(attr.st_mode)
             if fields.update_mtime:
@@ -216,6 +230,7 @@ class NullOperations(pyfuse3.Operations):
         self._check_parent(parent_inode)
         self._unlink_name(name)  # the kernel looked it up first; a racing create replaces it
         f = File(self._next_ino, stat.S_IFREG | stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        f.data = bytearray() if self.keep_data else None
         self._next_ino += 1
         self.files[f.ino] = self.by_name[name] = f
         f.nlookup += 1
@@ -226,17 +241,26 @@ class NullOperations(pyfuse3.Operations):
         f = self._file(inode)
         if flags & os.O_TRUNC:
             f.size = 0
+            if f.data is not None:
+                f.data.clear()
         f.opens += 1
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)  # as kv-chunk-fs: warm reads stay in the kernel
 
     async def read(self, fh: int, off: int, size: int) -> memoryview:
-        n = max(0, min(size, self._file(fh).size - off))
+        f = self._file(fh)
+        n = max(0, min(size, f.size - off))
+        if f.data is not None:
+            return memoryview(f.data)[off : off + n]
         return self._read_buffer(n)[:n]
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         f = self._file(fh)
         f.size = max(f.size, off + len(buf))
         f.dirty = True
+        if f.data is not None:
+            if len(f.data) < off:
+                f.data.extend(bytes(off - len(f.data)))
+            f.data[off : off + len(buf)] = buf
         return len(buf)
 
     async def flush(self, fh: int) -> None:
@@ -259,10 +283,10 @@ def mount_options() -> set[str]:
     return same | {"fsname=nullfs", "subtype=nullfs"}
 
 
-def serve(mountpoint: Path, readahead_kb: int, writeback_cache: bool) -> None:
+def serve(mountpoint: Path, readahead_kb: int, writeback_cache: bool, keep_data: bool = False) -> None:
     daemon.clear_stale_mount(mountpoint)
     daemon.tune_process()
-    ops = NullOperations(writeback_cache)
+    ops = NullOperations(writeback_cache, keep_data)
     pyfuse3.init(ops, str(mountpoint), mount_options())
     try:
         # kv-chunk-fs's own loop (signals, bdi tuning, task counts): only the handlers differ.
@@ -276,9 +300,10 @@ def main() -> None:
     p.add_argument("mountpoint")
     p.add_argument("--kernel-readahead-kb", type=int, default=4096, help="the mount's bdi read_ahead_kb")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--keep-data", action="store_true", help="keep written bytes in memory and read them back")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(Path(args.mountpoint).resolve(), args.kernel_readahead_kb, args.writeback_cache)
+    serve(Path(args.mountpoint).resolve(), args.kernel_readahead_kb, args.writeback_cache, args.keep_data)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ Models (cached as ``$CACHE/models/<name>.gguf``):
   2 * 8 * 512 * 2 = 16 KiB per token.
 - ``llama12`` plain attention, 12 layers x 512 dims, 4 KV heads of 64: 12,288 B per token in
   512-byte rows (24 insertion points per turn).
+- ``llama32`` plain attention with Llama-3-8B's KV layout: 32 layers, 8 KV heads of 128
+  (128 KiB per token at f16), on 1024 dims with a small FFN.
 - ``qwen35`` hybrid (Qwen3.5 layout: gated-delta-net recurrent layers, full attention every 4th
   layer): 8 layers x 512 dims, layers 3 and 7 attention (8 KV heads of 64 -> 4 KiB KV per token),
   6 recurrent layers whose whole state (~0.86 MiB) is rewritten every save.
@@ -164,6 +166,12 @@ def write_llama12(path: Path, vocab_src: Path) -> ModelInfo:
     return write_llama(path, vocab_src, n_layer=12, n_head_kv=4)
 
 
+def write_llama32(path: Path, vocab_src: Path) -> ModelInfo:
+    """Llama-3-8B's KV shape (32 layers, 8 KV heads of 128: 128 KiB a token at f16) on a narrow
+    model (1024 dims, no GQA, small FFN), so a long context is affordable on a CPU."""
+    return write_llama(path, vocab_src, n_layer=32, n_embd=1024, n_head=8, n_head_kv=8, n_ff=1024)
+
+
 def write_qwen35(
     path: Path,
     vocab_src: Path,
@@ -309,7 +317,13 @@ def write_lfm2(
     )
 
 
-WRITERS = {"llama": write_llama, "llama12": write_llama12, "qwen35": write_qwen35, "lfm2": write_lfm2}
+WRITERS = {
+    "llama": write_llama,
+    "llama12": write_llama12,
+    "llama32": write_llama32,
+    "qwen35": write_qwen35,
+    "lfm2": write_lfm2,
+}
 
 
 def ensure_model(name: str, cache: Path, src_tree: Path) -> ModelInfo:

@@ -39,6 +39,8 @@ from .models import ensure_model
 from .mount import Mount
 
 TARGET_RATIO = 1.10  # informational (not a check): format-aware boundaries, 100-300-token turns
+# bytes of a ggml block of 32 values per KV cache type (-ctk/-ctv): f16 is 64
+KV_BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 PER_TOKEN_META = 16  # cell record (pos, n_seq_id, seq_id) + token id in the header (+12 cell ext, M-RoPE)
 
 WORDS = (
@@ -131,7 +133,9 @@ class Player:
             cmd=args.mount_cmd.split() if args.mount_cmd else None,
             extra_args=args.mount_args.split(),
         )
-        common = dict(ctx=args.ctx, threads=args.threads, flash_attn=args.flash_attn)
+        kv = [] if args.kv_type == "f16" else ["-ctk", args.kv_type, "-ctv", args.kv_type]
+        common = dict(ctx=args.ctx, threads=args.threads, flash_attn=args.flash_attn, extra=kv)
+        self.kv_bytes_per_token = model.kv_bytes_per_token * KV_BLOCK_BYTES[args.kv_type] // 64
         self.fs = LlamaServer(binary, model.path, self.mnt, work / "llama-fs.log", **common)
         self.rf = LlamaServer(binary, model.path, self.ref, work / "llama-ref.log", **common)
         self.saves: list[dict] = []
@@ -239,8 +243,8 @@ class Player:
         kv_bpt = info.kv_bytes_per_token
         self.check(
             f"{name}: KV bytes/token in file == model ({kv_bpt})",
-            kv_bpt == self.model.kv_bytes_per_token,
-            f"{kv_bpt} != {self.model.kv_bytes_per_token}",
+            kv_bpt == self.kv_bytes_per_token,
+            f"{kv_bpt} != {self.kv_bytes_per_token}",
         )
         recurrent = info.tail_bytes
         meta = PER_TOKEN_META + (ggsq.CELL_EXT_SIZE if info.cell_ext else 0)
@@ -543,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         "--flash-attn", choices=("on", "off"), default="on", help="llama-server -fa (off: V is saved transposed)"
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--kv-type", choices=tuple(KV_BLOCK_BYTES), default="f16", help="llama-server's KV cache type (-ctk/-ctv)"
+    )
     ap.add_argument(
         "--cdc",
         default="16K:64K:256K,4K:16K:64K",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import is_mounted
@@ -18,10 +19,19 @@ NULLFS = Path(__file__).resolve().parent.parent / "benchmarks" / "nullfs.py"
 
 
 def test_nullfs_serves_writes_and_reads_then_unmounts(tmp_path: Path) -> None:
+    io_on_floor(tmp_path, [], lambda data, got: len(got) == len(data))
+
+
+def test_nullfs_keep_data_reads_back_what_was_written(tmp_path: Path) -> None:
+    """--keep-data: the floor for restores that parse what they read (llama-server's)."""
+    io_on_floor(tmp_path, ["--keep-data"], lambda data, got: got == data)
+
+
+def io_on_floor(tmp_path: Path, flags: list[str], good: Callable[[bytes, bytes], bool]) -> None:
     mnt = tmp_path / "null"
     mnt.mkdir()
     log = open(tmp_path / "nullfs.log", "w")
-    proc = subprocess.Popen([sys.executable, str(NULLFS), str(mnt)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, str(NULLFS), *flags, str(mnt)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while not is_mounted(mnt):
@@ -29,15 +39,18 @@ def test_nullfs_serves_writes_and_reads_then_unmounts(tmp_path: Path) -> None:
             time.sleep(0.05)
         data = os.urandom(3 << 20)
         seen: list[int] = []
+        got: list[bytes] = []
 
         def io() -> None:  # in a thread: a loop that never answered INIT blocks it for good
             (mnt / "a").write_bytes(data)
-            seen.extend([(mnt / "a").stat().st_size, len((mnt / "a").read_bytes())])
+            got.append((mnt / "a").read_bytes())
+            seen.extend([(mnt / "a").stat().st_size, len(got[0])])
 
         worker = threading.Thread(target=io, daemon=True)
         worker.start()
         worker.join(60)
         assert seen == [len(data), len(data)], "the floor filesystem did not serve a write, stat and read"
+        assert good(data, got[0]), "the floor filesystem read back the wrong bytes"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

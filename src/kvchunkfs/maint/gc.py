@@ -124,6 +124,7 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
     """One collection. Raises (before deleting anything) if the snapshots cannot be walked."""
     start = time.monotonic()
     report = GCReport()
+    checkpoint(repo)
     mark_and_sweep(repo, report)
     repo.store.take_revisit()  # every pack is looked at now
     repo.store.revisit(reclaim_packs(repo, threshold, report, stop))
@@ -229,7 +230,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(repo, named, report)
+        candidates = _candidates(repo, named | kept_ids(repo), report)
         with store.lock:
             if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
@@ -237,6 +238,36 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         report.catch_ups += 1
     report.errors.append(f"snapshots kept changing during {MAX_CATCH_UPS} catch-ups; sweep skipped this run")
     log.warning("gc: %s", report.errors[-1])
+
+
+def checkpoint(repo: Repository) -> None:
+    """Before a collection: the versions kept for a power cut (durability=close) are live, so make
+    the saves that replaced them durable first, which drops them (``Repository.checkpoint``). If
+    that fails (a full disk can fail an fsync) GC still runs, keeping what they name."""
+    try:
+        repo.checkpoint()
+    except OSError as e:
+        log.warning("checkpoint before gc failed: %s", e)
+
+
+def kept_ids(repo: Repository) -> set[bytes]:
+    """Ids named by the versions kept in ``prev/`` for a power cut (durability=close): a save that
+    replaced one after GC's checkpoint is not durable yet, so its old version may come back.
+    Read after the generation the sweep checks: a save links its old version before its rename
+    begins (``Repository._keep_previous``), so a link made later comes with a change that makes
+    the sweep catch up first."""
+    out: set[bytes] = set()
+    try:
+        entries = list(os.scandir(repo.layout.prev))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        try:
+            data, _ = stubs.read_stub(entry.path)
+        except OSError:
+            continue  # gone (a checkpoint dropped it), or not a stub: nothing to put back
+        out.update(stub_ids(data) or ())
+    return out
 
 
 def _candidates(repo: Repository, named: set[bytes], report: GCReport) -> dict[bytes, int]:
@@ -295,6 +326,7 @@ def collect_changes(
     start = time.monotonic()
     store = repo.store
     report = GCReport(mode="changes")
+    checkpoint(repo)
     candidates = store.take_fresh()
     if candidates is None:
         return None
@@ -306,8 +338,11 @@ def collect_changes(
             if dead is None:
                 store.requeue_fresh(candidates)  # a walk follows; keep them in case it fails
                 return None
-            candidates = dead
-            if _sweep_while(repo, gen, candidates, report, packs):
+            kept = kept_ids(repo) & dead  # left for a later run, once the checkpoint dropped them
+            todo = dead - kept
+            settled = _sweep_while(repo, gen, todo, report, packs)
+            candidates = todo | kept  # what is left is asked about again
+            if settled:
                 break
             report.catch_ups += 1
         else:
@@ -559,13 +594,6 @@ class GarbageCollector:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
         read every stub even if the changes are known."""
         with self._lock:
-            # Versions kept for power loss (durability=close) name chunks no stub names: make the
-            # saves that replaced them durable first, which drops them. If that fails (a full disk
-            # can fail an fsync), GC still runs: space matters more than the fallback of a cut.
-            try:
-                self.repo.checkpoint()
-            except OSError as e:
-                log.warning("checkpoint before gc failed (%s): versions kept for a power cut may lose chunks", e)
             state = self._state()
             report = None if walk else self._collect_changes()
             if report is None:

@@ -153,7 +153,10 @@ def recover(repo: Repository, moved_aside: str = "") -> RecoveryReport:
     if moved_aside or _packs_changed(report):
         report.clean, since = False, None
     check_snapshots(repo, report, since=None if since is None else since - _CLOCK_SLACK)
-    resolve_damaged(repo, report, crashed=unmounted is None)
+    # A crash: the last daemon did not unmount cleanly, and the map is the one it used (a lost,
+    # new or moved-aside map has no marks: its stubs lack chunks the map forgot, not the disk).
+    crashed = unmounted is None and checked_at is not None and not moved_aside
+    resolve_damaged(repo, report, crashed=crashed)
     repo.store.set_meta(_CHECKED_AT, repr(now))  # every stub changed before now is checked
     report.duration_s = time.monotonic() - start
     log.info("%s", report.summary())
@@ -174,8 +177,9 @@ def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> 
     """After the checks: put back the previous version of a snapshot whose last save a power cut took
     back (kept in ``prev/``, durability=close), and after a crash set every snapshot that still
     cannot be read aside into ``lost+found/`` (reported by name; its name is free again), so the store
-    fsck sees is clean instead of flagged at every mount. After a clean unmount nothing is moved: a
-    damaged snapshot then is not a crash's doing, and stays for fsck --repair to mark."""
+    fsck sees is clean instead of flagged at every mount. After a clean unmount, or with a map that
+    is new or was moved aside, nothing is moved: the damage then is not a crash's doing (the map
+    forgot chunks the packs may still give back), and stays for fsck --repair to mark."""
     damaged = set(report.unreadable) | set(report.missing) | set(report.mismatched)
     changed = False
     try:

@@ -472,17 +472,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="415MiB")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--state", action="store_true",
-                   help="save llama.cpp state files (32 layers, 1 KiB rows) instead of random bytes")
+    p.add_argument(
+        "--state",
+        action="store_true",
+        help="save llama.cpp state files (32 layers, 1 KiB rows) instead of random bytes",
+    )
     p.add_argument("--dir", default="/var/tmp", help="where plain files and the store go (same disk)")
     p.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
     p.add_argument("--baseline-src", type=Path, help="also measure kv-chunk-fs from this src/ (e.g. an older commit's)")
-    p.add_argument("--baseline-mount-args", help="the baseline's mount flags (default: --mount-args); "
-                   "with --baseline-src src, an A/B of a setting in one interleaved run")
+    p.add_argument(
+        "--baseline-mount-args",
+        help="the baseline's mount flags (default: --mount-args); "
+        "with --baseline-src src, an A/B of a setting in one interleaved run",
+    )
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon logs)")
-    p.add_argument("--read-bps", help="throttle reads of --dir's disk to this many bytes/s (e.g. 200MB) for "
-                   "this process and the daemons it starts (cgroup v1 blkio): the disk-bound regime")
+    p.add_argument(
+        "--read-bps",
+        help="throttle reads of --dir's disk to this many bytes/s (e.g. 200MB) for "
+        "this process and the daemons it starts (cgroup v1 blkio): the disk-bound regime",
+    )
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (drop_caches, FUSE)")

@@ -134,17 +134,23 @@ def main() -> None:
                     if k != "plain":
                         mounts[k].stop()
         cols = ("open", "4KiB", "rest", "total", "x plain", "cpu")
-        print(f"{'file':10s} {'target':6s} " + " ".join(f"{c:>7s}" for c in cols)
-              + ("   warm  x plain" if args.warm else "") + f"   (ms, medians of {args.runs})")
+        print(
+            f"{'file':10s} {'target':6s} "
+            + " ".join(f"{c:>7s}" for c in cols)
+            + ("   warm  x plain" if args.warm else "")
+            + f"   (ms, medians of {args.runs})"
+        )
         for n in names:
             plain_total = statistics.median(sum(s) for s in res[(n, "plain")])
             plain_warm = statistics.median(warm[(n, "plain")]) if args.warm else 0.0
             for k in ["plain", *kinds]:
                 s = res[(n, k)]
                 total = [sum(x) for x in s]
-                line = (f"{n:10s} {k:6s} {fmt([x[0] for x in s])} {fmt([x[1] for x in s])} "
-                        f"{fmt([x[2] for x in s])} {fmt(total)} {statistics.median(total) / plain_total:7.2f}"
-                        f"{fmt(cpu[(n, k)])[1:]}")
+                line = (
+                    f"{n:10s} {k:6s} {fmt([x[0] for x in s])} {fmt([x[1] for x in s])} "
+                    f"{fmt([x[2] for x in s])} {fmt(total)} {statistics.median(total) / plain_total:7.2f}"
+                    f"{fmt(cpu[(n, k)])[1:]}"
+                )
                 if args.warm:
                     line += f" {fmt(warm[(n, k)])} {statistics.median(warm[(n, k)]) / plain_warm:7.2f}"
                 print(line)

@@ -24,9 +24,19 @@ MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it ser
 # module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
 # also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
 UNIT_MODULES = {
-    "test_config", "test_evict_units", "test_format_cutter", "test_format_stream", "test_formula",
-    "test_gc_changes", "test_layers", "test_ops_inprocess", "test_pack_store_units", "test_prefix_match",
-    "test_prefixtree", "test_stream_interleave", "test_units",
+    "test_config",
+    "test_evict_units",
+    "test_format_cutter",
+    "test_format_stream",
+    "test_formula",
+    "test_gc_changes",
+    "test_layers",
+    "test_ops_inprocess",
+    "test_pack_store_units",
+    "test_prefix_match",
+    "test_prefixtree",
+    "test_stream_interleave",
+    "test_units",
 }
 EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser", "test_stream_interleave": "slow"}
 

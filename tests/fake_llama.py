@@ -221,7 +221,7 @@ class FakeLlama:
         if isinstance(prompt, str):
             prompt = tokenize(prompt, True)
         if not isinstance(prompt, list) or not prompt:
-            return _err(400, "\"prompt\" must be provided")
+            return _err(400, '"prompt" must be provided')
         if body.get("stream"):
             return StreamingResponse(self._stream_completion(request.url.path, body, prompt),
                                      media_type="text/event-stream")  # fmt: skip

@@ -192,8 +192,14 @@ class PowerFS(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         return self._attrs(self._path(inode))
 
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         path = self._path(inode)
         try:
             if fields.update_size:
@@ -208,13 +214,22 @@ class PowerFS(pyfuse3.Operations):
                 self.meta.append(("chmod", path, stat.S_IMODE(os.lstat(path).st_mode)))
                 os.chmod(path, stat.S_IMODE(attr.st_mode))
             if fields.update_uid or fields.update_gid:
-                os.chown(path, attr.st_uid if fields.update_uid else -1, attr.st_gid if fields.update_gid else -1,
-                         follow_symlinks=False)
+                os.chown(
+                    path,
+                    attr.st_uid if fields.update_uid else -1,
+                    attr.st_gid if fields.update_gid else -1,
+                    follow_symlinks=False,
+                )
             if fields.update_atime or fields.update_mtime:
                 st = os.lstat(path)
-                os.utime(path, ns=(attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
-                                   attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns),
-                         follow_symlinks=False)
+                os.utime(
+                    path,
+                    ns=(
+                        attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
+                        attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns,
+                    ),
+                    follow_symlinks=False,
+                )
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(path)
@@ -250,8 +265,9 @@ class PowerFS(pyfuse3.Operations):
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         self._commit_meta()
 
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name)
         try:
             os.mkdir(path, mode)
@@ -260,8 +276,9 @@ class PowerFS(pyfuse3.Operations):
         self.meta.append(("created", path))
         return self._attrs(path)
 
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name)
         try:
             os.mknod(path, mode, rdev)
@@ -297,8 +314,15 @@ class PowerFS(pyfuse3.Operations):
         if self.paths.get(ino) == path:
             del self.paths[ino]
 
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
-                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
         if flags & ~pyfuse3.RENAME_NOREPLACE:
             raise pyfuse3.FUSEError(errno.EINVAL)
@@ -332,11 +356,12 @@ class PowerFS(pyfuse3.Operations):
             prefix = old + "/"
             for ino, p in list(self.paths.items()):
                 if p.startswith(prefix):
-                    self.paths[ino] = new + p[len(old):]
+                    self.paths[ino] = new + p[len(old) :]
         self.paths[self._ino(st.st_ino)] = new
 
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         src, path = self._path(inode), self._child(new_parent_inode, new_name)
         try:
             os.link(src, path, follow_symlinks=False)
@@ -364,8 +389,9 @@ class PowerFS(pyfuse3.Operations):
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)

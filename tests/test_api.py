@@ -71,17 +71,13 @@ def api(tmp_path: Path) -> Iterator[Api]:
     port = free_port()
     mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
     mount.start(extra=["--api-address", f"127.0.0.1:{port}", "--api-token", TOKEN, "--score", SCORE])
-    client = httpx.Client(
-        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-    )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     try:
         yield Api(mount, client, port)
     finally:
         client.close()
         mount.stop()
     assert "Traceback" not in mount.log(), mount.log()
-
-
 
 
 def independent_share(snapshots_dir: Path) -> dict[str, tuple[int, int, int, int]]:
@@ -466,7 +462,10 @@ def test_prefix_tree_from_plain_and_packed_snapshots(api: Api) -> None:
     named = api.http.get("/prefix-tree", params={"shared_by": "true"}).json()["tree"]
     assert named == to_json(build_tree(tokens), shared_by=True)
     assert sorted(max(named["children"], key=lambda child: child["shared_count"])["shared_by"]) == [
-        "chat/one", "chat/three", "chat/two"]
+        "chat/one",
+        "chat/three",
+        "chat/two",
+    ]
     assert api.http.get("/prefix-tree", params={"prefix": "chat/"}).json()["tree"] == to_json(
         build_tree({k: v for k, v in tokens.items() if k.startswith("chat/")})
     )

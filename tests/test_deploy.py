@@ -128,6 +128,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 # -- Grafana -----------------------------------------------------------------------------------------
 
+
 def dashboard_metrics() -> set[str]:
     board = json.loads((ROOT / "deploy/grafana/kv-chunk-fs.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]

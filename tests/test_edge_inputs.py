@@ -56,8 +56,12 @@ def test_walking_gc_reclaims_the_pack_saves_append_to(kvfs: Mount) -> None:
         kvfs.path(f"s{i}").unlink()
     wait_closed(kvfs)
     env = dict(os.environ, PYTHONPATH=str(SRC))
-    r = subprocess.run([sys.executable, "-m", "kvchunkfs.cli", "gc", "--walk", "--store", str(kvfs.store)],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvchunkfs.cli", "gc", "--walk", "--store", str(kvfs.store)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert pack_bytes(kvfs.store) < 64 << 10, r.stdout
     data = rand_bytes(MiB, 20)  # saves go on, into a new pack

@@ -36,10 +36,6 @@ THRESHOLD = 0.6
 # -- helpers ------------------------------------------------------------------------------------
 
 
-
-
-
-
 def gc_now(m: Mount) -> None:
     """Ask the daemon for a GC (SIGUSR1) and wait until it finished."""
     wait_closed(m)

@@ -175,10 +175,12 @@ def _formulas() -> st.SearchStrategy[str]:
 
     def grow(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
         binop = st.tuples(inner, st.sampled_from(["+", "-", "*", "/", "//", "%", "**"]), inner).map(
-            lambda t: f"({t[0]} {t[1]} {t[2]})")
+            lambda t: f"({t[0]} {t[1]} {t[2]})"
+        )
         unary = inner.map(lambda x: f"-({x})")
         call = st.tuples(st.sampled_from(funcs), inner, inner).map(
-            lambda t: f"{t[0]}({t[1]}, {t[2]})" if t[0] in ("min", "max", "log") else f"{t[0]}({t[1]})")
+            lambda t: f"{t[0]}({t[1]}, {t[2]})" if t[0] in ("min", "max", "log") else f"{t[0]}({t[1]})"
+        )
         return binop | unary | call
 
     return st.recursive(leaf, grow, max_leaves=8)

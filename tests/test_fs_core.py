@@ -20,8 +20,6 @@ MiB = 1 << 20
 _counter = itertools.count()
 
 
-
-
 def test_streaming_save_read_during_after_and_remount(kvfs):
     data = rand_bytes(64 * MiB + 12345, 1)
     path = kvfs.path("snap.bin")
@@ -142,7 +140,7 @@ def test_rename_over_existing_and_while_open(kvfs):
     assert not kvfs.path("NAME.tmp").exists()
     # Rename while the source is still being written: the save lands at the new name.
     with open(kvfs.path("w.tmp"), "wb") as f:
-        f.write(old[: MiB])
+        f.write(old[:MiB])
         os.rename(kvfs.path("w.tmp"), kvfs.path("w"))
         f.write(old[MiB:])
     assert sorted(os.listdir(kvfs.mnt)) == ["NAME", "w"]

@@ -24,8 +24,6 @@ from kvchunkfs.store.repository import Repository
 MiB = 1 << 20
 
 
-
-
 def gc_now(m: Mount) -> None:
     n = m.log().count("gc finished")
     assert m.proc is not None

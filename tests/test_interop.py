@@ -25,7 +25,9 @@ def test_casync_extracts_exported_store(kvfs, tmp_path):
     dest = tmp_path / "castore"
     out = subprocess.run(
         [sys.executable, "-m", "kvchunkfs.cli", "export-store", "--store", str(kvfs.store), str(dest)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "exported" in out.stdout
     chunk_files = [p for p in dest.rglob("*") if p.is_file()]
@@ -36,7 +38,8 @@ def test_casync_extracts_exported_store(kvfs, tmp_path):
         shutil.copyfile(kvfs.store / "snapshots" / name, stub)
         subprocess.run(
             ["casync", "--digest=sha256", f"--store={dest}", "extract", str(stub), str(target)],
-            check=True, capture_output=True,
+            check=True,
+            capture_output=True,
         )
         got = target.read_bytes()
         if name != "state":

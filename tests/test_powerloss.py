@@ -50,8 +50,11 @@ class PowerFS:
 
     def start(self, seed: int) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in cut()
-        self.proc = subprocess.Popen([sys.executable, str(POWERFS), str(self.backing), str(self.mnt), str(seed)],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(POWERFS), str(self.backing), str(self.mnt), str(seed)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while not is_mounted(self.mnt):
             assert self.proc.poll() is None, self.log_path.read_text()
@@ -126,8 +129,9 @@ class Workload:
         if kind == "save" or have is None:  # as the proxy saves: NAME.tmp, then rename over NAME
             data, tmp = self.data(), name + ".tmp"
             self._call({tmp: sha(data)}, lambda: self._write(tmp, data, "wb"), creates=tmp)
-            self._call({tmp: None, name: sha(data)}, lambda: os.rename(self.mnt / tmp, self.mnt / name),
-                       moved=(tmp, name))
+            self._call(
+                {tmp: None, name: sha(data)}, lambda: os.rename(self.mnt / tmp, self.mnt / name), moved=(tmp, name)
+            )
         elif kind == "rewrite":
             data = self.data()
             self._call({name: sha(data)}, lambda: self._write(name, data, "wb"))
@@ -137,16 +141,22 @@ class Workload:
             self._call({name: new}, lambda: self._write(name, extra, "ab"))
         elif kind == "rename":
             other = rng.choice([n for n in NAMES if n != name])
-            self._call({name: None, other: have}, lambda: os.rename(self.mnt / name, self.mnt / other),
-                       moved=(name, other))
+            self._call(
+                {name: None, other: have}, lambda: os.rename(self.mnt / name, self.mnt / other), moved=(name, other)
+            )
         elif kind == "unlink":
             self._call({name: None}, lambda: os.unlink(self.mnt / name))
         else:
             assert self.daemon.proc is not None
             self.daemon.proc.send_signal(signal.SIGUSR1)  # a GC beside the next calls
 
-    def _call(self, changes: dict[str, str | None], call: Callable[[], None], creates: str | None = None,
-              moved: tuple[str, str] | None = None) -> None:
+    def _call(
+        self,
+        changes: dict[str, str | None],
+        call: Callable[[], None],
+        creates: str | None = None,
+        moved: tuple[str, str] | None = None,
+    ) -> None:
         rec = self.rec
         rec.begin(changes)
         assert rec.allowed is not None

@@ -18,10 +18,6 @@ from kvchunkfs.maint import fsck
 MiB = 1 << 20
 
 
-
-
-
-
 def packs(store: Path) -> list[Path]:
     return sorted((store / "packs").glob("*.pack"))
 

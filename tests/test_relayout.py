@@ -53,8 +53,13 @@ def test_every_layout_round_trips_and_is_grouped(name):
 
 @settings(max_examples=50, deadline=None)
 @given(
-    st.integers(1, 6), st.integers(1, 40), st.sampled_from([1, 2, 3, 4, 8]), st.integers(0, 20), st.integers(0, 16),
-    st.booleans(), st.integers(0, 2**32),
+    st.integers(1, 6),
+    st.integers(1, 40),
+    st.sampled_from([1, 2, 3, 4, 8]),
+    st.integers(0, 20),
+    st.integers(0, 16),
+    st.booleans(),
+    st.integers(0, 2**32),
 )
 def test_to_stream_and_back(count, cells, el, runs, lead, trans, seed):
     width = el * max(1, runs)
@@ -70,8 +75,10 @@ def test_to_stream_and_back(count, cells, el, runs, lead, trans, seed):
         for i in range(count):
             block = lead + i * (12 + cells * width) + 12
             p = seed % cells
-            assert out[heads + p * count * width + i * width : heads + p * count * width + (i + 1) * width] == \
-                src[block + p * width : block + (p + 1) * width]
+            assert (
+                out[heads + p * count * width + i * width : heads + p * count * width + (i + 1) * width]
+                == src[block + p * width : block + (p + 1) * width]
+            )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

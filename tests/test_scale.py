@@ -65,7 +65,8 @@ def _assert_matches_full_scan(service: Service) -> None:
     clock = ("age_hours", "idle_hours", "score")
     page, _ = service.live.page(None, "", 1 << 30)
     assert [{k: v for k, v in r.items() if k not in clock} for r in page] == [
-        {k: v for k, v in r.to_dict().items() if k not in clock} for r in service.snapshots()]
+        {k: v for k, v in r.to_dict().items() if k not in clock} for r in service.snapshots()
+    ]
     live = service.live
     with live._lock:  # the neighbours' common prefixes kept beside the token order (prefix tree)
         order = live._by_tokens

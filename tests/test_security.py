@@ -43,9 +43,7 @@ def user() -> User:
     try:
         pw = pwd.getpwnam(USER)
     except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True
-        )
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True)
         pw = pwd.getpwnam(USER)
     return User(USER, pw.pw_uid, pw.pw_gid)
 
@@ -697,8 +695,16 @@ sys.stdin.readline()
 for fd in fds:
     os.close(fd)
 """
-    proc = subprocess.Popen(["python3", "-c", script], user=user.uid, group=user.gid, extra_groups=[],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    proc = subprocess.Popen(
+        ["python3", "-c", script],
+        user=user.uid,
+        group=user.gid,
+        extra_groups=[],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == "written\n"

@@ -154,8 +154,9 @@ class Env:
         return self.driver.execute_script(script, *args)
 
     def rows(self) -> list[str]:
-        return self.js("return [...document.querySelectorAll('#snap-table tbody tr[data-path]')]"
-                       ".map(r => r.dataset.path)")
+        return self.js(
+            "return [...document.querySelectorAll('#snap-table tbody tr[data-path]')].map(r => r.dataset.path)"
+        )
 
 
 def screenshot_dir(base: Path) -> Path:
@@ -435,9 +436,14 @@ def test_page_load_at_10000_snapshots(tmp_path: Path) -> None:
         wait(driver, lambda d: d.execute_script("return " + ready["snapshots"]), timeout=60)
         t0 = time.monotonic()
         driver.find_element(By.CSS_SELECTOR, "th[data-sort=unique_bytes]").click()
-        wait(driver, lambda d: d.execute_script(
-            "return document.querySelector('th[data-sort=unique_bytes]').classList.contains('sorted')"
-            " && document.querySelectorAll('#snap-table tbody tr[data-path]').length === 50"), timeout=60)
+        wait(
+            driver,
+            lambda d: d.execute_script(
+                "return document.querySelector('th[data-sort=unique_bytes]').classList.contains('sorted')"
+                " && document.querySelectorAll('#snap-table tbody tr[data-path]').length === 50"
+            ),
+            timeout=60,
+        )
         results["snapshots: sort by unique bytes (server-side, all rows)"] = time.monotonic() - t0
         print(f"\nstore of {LOAD_N} snapshots built in {built:.1f}s; page loads in headless Chromium:")
         for name, seconds in results.items():

@@ -216,58 +216,123 @@ SETTINGS: dict[str, Setting] = {
         Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
         Setting("cache_size", "size", 256 * MiB, "chunk cache size", lo=0),
         Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
-        Setting("max_file_size", "size", 64 * GiB, "largest file; writes and truncates beyond it fail (EFBIG)",
-                lo=1, hi=1 << 50),
+        Setting(
+            "max_file_size",
+            "size",
+            64 * GiB,
+            "largest file; writes and truncates beyond it fail (EFBIG)",
+            lo=1,
+            hi=1 << 50,
+        ),
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
-        Setting("predict_chunks", "bool", True,
-                "saving: bytes that hash to the chunk that followed the last one before are not cut again"),
+        Setting(
+            "predict_chunks",
+            "bool",
+            True,
+            "saving: bytes that hash to the chunk that followed the last one before are not cut again",
+        ),
         Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
-        Setting("memory_trim_above", "size", 448 * MiB,
-                "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
-                lo=0),
+        Setting(
+            "memory_trim_above",
+            "size",
+            448 * MiB,
+            "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
+            lo=0,
+        ),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
-        Setting("gc_walk_interval", "duration", 86400,
-                "a GC run reads every stub at least this often (others look only at what changed; 0 = at mount only)",
-                lo=0),
+        Setting(
+            "gc_walk_interval",
+            "duration",
+            86400,
+            "a GC run reads every stub at least this often (others look only at what changed; 0 = at mount only)",
+            lo=0,
+        ),
         Setting("gc_compact_threshold", "float", 0.5, "compact packs whose live share falls below this", lo=0, hi=1),
         Setting("durability", "choice", "close", "when data is durable", choices=("close", "fsync")),
         Setting("api_address", "address", "", "host:port of the HTTP API; a bare port means 127.0.0.1 (empty = off)"),
         Setting("api_token", "str", "", "bearer token required by the API"),
         Setting("api_token_file", "file", None, "file holding the API's bearer token (not shown by ps, unlike a flag)"),
-        Setting("api_insecure_no_token", "bool", False,
-                "serve the TCP API without a token: anyone who can connect may delete snapshots"),
+        Setting(
+            "api_insecure_no_token",
+            "bool",
+            False,
+            "serve the TCP API without a token: anyone who can connect may delete snapshots",
+        ),
         Setting("proxy_upstream", "str", "http://127.0.0.1:8080", "proxy: the llama-server it forwards to"),
         Setting("proxy_listen", "address", "127.0.0.1:8081", "proxy: host:port it serves clients on"),
-        Setting("proxy_mount", "file", None,
-                "proxy: the mounted directory llama-server saves into (its --slot-save-path); required by proxy"),
-        Setting("proxy_min_restore", "int", 32,
-                "proxy: restore a snapshot only if it brings at least this many more prompt tokens than the slot holds",
-                lo=1),
-        Setting("proxy_max_body", "size", 16 * MiB,
-                "proxy: largest request body; a larger one is refused with 413 before it is read", lo=KiB),
-        Setting("proxy_max_prompt_tokens", "int", 0,
-                "proxy: longest prompt in tokens, refused with 400 before the proxy copies it "
-                "(0 = the upstream's context size per slot)", lo=0),
-        Setting("proxy_tenant", "tenant", "none",
-                "proxy: whose stored conversations a request may restore: none (any: one user or one team), "
-                "api-key (only those saved with the same Authorization header) or header:NAME (the same value "
-                "of that header, set by a gateway in front)"),
-        Setting("cache_max_bytes", "size", 0,
-                "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)", lo=0),
+        Setting(
+            "proxy_mount",
+            "file",
+            None,
+            "proxy: the mounted directory llama-server saves into (its --slot-save-path); required by proxy",
+        ),
+        Setting(
+            "proxy_min_restore",
+            "int",
+            32,
+            "proxy: restore a snapshot only if it brings at least this many more prompt tokens than the slot holds",
+            lo=1,
+        ),
+        Setting(
+            "proxy_max_body",
+            "size",
+            16 * MiB,
+            "proxy: largest request body; a larger one is refused with 413 before it is read",
+            lo=KiB,
+        ),
+        Setting(
+            "proxy_max_prompt_tokens",
+            "int",
+            0,
+            "proxy: longest prompt in tokens, refused with 400 before the proxy copies it "
+            "(0 = the upstream's context size per slot)",
+            lo=0,
+        ),
+        Setting(
+            "proxy_tenant",
+            "tenant",
+            "none",
+            "proxy: whose stored conversations a request may restore: none (any: one user or one team), "
+            "api-key (only those saved with the same Authorization header) or header:NAME (the same value "
+            "of that header, set by a gateway in front)",
+        ),
+        Setting(
+            "cache_max_bytes",
+            "size",
+            0,
+            "proxy: past this many stored bytes, delete the lowest-score proxy snapshots (0 = no budget)",
+            lo=0,
+        ),
         Setting("remote", "remote", "", "shared chunk tier: s3://bucket/prefix (empty = this host only)"),
         Setting("remote_endpoint", "str", "", "S3 endpoint URL, e.g. http://127.0.0.1:8333 (empty = AWS)"),
         Setting("remote_upload_workers", "int", 16, "threads uploading chunks to the remote", lo=1, hi=256),
         Setting("remote_fetch_workers", "int", 16, "threads fetching chunks from the remote", lo=1, hi=256),
-        Setting("remote_grace", "duration", 86400,
-                "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)", lo=0),
-        Setting("remote_pack_size", "size", 16 * MiB,
-                "a new bucket's layout: chunks uploaded in packs of about this size (0: one object per chunk, "
-                "desync-compatible)", lo=0, hi=1 << 30),
+        Setting(
+            "remote_grace",
+            "duration",
+            86400,
+            "gc --remote keeps an unnamed remote chunk younger than this (uploads in flight)",
+            lo=0,
+        ),
+        Setting(
+            "remote_pack_size",
+            "size",
+            16 * MiB,
+            "a new bucket's layout: chunks uploaded in packs of about this size (0: one object per chunk, "
+            "desync-compatible)",
+            lo=0,
+            hi=1 << 30,
+        ),
         Setting("remote_list_ttl", "duration", 5, "seconds a listing of the remote's snapshots is reused", lo=0),
-        Setting("local_cache_size", "size", 0,
-                "with remote: past this many pack bytes, evict chunks safely in the bucket, least recently used "
-                "snapshots first (they stay listed and are fetched back when opened; 0 = keep everything)", lo=0),
+        Setting(
+            "local_cache_size",
+            "size",
+            0,
+            "with remote: past this many pack bytes, evict chunks safely in the bucket, least recently used "
+            "snapshots first (they stay listed and are fetched back when opened; 0 = keep everything)",
+            lo=0,
+        ),
         Setting("score", "formula", DEFAULT_SCORE, "snapshot score formula; lowest is evicted first"),
         Setting("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     )
@@ -485,8 +550,7 @@ def _check_consistency(merged: Layer) -> None:
         )
     if merged["api_token"][0] and merged["api_token_file"][0] is not None:
         raise ConfigError(
-            f"api_token ({merged['api_token'][1]}) and {_describe_one(merged, 'api_token_file')} are both set; "
-            "use one"
+            f"api_token ({merged['api_token'][1]}) and {_describe_one(merged, 'api_token_file')} are both set; use one"
         )
 
 

@@ -49,7 +49,6 @@ def parse_duration(value: object) -> int:
     return sum(int(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+)([smhdw])", text))
 
 
-
 def format_size(n: int) -> str:
     """``65536`` -> ``64 KiB``; inexact values get one decimal, e.g. ``476.8 MiB``."""
     for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):

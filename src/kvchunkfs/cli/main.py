@@ -81,8 +81,13 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             return 1
         collector.names = api.service.live  # its reference counts: GC runs without reading every stub
         try:
-            daemon.serve(files, mountpoint, cfg.kernel_readahead_kb, [lambda _ops: collector.periodic(), api.task],
-                         cfg.memory_trim_above)
+            daemon.serve(
+                files,
+                mountpoint,
+                cfg.kernel_readahead_kb,
+                [lambda _ops: collector.periodic(), api.task],
+                cfg.memory_trim_above,
+            )
         finally:
             api.close()
             collector.close()
@@ -377,8 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
     p.add_argument("mountpoint")
-    p.add_argument("--nonempty", action="store_true",
-                   help="mount over a directory that holds files (they stay hidden until the unmount)")
+    p.add_argument(
+        "--nonempty",
+        action="store_true",
+        help="mount over a directory that holds files (they stay hidden until the unmount)",
+    )
     add("config", cmd_config, "show every effective setting and where it came from")
     p = add("export-store", cmd_export_store, "write the chunks as a loose casync/desync store")
     p.add_argument("dest")
@@ -395,13 +403,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", dest="proxy_listen", default=None, help="same as --proxy-listen")
     p.add_argument("--mount", dest="proxy_mount", default=None, help="same as --proxy-mount")
     # resolve: gc's own --remote replaces the setting's flag; it also works without a value (the setting's)
-    p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)",
-            conflict_handler="resolve")
+    p = add(
+        "gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)", conflict_handler="resolve"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--walk", action="store_true",
-                   help="read every stub (a mounted daemon otherwise looks only at what changed since its last run)")
-    p.add_argument("--remote", nargs="?", const=_CONFIGURED, default=None, metavar="s3://BUCKET/PREFIX",
-                   help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)")
+    p.add_argument(
+        "--walk",
+        action="store_true",
+        help="read every stub (a mounted daemon otherwise looks only at what changed since its last run)",
+    )
+    p.add_argument(
+        "--remote",
+        nargs="?",
+        const=_CONFIGURED,
+        default=None,
+        metavar="s3://BUCKET/PREFIX",
+        help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)",
+    )
     p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")
     p.add_argument("--convert", action="store_true",
                    help="with --remote: put loose chunks into packs, then collect the loose copies (once every "

@@ -105,7 +105,11 @@ class Pieces:
 
 
 def cut_batch(
-    cutter: Cutter, state: CutState, batch: Pieces, prev: bytes, successors: Successors | None,
+    cutter: Cutter,
+    state: CutState,
+    batch: Pieces,
+    prev: bytes,
+    successors: Successors | None,
     window: int = WINDOW,
 ) -> tuple[Chunks, bytes, CutState]:
     """Cut a batch exactly as ``cutter.cut(state, batch, final=False)`` would, accepting predicted
@@ -146,7 +150,12 @@ def cut_batch(
 
 
 def _follow(
-    successors: Successors, batch: Pieces, pos: int, prev: bytes, state: CutState, out: Chunks,
+    successors: Successors,
+    batch: Pieces,
+    pos: int,
+    prev: bytes,
+    state: CutState,
+    out: Chunks,
     learned: list[tuple[bytes, Guess]],
 ) -> tuple[int, bytes, CutState, bool]:
     """Accept predicted chunks from ``pos`` while they hash to their id; (pos, prev, state, wait)."""
@@ -170,7 +179,12 @@ def _follow(
 
 
 def _take_cut(
-    pieces: list[memoryview], data: memoryview, base: int, after: CutState, prev: bytes, out: Chunks,
+    pieces: list[memoryview],
+    data: memoryview,
+    base: int,
+    after: CutState,
+    prev: bytes,
+    out: Chunks,
     learned: list[tuple[bytes, Guess]],
 ) -> int:
     """Hash the cutter's chunks (of ``data``, which starts at file offset ``base``) into ``out``;

@@ -40,7 +40,6 @@ SMALL_UNIT = 64  # relayout: segments of rows this small (token ids, cell record
 SMALL_STRIDE = 4 << 10  # ... are cut this finely: a turn stores each one's last stride again
 
 
-
 @dataclass(frozen=True)
 class CutState:
     """The cutter at file offset ``pos`` (a chunk start): the segment holding ``pos`` and any known

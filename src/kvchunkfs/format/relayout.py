@@ -227,4 +227,3 @@ def file_bytes(stream: Buffer, group_w: int) -> bytes:
         assert seg.end is not None
         out[seg.start : seg.end] = to_file(seg, view[seg.start : seg.end])
     return bytes(out)
-

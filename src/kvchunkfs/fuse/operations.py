@@ -104,8 +104,14 @@ def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:
             code = _errno_of(e)
             # An OSError is the store's answer (one line); anything else is a bug (traceback).
-            log.error("%s failed (%s): %s: %s", name, errno.errorcode.get(code, code), type(e).__name__, e,
-                      exc_info=not isinstance(e, OSError))
+            log.error(
+                "%s failed (%s): %s: %s",
+                name,
+                errno.errorcode.get(code, code),
+                type(e).__name__,
+                e,
+                exc_info=not isinstance(e, OSError),
+            )
             if name == "forget":
                 return None
             raise pyfuse3.FUSEError(code) from None
@@ -339,8 +345,10 @@ class Operations(pyfuse3.Operations):
                     follow_symlinks=False,
                 )
             if path is not None and (fields.update_atime or fields.update_mtime):
-                times = (attr.st_atime_ns if fields.update_atime else None,
-                         attr.st_mtime_ns if fields.update_mtime else None)
+                times = (
+                    attr.st_atime_ns if fields.update_atime else None,
+                    attr.st_mtime_ns if fields.update_mtime else None,
+                )
                 _set_times(path, *times)
                 if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
                     node.set_times = (*times, node.content.gen)
@@ -713,8 +721,13 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
             self.saves += 1
             self._observe("on_save", time.monotonic() - start, pending.index.size, pending.new_bytes)
-            log.debug("saved %s: %d bytes, %d chunks in %.3fs", rel, pending.index.size, len(pending.index),
-                      time.monotonic() - start)
+            log.debug(
+                "saved %s: %d bytes, %d chunks in %.3fs",
+                rel,
+                pending.index.size,
+                len(pending.index),
+                time.monotonic() - start,
+            )
 
     def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
         """Give the saved stub the times set on the open file, if nothing was written after them."""
@@ -877,8 +890,11 @@ def _list_dir(path: os.PathLike[str]) -> list[str]:
 def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
     """utime of the stub itself (never a symlink's target); None keeps that time."""
     st = os.lstat(path)
-    os.utime(path, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
-                       st.st_mtime_ns if mtime_ns is None else mtime_ns), follow_symlinks=False)
+    os.utime(
+        path,
+        ns=(st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns),
+        follow_symlinks=False,
+    )
 
 
 def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:

@@ -381,7 +381,10 @@ def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, 
 
 
 def reclaim_packs(
-    repo: Repository, threshold: float, report: GCReport, stop: threading.Event | None,
+    repo: Repository,
+    threshold: float,
+    report: GCReport,
+    stop: threading.Event | None,
     only: Iterable[int] | None = None,
 ) -> set[int]:
     """Delete, trim or compact packs with dead bytes: every pack, or ``only`` these. Returns the

@@ -411,7 +411,7 @@ class Proxy:
         return True
 
     async def _discover(self) -> tuple[int, str]:
-        props = (await self._json("GET", "/props"))
+        props = await self._json("GET", "/props")
         slots = await self._json("GET", "/slots")
         n = len(slots) if isinstance(slots, list) and slots else int(props["total_slots"])
         model = str(props.get("model_path") or props.get("model_alias") or "")

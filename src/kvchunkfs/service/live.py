@@ -444,7 +444,8 @@ class LiveCatalog:
             "age_hours": max(0.0, (now - info.created) / catalog.HOUR),
             "idle_hours": max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR),
             "labels": {catalog.display_name(k): catalog.display_name(v) for k, v in info.labels.items()}
-            if info.labels else {},
+            if info.labels
+            else {},
             "score": 0.0,
         }
         if not path.isascii():

@@ -27,10 +27,15 @@ _SNAPSHOT = {
     "type": "object",
     "required": ["path", "size", "chunks", "unique_bytes", "shared_bytes", "use_count", "created", "labels", "score"],
     "properties": {
-        "path": {"type": "string", "description": "path relative to the mount, '/'-separated; bytes that are "
-                 "not UTF-8 are shown as U+FFFD"},
-        "path_b64": {"type": "string", "description": "present if the path is not UTF-8: its exact bytes, base64 "
-                     "(percent-encode them in /snapshots/{path})"},
+        "path": {
+            "type": "string",
+            "description": "path relative to the mount, '/'-separated; bytes that are not UTF-8 are shown as U+FFFD",
+        },
+        "path_b64": {
+            "type": "string",
+            "description": "present if the path is not UTF-8: its exact bytes, base64 "
+            "(percent-encode them in /snapshots/{path})",
+        },
         "size": {"type": "integer", "description": "logical size in bytes"},
         "chunks": {"type": "integer", "description": "entries in the chunk index"},
         "distinct_chunks": {"type": "integer"},
@@ -44,9 +49,12 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
-        "where": {"type": "string", "enum": ["local", "both", "remote"],
-                  "description": "with a remote only: 'both' if the bucket has it too, 'remote' if some "
-                                 "chunks are only in the bucket (evicted or not fetched yet), 'local' if not (yet)"},
+        "where": {
+            "type": "string",
+            "enum": ["local", "both", "remote"],
+            "description": "with a remote only: 'both' if the bucket has it too, 'remote' if some "
+            "chunks are only in the bucket (evicted or not fetched yet), 'local' if not (yet)",
+        },
     },
 }
 
@@ -66,28 +74,46 @@ _PATHS: dict[str, Any] = {
                 _query("min_{field}", "lower bound of a numeric field; sizes take units (1MiB)"),
                 _query("max_{field}", "upper bound of a numeric field"),
                 _query("limit", "at most this many rows", {"type": "integer", "minimum": 0}),
-                _query("offset", "skip this many rows (after filtering and sorting): a page of any order",
-                       {"type": "integer", "minimum": 0}),
+                _query(
+                    "offset",
+                    "skip this many rows (after filtering and sorting): a page of any order",
+                    {"type": "integer", "minimum": 0},
+                ),
                 _query("after", "only rows after this path (sort by path only): the next page"),
             ],
             "responses": {
-                "200": _json({"type": "object", "properties": {
-                    "count": {"type": "integer"},
-                    "total": {"type": "integer", "description": "rows the filters match, before limit/offset"},
-                    "next": {"type": "string", "description": "after= of the next page (a full page only)"},
-                    "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
-                    "remote_only": {"type": "array", "items": {"type": "string"},
-                                    "description": "with a remote only: the bucket's snapshots (under prefix) "
-                                                   "this host has no stub of"},
-                }}),  # fmt: skip
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "count": {"type": "integer"},
+                            "total": {"type": "integer", "description": "rows the filters match, before limit/offset"},
+                            "next": {"type": "string", "description": "after= of the next page (a full page only)"},
+                            "snapshots": {"type": "array", "items": {"$ref": "#/components/schemas/Snapshot"}},
+                            "remote_only": {
+                                "type": "array",
+                                "items": {"type": "string"},
+                                "description": "with a remote only: the bucket's snapshots (under prefix) "
+                                "this host has no stub of",
+                            },
+                        },
+                    }
+                ),  # fmt: skip
                 "400": _ERROR,
             },
         }
     },
     "/snapshots/{path}": {
-        "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"},
-                        "description": "snapshot path relative to the mount, percent-encoded bytes (a name "
-                                       "that is not UTF-8 too: see path_b64); no '..', no symlinks"}],  # fmt: skip
+        "parameters": [
+            {
+                "name": "path",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string"},
+                "description": "snapshot path relative to the mount, percent-encoded bytes (a name "
+                "that is not UTF-8 too: see path_b64); no '..', no symlinks",
+            }
+        ],  # fmt: skip
         "get": {
             "summary": "One snapshot",
             "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR},
@@ -95,89 +121,174 @@ _PATHS: dict[str, Any] = {
         "delete": {
             "summary": "Delete a snapshot (unlinked through the mount; GC frees its unique chunks)",
             "responses": {
-                "200": _json({"type": "object", "properties": {"deleted": {"type": "string"},
-                                                               "path_b64": {"type": "string"}}}),
-                "400": _ERROR, "403": _ERROR, "404": _ERROR,
+                "200": _json(
+                    {"type": "object", "properties": {"deleted": {"type": "string"}, "path_b64": {"type": "string"}}}
+                ),
+                "400": _ERROR,
+                "403": _ERROR,
+                "404": _ERROR,
             },  # fmt: skip
         },
         "patch": {
             "summary": "Set or remove labels (xattrs user.kvcfs.label.KEY, set through the mount)",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["labels"], "properties": {"labels": {
-                    "type": "object", "additionalProperties": {"type": ["string", "null"]},
-                    "description": "KEY: VALUE sets a label, KEY: null removes it"}}}}}},
-            "responses": {"200": _json({"$ref": "#/components/schemas/Snapshot"}), "400": _ERROR, "404": _ERROR,
-                          "413": _ERROR},
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["labels"],
+                            "properties": {
+                                "labels": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": ["string", "null"]},
+                                    "description": "KEY: VALUE sets a label, KEY: null removes it",
+                                }
+                            },
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": _json({"$ref": "#/components/schemas/Snapshot"}),
+                "400": _ERROR,
+                "404": _ERROR,
+                "413": _ERROR,
+            },
         },  # fmt: skip
     },
     "/deletion-preview": {
         "post": {
             "summary": "What deleting these snapshots together would free (at the next GC)",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["paths"],
-                "properties": {"paths": {"type": "array", "items": {"type": "string"}}}}}}},
-            "responses": {"200": _json({"type": "object", "properties": {
-                "snapshots": {"type": "integer", "description": "paths found"},
-                "freed_bytes": {"type": "integer", "description": "bytes of chunks only these snapshots name"},
-                "freed_chunks": {"type": "integer"},
-                "missing": {"type": "array", "items": {"type": "string"}},
-            }}), "400": _ERROR, "413": _ERROR},
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["paths"],
+                            "properties": {"paths": {"type": "array", "items": {"type": "string"}}},
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "snapshots": {"type": "integer", "description": "paths found"},
+                            "freed_bytes": {
+                                "type": "integer",
+                                "description": "bytes of chunks only these snapshots name",
+                            },
+                            "freed_chunks": {"type": "integer"},
+                            "missing": {"type": "array", "items": {"type": "string"}},
+                        },
+                    }
+                ),
+                "400": _ERROR,
+                "413": _ERROR,
+            },
         }  # fmt: skip
     },
     "/history": {
         "get": {
             "summary": "Saves, restores and GC runs since the daemon started (bounded, in memory), as columns",
             "parameters": [_query("since", "only events after this time (epoch seconds)", {"type": "number"})],
-            "responses": {"200": _json({"type": "object", "properties": {
-                "started": {"type": "number"},
-                "capacity": {"type": "integer", "description": "events kept per kind"},
-                "saves": {"type": "object", "description": "time, seconds, size, new_bytes, store_bytes: lists"},
-                "restores": {"type": "object", "description": "time, seconds, size: lists"},
-                "gc": {"type": "object", "description": "time, seconds, bytes_freed, store_bytes: lists"},
-                "latency": {"type": "object", "description": "save / restore: count, p50, p90, p99 (seconds)"},
-            }}), "400": _ERROR},
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "started": {"type": "number"},
+                            "capacity": {"type": "integer", "description": "events kept per kind"},
+                            "saves": {
+                                "type": "object",
+                                "description": "time, seconds, size, new_bytes, store_bytes: lists",
+                            },
+                            "restores": {"type": "object", "description": "time, seconds, size: lists"},
+                            "gc": {"type": "object", "description": "time, seconds, bytes_freed, store_bytes: lists"},
+                            "latency": {
+                                "type": "object",
+                                "description": "save / restore: count, p50, p90, p99 (seconds)",
+                            },
+                        },
+                    }
+                ),
+                "400": _ERROR,
+            },
         }  # fmt: skip
     },
     "/stats": {
         "get": {
             "summary": "Store totals and filesystem counters",
-            "responses": {"200": _json({"type": "object", "properties": {
-                "snapshots": {"type": "integer"},
-                "logical_bytes": {"type": "integer"},
-                "referenced_bytes": {"type": "integer"},
-                "stored_bytes": {"type": "integer"},
-                "pack_bytes": {"type": "integer"},
-                "chunks": {"type": "integer"},
-                "packs": {"type": "integer"},
-                "dedup_ratio": {"type": "number"},
-                "broken": {"type": "integer"},
-                "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
-                "gc": {"type": "object", "properties": {
-                    "runs": {"type": "integer"}, "last": {"type": ["object", "null"]},
-                    "idle_skips": {"type": "integer", "description": "timer runs skipped: the store was unchanged"},
-                    "interval_s": {"type": "integer"},
-                    "last_finished": {"type": ["number", "null"], "description": "epoch seconds"},
-                    "next_due": {"type": ["number", "null"], "description": "epoch seconds of the next periodic run"},
-                }},
-                "remote": {"type": "object", "description": "with a remote only: the bucket as last listed",
-                           "properties": {"url": {"type": "string"}, "snapshots": {"type": "integer"},
-                                          "index_bytes": {"type": "integer"}}},
-            }})},  # fmt: skip
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "snapshots": {"type": "integer"},
+                            "logical_bytes": {"type": "integer"},
+                            "referenced_bytes": {"type": "integer"},
+                            "stored_bytes": {"type": "integer"},
+                            "pack_bytes": {"type": "integer"},
+                            "chunks": {"type": "integer"},
+                            "packs": {"type": "integer"},
+                            "dedup_ratio": {"type": "number"},
+                            "broken": {"type": "integer"},
+                            "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
+                            "gc": {
+                                "type": "object",
+                                "properties": {
+                                    "runs": {"type": "integer"},
+                                    "last": {"type": ["object", "null"]},
+                                    "idle_skips": {
+                                        "type": "integer",
+                                        "description": "timer runs skipped: the store was unchanged",
+                                    },
+                                    "interval_s": {"type": "integer"},
+                                    "last_finished": {"type": ["number", "null"], "description": "epoch seconds"},
+                                    "next_due": {
+                                        "type": ["number", "null"],
+                                        "description": "epoch seconds of the next periodic run",
+                                    },
+                                },
+                            },
+                            "remote": {
+                                "type": "object",
+                                "description": "with a remote only: the bucket as last listed",
+                                "properties": {
+                                    "url": {"type": "string"},
+                                    "snapshots": {"type": "integer"},
+                                    "index_bytes": {"type": "integer"},
+                                },
+                            },
+                        },
+                    }
+                )
+            },  # fmt: skip
         }
     },
     "/gc": {
         "post": {
             "summary": "Run garbage collection now and return its report",
             "responses": {
-                "200": _json({"type": "object", "description": "the collector's report (GCReport)", "properties": {
-                    "chunks_freed": {"type": "integer"},
-                    "bytes_freed": {"type": "integer", "description": "chunk bytes dropped from the map"},
-                    "disk_bytes_freed": {"type": "integer", "description": "pack file bytes given back"},
-                    "packs_deleted": {"type": "integer"},
-                    "packs_compacted": {"type": "integer"},
-                    "errors": {"type": "array", "items": {"type": "string"}},
-                    "duration_s": {"type": "number"},
-                }}),
+                "200": _json(
+                    {
+                        "type": "object",
+                        "description": "the collector's report (GCReport)",
+                        "properties": {
+                            "chunks_freed": {"type": "integer"},
+                            "bytes_freed": {"type": "integer", "description": "chunk bytes dropped from the map"},
+                            "disk_bytes_freed": {"type": "integer", "description": "pack file bytes given back"},
+                            "packs_deleted": {"type": "integer"},
+                            "packs_compacted": {"type": "integer"},
+                            "errors": {"type": "array", "items": {"type": "string"}},
+                            "duration_s": {"type": "number"},
+                        },
+                    }
+                ),
                 "503": _ERROR,
             },  # fmt: skip
         }
@@ -186,18 +297,34 @@ _PATHS: dict[str, Any] = {
         "get": {
             "summary": "Recent log lines of the daemon (in-memory ring buffer)",
             "parameters": [
-                _query("level", "minimum level", {"type": "string",
-                                                  "enum": ["debug", "info", "warning", "error", "critical"]}),
+                _query(
+                    "level",
+                    "minimum level",
+                    {"type": "string", "enum": ["debug", "info", "warning", "error", "critical"]},
+                ),
                 _query("limit", "newest this many lines (default 200)", {"type": "integer", "minimum": 0}),
             ],  # fmt: skip
             "responses": {
-                "200": _json({"type": "object", "properties": {
-                    "count": {"type": "integer"},
-                    "lines": {"type": "array", "items": {"type": "object", "properties": {
-                        "time": {"type": "number"}, "level": {"type": "string"},
-                        "logger": {"type": "string"}, "message": {"type": "string"},
-                    }}},
-                }}),  # fmt: skip
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "count": {"type": "integer"},
+                            "lines": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "time": {"type": "number"},
+                                        "level": {"type": "string"},
+                                        "logger": {"type": "string"},
+                                        "message": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    }
+                ),  # fmt: skip
                 "400": _ERROR,
             },
         }
@@ -214,19 +341,27 @@ _PATHS: dict[str, Any] = {
             "parameters": [
                 _query("prefix", "only snapshot paths starting with this"),
                 _query("format", "json (default) or text", {"type": "string", "enum": ["json", "text"]}),
-                _query("shared_by", "true: every node also lists the names of all snapshots below it "
-                       "(N x depth names; by default each name appears once, in ends_here)",
-                       {"type": "boolean"}),
+                _query(
+                    "shared_by",
+                    "true: every node also lists the names of all snapshots below it "
+                    "(N x depth names; by default each name appears once, in ends_here)",
+                    {"type": "boolean"},
+                ),
             ],
             "responses": {
                 "200": {
                     "description": "OK",
                     "content": {
-                        "application/json": {"schema": {"type": "object", "properties": {
-                            "snapshots": {"type": "integer"},
-                            "skipped": {"type": "array", "items": {"type": "object"}},
-                            "tree": {"$ref": "#/components/schemas/TreeNode"},
-                        }}},  # fmt: skip
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {
+                                    "snapshots": {"type": "integer"},
+                                    "skipped": {"type": "array", "items": {"type": "object"}},
+                                    "tree": {"$ref": "#/components/schemas/TreeNode"},
+                                },
+                            }
+                        },  # fmt: skip
                         "text/plain": {"schema": {"type": "string"}},
                     },
                 },
@@ -237,23 +372,51 @@ _PATHS: dict[str, Any] = {
     "/prefix-match": {
         "post": {
             "summary": "Snapshots sharing the longest token prefix with the given tokens (the proxy's lookup)",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["tokens"], "properties": {
-                    "tokens": {"type": "array", "items": {"type": "integer"}},
-                    "prefix": {"type": "string", "description": "only snapshot paths starting with this"},
-                    "exclude_suffix": {"type": "string", "description": "skip paths ending with this (e.g. .tmp)"},
-                    "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1},
-                }}}}},  # fmt: skip
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["tokens"],
+                            "properties": {
+                                "tokens": {"type": "array", "items": {"type": "integer"}},
+                                "prefix": {"type": "string", "description": "only snapshot paths starting with this"},
+                                "exclude_suffix": {
+                                    "type": "string",
+                                    "description": "skip paths ending with this (e.g. .tmp)",
+                                },
+                                "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1},
+                            },
+                        }
+                    }
+                },
+            },  # fmt: skip
             "responses": {
-                "200": _json({"type": "object", "properties": {
-                    "count": {"type": "integer"},
-                    "matches": {"type": "array", "items": {"type": "object", "properties": {
-                        "path": {"type": "string"}, "path_b64": {"type": "string"},
-                        "match": {"type": "integer", "description": "leading tokens shared with the query"},
-                        "tokens": {"type": "integer", "description": "the snapshot's own token count"},
-                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                    }}},
-                }}),  # fmt: skip
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "count": {"type": "integer"},
+                            "matches": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "path": {"type": "string"},
+                                        "path_b64": {"type": "string"},
+                                        "match": {
+                                            "type": "integer",
+                                            "description": "leading tokens shared with the query",
+                                        },
+                                        "tokens": {"type": "integer", "description": "the snapshot's own token count"},
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    }
+                ),  # fmt: skip
                 "400": _ERROR,
             },
         }

@@ -130,7 +130,9 @@ class Bucket:
             # A dead endpoint must not hold an upload worker or an open() for minutes: few, short
             # retries; the upload queue retries later anyway.
             config = botocore.config.Config(
-                connect_timeout=3, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=3,
+                read_timeout=30,
+                retries={"max_attempts": 2, "mode": "standard"},
                 max_pool_connections=64,
             )
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")

@@ -110,9 +110,7 @@ def user_xattrs(path: Path | str) -> dict[str, bytes]:
     return out
 
 
-def prepare(
-    tmp_dir: Path, index: idx.Index, like: Path | None, mode: int = 0o644, fsync: bool = False
-) -> Path:
+def prepare(tmp_dir: Path, index: idx.Index, like: Path | None, mode: int = 0o644, fsync: bool = False) -> Path:
     """Write a complete new stub under ``tmp_dir``; the caller renames it into place.
 
     Mode, owner and user xattrs are copied from ``like`` (the stub being replaced) when it

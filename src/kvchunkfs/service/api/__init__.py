@@ -20,5 +20,13 @@ from kvchunkfs.service.api.routes import check_snapshot_path, create_app
 from kvchunkfs.service.api.server import ApiServer, MountApi, split_address, tcp_token
 from kvchunkfs.service.api.service import Service
 
-__all__ = ["ApiServer", "JSONResponse", "MountApi", "Service", "check_snapshot_path", "create_app", "split_address",
-           "tcp_token"]
+__all__ = [
+    "ApiServer",
+    "JSONResponse",
+    "MountApi",
+    "Service",
+    "check_snapshot_path",
+    "create_app",
+    "split_address",
+    "tcp_token",
+]

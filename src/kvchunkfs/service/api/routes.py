@@ -115,9 +115,6 @@ MAX_QUERY_TOKENS = 1 << 22  # far beyond any context window; bounds what one req
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
-
-
-
 def parse_prefix_query(body: Any) -> PrefixQuery:
     """A checked query, else HTTPException 400 naming what is wrong."""
     if not isinstance(body, dict):
@@ -328,9 +325,6 @@ async def _json_body(request: Request) -> Any:
         return json.loads(b"".join(chunks))
     except ValueError as e:
         raise HTTPException(400, f"request body is not JSON: {e}") from None
-
-
-
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -114,9 +114,6 @@ def bind_unix(path: Path, tmp_dir: Path) -> socket.socket:
     return sock
 
 
-
-
-
 class _PeerProtocol(H11Protocol):
     """uvicorn's h11 protocol that names a unix-socket client by its credentials (SO_PEERCRED)."""
 

@@ -8,6 +8,7 @@ setup:
 
 lint:
 	ruff check src tests benchmarks e2e
+	ruff format --check src tests benchmarks e2e
 	python3 -m mypy
 
 format:

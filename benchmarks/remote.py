@@ -1,4 +1,4 @@
-"""The shared tier (issue 12) on a local SeaweedFS: save latency with and without a remote, upload
+"""The shared tier on a local SeaweedFS: save latency with and without a remote, upload
 throughput, and a restore on a second host: cold from the bucket, from its local packs, and against
 downloading the plain file as one object with boto3 (what ``aws s3 cp`` does).
 

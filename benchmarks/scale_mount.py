@@ -1,5 +1,5 @@
 """The scale benchmark through a real mount: how long until the mountpoint is ready, and how long a
-file read waits while the daemon walks, collects, lists or is scraped (issue 15).
+file read waits while the daemon walks, collects, lists or is scraped.
 
 Mounts a store built by ``scale.py --keep DIR`` with the real daemon (``kv-chunk-fs mount``), then:
 

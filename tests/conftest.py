@@ -145,7 +145,7 @@ class Mount:
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_hog() -> Iterator[None]:
-    """In busy mode, one core stays busy for the whole session (issue 14: bugs that hide on an idle machine)."""
+    """In busy mode, one core stays busy for the whole session (bugs that hide on an idle machine)."""
     if not BUSY:
         yield
         return

@@ -1,4 +1,4 @@
-"""Core behaviour on a real FUSE mount, driven with ordinary file calls (issue 2)."""
+"""Core behaviour on a real FUSE mount, driven with ordinary file calls."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def test_finds_and_repairs_crash_leftovers_and_garbage(kvfs) -> None:
         f.write(os.urandom(4321))  # an uncommitted tail
     (kvfs.store / "tmp" / "stub-1").write_bytes(b"x")
     db = sqlite3.connect(kvfs.store / "chunks.db")
-    db.execute("INSERT INTO chunks (id, pack, offset, length) VALUES (?, 999, 0, 10)", (os.urandom(32),))  # a row into a missing pack
+    row = "INSERT INTO chunks (id, pack, offset, length) VALUES (?, 999, 0, 10)"
+    db.execute(row, (os.urandom(32),))  # a row into a missing pack
     db.commit()
     db.close()
 

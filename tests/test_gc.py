@@ -310,7 +310,7 @@ def test_endless_renames_skip_the_sweep_instead_of_blocking(tmp_path: Path, monk
 
 def test_periodic_gc_walks_after_changes_and_skips_an_unchanged_store(tmp_path: Path) -> None:
     """The hourly GC of an idle store costs nothing: it walks only when something was saved,
-    renamed or deleted since the last clean run (issue 15)."""
+    renamed or deleted since the last clean run."""
     m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--gc-interval", "1"])
     m.start()
     try:

@@ -1,4 +1,4 @@
-"""GC without a walk: a run looks only at what changed since the last one (issue 15).
+"""GC without a walk: a run looks only at what changed since the last one.
 
 The daemon's catalog counts the references every stub makes; ``gc.collect_changes`` frees the ids
 the store mapped since the last run and the ids whose last snapshot went, if no snapshot names them

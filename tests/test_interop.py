@@ -1,4 +1,4 @@
-"""Interop with the real casync: exported chunks + a stub rebuild the snapshot (issue 2, item 8)."""
+"""Interop with the real casync: exported chunks + a stub rebuild the snapshot."""
 
 from __future__ import annotations
 

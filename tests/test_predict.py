@@ -1,4 +1,4 @@
-"""Predicted chunks (issue 10): taking bytes as the chunk that followed the previous one last time
+"""Predicted chunks: taking bytes as the chunk that followed the previous one last time
 never changes the chunk list. Whatever a snapshot looked like before and however the next one
 differs (edits, inserts, deletes, appends, truncations, a damaged header) and is split into
 writes and batches, the chunks with prediction equal cutting the whole file without it, for both

@@ -1,4 +1,4 @@
-"""The shared tier on S3 (issue 12), against a real SeaweedFS server and real FUSE mounts.
+"""The shared tier on S3, against a real SeaweedFS server and real FUSE mounts.
 
 One ``weed server -s3`` per module (a few seconds to start), one bucket, a key prefix per test.
 Nothing here asserts a duration: waits poll for a state, with generous limits.

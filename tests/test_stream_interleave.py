@@ -2,8 +2,8 @@
 
 ``Scheduler`` parks the worker at each of its steps (``FileContent.hook``) and lets the test decide
 when it moves, so an interleaving is chosen by the test, not by the machine's load: a failure
-reproduces from its seed every time. Issue 14 (an append losing its last bytes when the worker
-lagged behind a short write that followed an unaligned one) is the first case below.
+reproduces from its seed every time. An append that lost its last bytes when the worker
+lagged behind a short write that followed an unaligned one is the first case below.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def commit(files: Files, content: FileContent, sched: Scheduler) -> bytes:
 
 @pytest.mark.parametrize("keep_partial_page", [True, False])
 def test_lagging_worker_after_short_unaligned_writes(tmp_path, keep_partial_page):
-    """Issue 14, deterministically: the worker wakes only after a short write that followed an
+    """The lost-append case, deterministically: the worker wakes only after a short write that followed an
     unaligned one, with a full batch queued (before the fix, 3 bytes were lost here)."""
     files, content, sched = new_content(tmp_path / "s", keep_partial_page)
     want = bytearray()

@@ -1,4 +1,4 @@
-"""Streaming paths on a real mount with the chunker worker slowed and sped at random (issue 14).
+"""Streaming paths on a real mount with the chunker worker slowed and sped at random.
 
 Every round does the same file calls on the mount and on a plain directory and compares the bytes:
 writes of every size from 1 B to 3 MiB, llama-server's two-pass save (write, then reopen in append

@@ -200,7 +200,7 @@ def test_one_large_batch_is_split_across_packs(tmp_path: Path):
 
 def test_chunk_cache_counts_whole_run_buffers():
     """A cached chunk is a view that keeps its whole pread buffer alive: the cache charges the buffer,
-    so its capacity bounds the memory it really holds (issue 8, bug 6)."""
+    so its capacity bounds the memory it really holds."""
     from kvchunkfs.file.fetcher import ChunkCache, Run
 
     cache = ChunkCache(capacity=10 * MiB)

@@ -1,4 +1,4 @@
-"""``kv-chunk-fs proxy``: a drop-in disk prompt cache in front of llama-server (issue 16).
+"""``kv-chunk-fs proxy``: a drop-in disk prompt cache in front of llama-server.
 
 Clients talk to the proxy exactly as to llama-server; every request is forwarded unchanged (bodies,
 status codes, SSE streams chunk by chunk). Generation requests (``/completion``, ``/v1/completions``,

@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from kvchunkfs.file.fetcher import start_threads
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
@@ -86,7 +85,6 @@ class ChunkPool:
     def __init__(self, workers: int = 0) -> None:
         self.workers = workers or os.cpu_count() or 2
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker")
-        start_threads(self._executor, self.workers)
 
     def submit(self, turn: Callable[[], None]) -> None:
         self._executor.submit(turn)

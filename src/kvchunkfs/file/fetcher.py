@@ -8,7 +8,6 @@ a chunk is read from disk once however many requests want it at the same time.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading
@@ -30,20 +29,6 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
-
-
-def start_threads(pool: ThreadPoolExecutor, n: int) -> None:
-    """Start all ``n`` threads of ``pool`` now (it starts them one per submit, as work comes): a
-    restore's first read-ahead, or a first save, would wait for each start, tens of ms on a busy
-    machine. Each thread waits for the others once, so every one of them has to exist."""
-    barrier = threading.Barrier(n)
-
-    def meet() -> None:
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait(timeout=30)
-
-    for _ in range(n):
-        pool.submit(meet)
 
 
 class Run:
@@ -161,7 +146,6 @@ class Fetcher:
         self.readahead = readahead
         self.verify = verify
         self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
-        start_threads(self.pool, max(1, workers))
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk

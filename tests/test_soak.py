@@ -20,6 +20,9 @@ MiB = 1 << 20
 CYCLES = int(os.environ.get("KVCFS_SOAK_CYCLES", "300"))
 SIZE = int(os.environ.get("KVCFS_SOAK_MIB", "8")) * MiB
 GROWTH_LIMIT = 72 * MiB  # over the first cycle's RSS: the 32 MiB chunk cache fills, plus 40 MiB of slack
+# One sample after an idle trim varies by +-15 MiB from checkpoint to checkpoint on the same code (what
+# the cache and the heap hold at that moment): the bound is on the median of the last three.
+LAST = 3
 
 
 def rss(pid: int) -> int:
@@ -59,4 +62,5 @@ def test_rss_stays_bounded_over_hundreds_of_save_restore_cycles(soak_fs: Mount) 
             curve.append((cycle, rss(m.proc.pid) >> 20))
             base = base or rss(m.proc.pid)
     print("RSS MiB by cycle:", curve)
-    assert rss(m.proc.pid) - base < GROWTH_LIMIT, f"RSS grew: {curve}"
+    late = sorted(r for _, r in curve[-LAST:])[LAST // 2] << 20
+    assert late - base < GROWTH_LIMIT, f"RSS grew: {curve}"

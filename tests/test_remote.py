@@ -6,6 +6,7 @@ Nothing here asserts a duration: waits poll for a state, with generous limits.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -490,7 +491,12 @@ CACHE = ["--pack-size", "1MiB", "--local-cache-size", "6MiB"]
 
 
 def pack_bytes(m: Mount) -> int:
-    return sum(p.stat().st_size for p in (m.store / "packs").iterdir())
+    """Bytes of the pack files now; a pack the daemon deletes while they are listed counts as gone."""
+    total = 0
+    for p in (m.store / "packs").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            total += p.stat().st_size
+    return total
 
 
 def unmapped(m: Mount, name: str) -> set[bytes]:

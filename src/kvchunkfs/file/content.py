@@ -33,7 +33,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
@@ -158,7 +160,15 @@ class Action(enum.Enum):
     TO_STAGING = "to_staging"  # call to_staging() in a thread, then write()
 
 
-ReadChunks = Callable[[Index, int, int], bytes]
+class ReadChunks(Protocol):
+    """Bytes ``[offset, offset + size)`` of the file ``index`` names, from its chunks as stored.
+    ``ahead``: the offset read-ahead stops at (None: the reader's own window), so reads around a
+    stored group leave the group's chunks to its decode, which streams them itself."""
+
+    def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes: ...
+
+
+LOOKAHEAD = 1 << 20  # a relayout read parses this far past itself to know where the next group starts
 
 
 class DecodedGroups:
@@ -204,11 +214,11 @@ class GroupDecode:
     """One stored group (chunker relayout) being put back in file order on a thread of its own,
     fed its chunks in order a few MiB at a time, so readers of its first block follow the fetch."""
 
-    STEP = 2 << 20  # stored bytes fetched and put in place per step
-
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, buffers: BufferPool | None = None) -> None:
+        assert seg.end is not None
         self.seg = seg
-        self.unpermute = relayout.Unpermute(seg)
+        out = buffers.take(seg.end - seg.start) if buffers is not None else None  # a group keeps its range
+        self.unpermute = relayout.Unpermute(seg, out)
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.finished = False
@@ -217,20 +227,15 @@ class GroupDecode:
         g, u = self.seg, self.unpermute
         assert g.end is not None
         try:
-            views = getattr(reader, "views", None)  # files.HandleReader: the chunks' own buffers
-            fed = callable(views)
-            first, last = index.find(g.start), index.find(g.end - 1)
-            i = first
-            while fed and i <= last:
-                j = i
-                while j <= last and index.start(j) - index.start(i) < self.STEP:
-                    j += 1
-                stop = index.start(j) if j <= last else g.end
-                # Chunks back to back in a run buffer come as one view: few numpy copies a step.
-                fed = u.feed(views(index, index.start(i), stop - index.start(i)))  # type: ignore[misc]
-                with self.cond:
-                    self.cond.notify_all()
-                i = j
+            stream = getattr(reader, "stream", None)  # files.HandleReader: chunks straight off the packs
+            fed = callable(stream)
+            if fed:
+                for piece in stream(index, g.start, g.end):  # type: ignore[misc]
+                    fed = u.feed([piece])
+                    with self.cond:
+                        self.cond.notify_all()
+                    if not fed:
+                        break
             if not fed or not u.done:  # records wider than a chunk: all at once
                 u.set_all(reader(index, g.start, g.end - g.start))
         except BaseException as e:
@@ -265,6 +270,7 @@ class FileContent:
         max_size: int = 1 << 62,
         successors: Successors | None = None,
         decoded_groups: DecodedGroups | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -281,6 +287,7 @@ class FileContent:
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.group_w = chunker.group_w
         self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
+        self.buffers = buffers  # where groups are put back (shared, reused once unreferenced)
         # (index, its size, its groups parsed so far, the parser's state after them: None when
         # parsed to the end); replaced whole, never changed: the event loop reads it without a lock.
         self._layout: tuple[Index, int, list[Segment], State | None] | None = None
@@ -555,22 +562,37 @@ class FileContent:
         ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
         isize = index.size if isize is None else isize
         end = offset + size
-        hit = [g for g in self._groups(index, isize, read_chunks, end) if g.start < end and offset < (g.end or 0)]
+        found = self._groups(index, isize, read_chunks, min(isize, end + LOOKAHEAD) if self.group_w else end)
+        hit = [g for g in found if g.start < end and offset < (g.end or 0)]
+        ahead = self._next_group(found, end)
         if not hit:
-            return read_chunks(index, offset, size)
+            return read_chunks(index, offset, size, ahead)
         parts: list[bytes | memoryview] = []
         pos = offset
         for g in hit:
             assert g.end is not None
             if pos < g.start:
-                parts.append(read_chunks(index, pos, g.start - pos))
+                parts.append(read_chunks(index, pos, g.start - pos, g.start))
                 pos = g.start
             stop = min(end, g.end)
             parts.append(self._group_bytes(index, g, read_chunks, pos - g.start, stop - pos))
             pos = stop
         if pos < end:
-            parts.append(read_chunks(index, pos, end - pos))
+            parts.append(read_chunks(index, pos, end - pos, ahead))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _next_group(self, found: list[Segment], end: int) -> int | None:
+        """Where read-ahead past ``end`` must stop: the next stored group's start (its decode reads
+        its chunks), ``end`` itself while the layout past it is not parsed yet, else None."""
+        if not self.group_w:
+            return None
+        later = [g.start for g in found if g.start >= end]
+        if later:
+            return min(later)
+        known = self._layout
+        if known is None or known[3] is None:
+            return None  # parsed to the end: no group follows
+        return max(end, known[3].pos)  # a group may start where the parse stopped
 
     def _groups(self, index: Index, isize: int, read_chunks: ReadChunks, until: int) -> list[Segment]:
         """The stored groups in ``index``'s first ``isize`` bytes, at least those that start
@@ -591,7 +613,7 @@ class FileContent:
             if not _parsed_to(st, until):
 
                 def read(off: int, n: int) -> bytes:
-                    return bytes(read_chunks(index, off, n))
+                    return bytes(read_chunks(index, off, n, off + n))  # headers: no read-ahead
 
                 more, st = relayout.groups_until(read, isize, st, until)
                 found = found + more
@@ -619,7 +641,7 @@ class FileContent:
             if d is None:
                 key = DecodedGroups.key(index, g) if self.decoded_groups is not None else b""
                 done = self.decoded_groups.get(key) if self.decoded_groups is not None else None
-                d = decodes[g.start] = done if done is not None else GroupDecode(g)
+                d = decodes[g.start] = done if done is not None else GroupDecode(g, self.buffers)
                 fresh = done is None
                 earlier = sorted(start for start in decodes if start < g.start)
                 for start in earlier[:-1]:
@@ -660,6 +682,14 @@ class FileContent:
         if not _parsed_to(known[3], end):
             return False  # not parsed that far yet
         return not any(g.start < end and offset < (g.end or 0) for g in known[2])
+
+    def read_ahead_limit(self, end: int) -> int | None:
+        """Where read-ahead past ``end`` must stop (the next stored group, whose decode streams its
+        own chunks), as far as known without reading: the event loop's cached-read shortcut."""
+        known = self._layout
+        if not self.group_w or known is None or known[0] is not self.index:
+            return None
+        return self._next_group(known[2], end)
 
     def decoded(self, offset: int, size: int) -> memoryview | None:
         """The bytes if a group being put back holds all of them in place already (no wait, no

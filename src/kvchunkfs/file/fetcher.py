@@ -12,7 +12,7 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,6 +28,8 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
+STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
+STREAM_DEPTH = 2  # ... this many pieces ahead of its caller, into buffers it reuses
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -152,8 +154,11 @@ class Fetcher:
 
     # -- public -----------------------------------------------------------------------------
 
-    def read(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> bytes:
-        """Bytes ``[offset, offset+size)`` of the file described by ``index`` (short at EOF)."""
+    def read(
+        self, index: Index, offset: int, size: int, cursor: Cursor | None = None, ahead: int | None = None
+    ) -> bytes:
+        """Bytes ``[offset, offset+size)`` of the file described by ``index`` (short at EOF);
+        read-ahead stops at ``ahead`` if given."""
         end = min(offset + size, index.size)
         if offset >= end:
             return b""
@@ -161,7 +166,7 @@ class Fetcher:
         waits, mine = self._claim(index.ids[first : last + 1])
         if mine:  # read first what this read waits for, then queue read-ahead behind it on the disk
             self._fetch(mine, cursor.locations if cursor is not None else None)
-        self._advance(index, end, last, offset, cursor)
+        self._advance(index, end, last, offset, cursor, ahead)
         return _assemble(index, offset, end, first, last, _results(waits))
 
     def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
@@ -181,7 +186,91 @@ class Fetcher:
         views[0] = views[0][offset - index.start(first) :]
         return views
 
-    def read_cached(self, index: Index, offset: int, size: int, cursor: Cursor) -> Buffer | None:
+    def stream(
+        self, index: Index, offset: int, end: int, locations: dict[bytes, Location] | None = None
+    ) -> Iterator[memoryview]:
+        """The bytes ``[offset, end)`` of ``index`` in order, whole chunks at a time (the first and
+        last cut to the range); each view is valid only until the next one is asked for.
+
+        For a reader that copies every byte at once (a stored group being put back): cached chunks
+        are used, the others are read by the calling thread straight from their packs into one
+        reused buffer, never cached and never handed between threads. One sequential reader keeps
+        the disk streaming; no fresh buffer per run, no worker wakeups.
+        """
+        end = min(end, index.size)
+        if offset >= end:
+            return
+        first, last = index.find(offset), index.find(end - 1)
+        ids = index.ids[first : last + 1]
+        known = locations if locations is not None and all(c in locations for c in ids) else None
+        found = dict(known if known is not None else self.store.locate_many(ids))
+        plan: list[tuple[int, int, int, Buffer | None]] = []  # (first chunk, count, bytes, cached data)
+        i = first
+        while i <= last:
+            data = self.cache.get(index.ids[i])
+            if data is not None:
+                plan.append((i, 1, len(data), data))
+                i += 1
+                continue
+            n, length = _stream_run(index, i, last, found, max(STREAM_PIECE, index.length(i)))
+            plan.append((i, n, length, None))
+            i += n
+        self.cache.count(hits=sum(1 for p in plan if p[3] is not None))
+        # The next pieces are read by the workers into a ring of buffers while the caller uses
+        # this one: disk, checksums and the caller's copy overlap, and no buffer is fresh per piece.
+        room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)])
+        ring = [memoryview(bytearray(room)) for _ in range(STREAM_DEPTH + 1)]
+        reads: dict[int, Future[memoryview]] = {}
+
+        def submit(k: int) -> None:
+            if k < len(plan) and plan[k][3] is None:
+                j, n, length, _ = plan[k]
+                out = ring[k % len(ring)][:length]
+                reads[k] = self.pool.submit(self._stream_read, index, j, n, found, out)
+
+        for k in range(STREAM_DEPTH):
+            submit(k)
+        for k, (j, n, _length, data) in enumerate(plan):
+            submit(k + STREAM_DEPTH)  # its buffer is the one the caller gave back by asking again
+            piece = memoryview(data) if data is not None else reads.pop(k).result()
+            lo = offset - index.start(j) if j == first else 0
+            hi = len(piece) - (index.ends[last] - end if j + n - 1 == last else 0)
+            yield piece[lo:hi]
+
+    def _stream_read(self, index: Index, i: int, n: int, found: dict[bytes, Location], out: memoryview) -> memoryview:
+        """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; a pack
+        GC deleted meanwhile is looked up again once."""
+        ids = index.ids[i : i + n]
+        loc = found[ids[0]]
+        try:
+            for _ in self.store.read_run_into(loc.pack, loc.offset, out, len(out)):
+                pass
+        except FileNotFoundError:  # GC compacted the pack after the chunks were located
+            at = 0
+            for data in self.get_many(ids):  # looked up again, read and checked the usual way
+                out[at : at + len(data)] = data
+                at += len(data)
+            if at != len(out):
+                raise ChunkCorrupt(f"chunks from {ids[0].hex()} are {at} bytes, the index says {len(out)}") from None
+            return out
+        self.cache.count(misses=n)
+        with self._lock:
+            self.chunks_read += n
+        at = 0
+        for k, cid in enumerate(ids):
+            c = found[cid]
+            if self.verify and not _intact(cid, c, out[at : at + c.length]):
+                err = ChunkCorrupt(f"chunk {cid.hex()} in pack {c.pack} at {c.offset} fails its checksum")
+                log.error("%s", err)
+                raise err
+            if c.length != index.length(i + k):
+                raise ChunkCorrupt(f"chunk {cid.hex()} is {c.length} bytes, the index says {index.length(i + k)}")
+            at += c.length
+        return out
+
+    def read_cached(
+        self, index: Index, offset: int, size: int, cursor: Cursor, ahead: int | None = None
+    ) -> Buffer | None:
         """The read if every chunk it needs is cached already, else None; never blocks.
 
         A prefetched restore is served like this on the FUSE thread, without a thread handoff, and
@@ -196,14 +285,17 @@ class Fetcher:
         located = self.cache.get_all(index.ids[first : last + 1])
         if located is None:
             return None
-        self._advance(index, end, last, offset, cursor)
+        self._advance(index, end, last, offset, cursor, ahead)
         span = _span(located, offset - index.start(first), end - offset)
         if span is not None:
             return span
         return _assemble(index, offset, end, first, last, [e.data for e in located])
 
-    def _advance(self, index: Index, end: int, last: int, offset: int, cursor: Cursor | None) -> None:
-        """Note where the handle read; on sequential access keep read-ahead ``readahead`` bytes ahead."""
+    def _advance(
+        self, index: Index, end: int, last: int, offset: int, cursor: Cursor | None, ahead: int | None = None
+    ) -> None:
+        """Note where the handle read; on sequential access keep read-ahead ``readahead`` bytes
+        ahead (never past ``ahead``)."""
         if cursor is None:
             return
         sequential = offset == 0 or abs(offset - cursor.next_offset) <= SEQ_SLACK
@@ -215,7 +307,9 @@ class Fetcher:
         # runs of RUN_MAX, short enough that the workers never run dry while the reader catches up.
         if start < len(index) and index.start(start) > end + self.readahead - self.readahead // 4:
             return
-        self._prefetch(index, start, end + self.readahead, cursor)
+        limit = end + self.readahead if ahead is None else min(ahead, end + self.readahead)
+        if start < len(index) and index.start(start) < limit:
+            self._prefetch(index, start, limit, cursor)
 
     def get_many(self, ids: Sequence[bytes]) -> list[Buffer]:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
@@ -387,6 +481,22 @@ def _intact(cid: bytes, loc: Location, data: Buffer) -> bool:
     if loc.sum is not None:
         return quick_sum(data) == loc.sum
     return hashlib.sha256(data).digest() == cid
+
+
+def _stream_run(index: Index, i: int, last: int, found: dict[bytes, Location], room: int) -> tuple[int, int]:
+    """(count, bytes) of the chunks from ``i`` on that lie back to back in one pack and fit in
+    ``room`` (at least chunk ``i``); ChunkMissing if the map lacks chunk ``i``."""
+    loc = found.get(index.ids[i])
+    if loc is None:
+        raise ChunkMissing(index.ids[i].hex())
+    n, length = 1, loc.length
+    while i + n <= last:
+        nxt = found.get(index.ids[i + n])
+        if nxt is None or nxt.pack != loc.pack or nxt.offset != loc.offset + length or length + nxt.length > room:
+            break
+        length += nxt.length
+        n += 1
+    return n, length
 
 
 def _results(waits: Sequence[Future[Buffer] | Buffer]) -> list[Buffer]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import ChunkPool, DecodedGroups, FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
 from kvchunkfs.file.predict import Successors
@@ -36,11 +38,15 @@ class HandleReader:
     def __init__(self, fetcher: Fetcher, cursor: Cursor | None) -> None:
         self.fetcher, self.cursor = fetcher, cursor
 
-    def __call__(self, index: Index, offset: int, size: int) -> bytes:
-        return self.fetcher.read(index, offset, size, self.cursor)
+    def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
+        return self.fetcher.read(index, offset, size, self.cursor, ahead)
 
     def views(self, index: Index, offset: int, size: int) -> list[memoryview]:
         return self.fetcher.read_views(index, offset, size, self.cursor)
+
+    def stream(self, index: Index, offset: int, end: int) -> Iterator[memoryview]:
+        """``Fetcher.stream`` with the locations looked up at open."""
+        return self.fetcher.stream(index, offset, end, self.cursor.locations if self.cursor is not None else None)
 
     def detached(self) -> HandleReader:
         """The same reads through a cursor of their own (a decode ahead, on another thread): the
@@ -68,7 +74,10 @@ class Files:
     def __init__(self, repo: Repository) -> None:
         s = repo.settings
         self.repo = repo
-        self.cache = ChunkCache(s.cache_size)
+        # cache_size bounds the memory restores keep: half caches chunks, half holds groups being
+        # put back (chunker relayout), in buffers faulted in once (file/buffers.py).
+        self.buffers = BufferPool(s.cache_size // 2)
+        self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
@@ -81,9 +90,9 @@ class Files:
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
         # Groups of relayout files put back lately, for the next restore of the same snapshot.
-        self.decoded_groups = DecodedGroups()
+        self.decoded_groups = DecodedGroups(self.buffers.capacity // 2)  # its groups live in those buffers
 
-    def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
+    def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)
 
     def read_file(self, index: Index, offset: int, size: int) -> bytes:
@@ -101,6 +110,11 @@ class Files:
                 whole = relayout.to_file(g, read(index, g.start, g.end - g.start))
                 out[lo - offset : hi - offset] = whole[lo - g.start : hi - g.start]
         return bytes(out)
+
+    def reserve_buffers(self) -> None:
+        """Fault in the restore buffers now (a daemon at mount): a restore soon after a restart
+        does not wait for fresh memory."""
+        self.buffers.reserve()
 
     def read_with(self, cursor: Cursor) -> HandleReader:
         """A chunk reader that keeps ``cursor``'s read-ahead going."""
@@ -120,6 +134,7 @@ class Files:
             max_size=repo.settings.max_file_size,
             successors=self.successors,
             decoded_groups=self.decoded_groups,
+            buffers=self.buffers,
         )
 
     def replacement(self, rel: str) -> FileContent:

@@ -759,7 +759,8 @@ class Operations(pyfuse3.Operations):
         try:
             if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
                 if content.plain_range(off, size):
-                    data = self.files.fetcher.read_cached(content.index, off, size, cursor)
+                    ahead = content.read_ahead_limit(off + size)
+                    data = self.files.fetcher.read_cached(content.index, off, size, cursor, ahead)
                 else:  # a re-laid-out group (chunker relayout): the one put back in file order
                     data = content.decoded(off, size)
                 if data is not None:
@@ -860,6 +861,7 @@ class Operations(pyfuse3.Operations):
             "chunks_read": self.files.fetcher.chunks_read,
             "cache_hits": self.files.cache.hits,
             "cache_misses": self.files.cache.misses,
+            "restore_buffers_reused": self.files.buffers.reused,
             "saves": self.saves,
             "restores": self.restores,
             "write_requests": self.write_requests,

@@ -760,11 +760,10 @@ class PackStore:
     def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
         """Fill ``out`` with the pack's bytes from ``offset``, ``piece`` bytes a read, yielding how
         many are in place after each: a reader may use a run's first chunks while the rest is still
-        on its way. The whole range is announced to the kernel first, so the disk streams it."""
+        on its way. No WILLNEED hint: the kernel's own read-ahead of sequential preads streams the
+        disk, and announcing a whole run first made cold reads slower, not faster."""
         length = len(out)
         with self.pack_fd(pack) as fd:
-            with contextlib.suppress(OSError):  # only a hint
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             done = 0
             if not length:
                 yield 0  # a run of empty chunks is in place at once

@@ -16,8 +16,9 @@ from helpers import rand_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs.file.content import Action, ByteQueue, FileContent
+from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files
+from kvchunkfs.file.queues import ByteQueue
 from kvchunkfs.format.chunker import BATCH
 from kvchunkfs.store.repository import Repository, StoreSettings
 

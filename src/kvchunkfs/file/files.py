@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchunkfs.file.buffers import BufferPool
-from kvchunkfs.file.content import ChunkPool, DecodedGroups, FileContent
+from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
+from kvchunkfs.file.queues import ChunkPool
 from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs

@@ -1,0 +1,299 @@
+"""Reads of relayout files: the stored groups of an open file put back in file order.
+
+``FileGroups`` (one per open file) finds the groups as reads reach them and starts a ``GroupDecode``
+thread per group; ``DecodedGroups`` (one per store) keeps groups put back lately for the next
+restore of the same snapshot.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+from kvchunkfs.file.buffers import BufferPool
+from kvchunkfs.format import relayout
+from kvchunkfs.format.index import Index
+from kvchunkfs.format.llama_state import Segment, State
+
+log = logging.getLogger(__name__)
+
+
+class ReadChunks(Protocol):
+    """Bytes ``[offset, offset + size)`` of the file ``index`` names, from its chunks as stored.
+    ``ahead``: the offset read-ahead stops at (None: the reader's own window), so reads around a
+    stored group leave the group's chunks to its decode, which streams them itself."""
+
+    def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes: ...
+
+
+LOOKAHEAD = 1 << 20  # a read parses this far past itself to know where the next group starts
+
+
+def _parsed_to(st: State | None, until: int) -> bool:
+    """Whether a layout parsed up to parser state ``st`` lists every group starting before ``until``."""
+    return st is None or st.pos >= until
+
+
+class DecodedGroups:
+    """Groups put back lately, by content (their shape and the chunk ids of their range), for any
+    open file: a restore soon after another of the same snapshot (the page cache dropped or
+    invalidated by a touch) does not put them back again. Bounded by bytes."""
+
+    def __init__(self, capacity: int = 64 << 20) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, GroupDecode] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(index: Index, g: Segment) -> bytes:
+        assert g.end is not None and g.group is not None
+        first, last = index.find(g.start), index.find(g.end - 1)
+        shape = repr((g.group, g.start, g.end, index.start(first))).encode()  # same place, same shape
+        return hashlib.sha256(b"".join([shape, *index.ids[first : last + 1]])).digest()
+
+    def get(self, key: bytes) -> GroupDecode | None:
+        with self._lock:
+            d = self._lru.get(key)
+            if d is not None:
+                self._lru.move_to_end(key)
+            return d
+
+    def put(self, key: bytes, d: GroupDecode) -> None:
+        n = len(d.unpermute.data)
+        if n > self.capacity // 2:
+            return
+        with self._lock:
+            if key in self._lru:
+                return
+            self._lru[key] = d
+            self._size += n
+            while self._size > self.capacity:
+                _, old = self._lru.popitem(last=False)
+                self._size -= len(old.unpermute.data)
+
+
+class GroupDecode:
+    """One stored group (chunker relayout) being put back in file order on a thread of its own,
+    fed its chunks in order a piece at a time, so readers of its first block follow the fetch."""
+
+    def __init__(self, seg: Segment, buffers: BufferPool | None = None) -> None:
+        assert seg.end is not None
+        self.seg = seg
+        out = buffers.take(seg.end - seg.start) if buffers is not None else None  # a group keeps its range
+        self.unpermute = relayout.Unpermute(seg, out)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def run(self, index: Index, reader: ReadChunks) -> None:
+        g, u = self.seg, self.unpermute
+        assert g.end is not None
+        try:
+            stream = getattr(reader, "stream", None)  # files.HandleReader: chunks straight off the packs
+            fed = callable(stream)
+            if fed:
+                for piece in stream(index, g.start, g.end):  # type: ignore[misc]
+                    fed = u.feed([piece])
+                    with self.cond:
+                        self.cond.notify_all()
+                    if not fed:
+                        break
+            if not fed or not u.done:  # records wider than a chunk: all at once
+                u.set_all(reader(index, g.start, g.end - g.start))
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                log.exception("putting a group back failed")
+            self.error = e
+        finally:
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def wait(self, off: int, size: int) -> memoryview:
+        """Group-relative file bytes, once in place (reader threads only: this waits)."""
+        u = self.unpermute
+        with self.cond:
+            self.cond.wait_for(lambda: u.ready(off, size) or self.finished)
+        if not u.ready(off, size):
+            raise self.error or OSError(errno.EIO, "a stored group could not be put back")
+        return u.data[off : off + size]
+
+
+class FileGroups:
+    """The stored groups (chunker relayout) of one open file, for its reads: where they are (parsed
+    from their headers as reads reach them) and their decodes (one thread per group, the next one
+    ahead). The chunks hold a group's bytes permuted; reads get them in file order."""
+
+    def __init__(
+        self,
+        group_w: int,
+        decoded_groups: DecodedGroups | None,
+        stopped: Callable[[], bool],
+        buffers: BufferPool | None = None,
+    ) -> None:
+        self.group_w = group_w
+        self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
+        self.buffers = buffers  # where groups are put back (shared, reused once unreferenced)
+        self._stopped = stopped  # the file's last handle is gone: decode no further ahead
+        # (index, its size, its groups parsed so far, the parser's state after them: None when
+        # parsed to the end); replaced whole, never changed: the event loop reads it without a lock.
+        self._layout: tuple[Index, int, list[Segment], State | None] | None = None
+        self._layout_lock = threading.Lock()  # one parse at a time (reader threads only)
+        # Groups being put back in file order: (index, {group start: its decode}), copy on write:
+        # the event loop reads it without a lock. The lock guards only this bookkeeping.
+        self._decodes: tuple[Index, dict[int, GroupDecode]] | None = None
+        self._decode_lock = threading.Lock()
+        self._reading = -1  # start of the group a reader asked for last
+
+    def read_file(
+        self, index: Index, offset: int, size: int, read_chunks: ReadChunks, isize: int | None = None
+    ) -> bytes | memoryview:
+        """The file's bytes ``[offset, offset + size)`` from the chunks of ``index`` (its first
+        ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
+        isize = index.size if isize is None else isize
+        end = offset + size
+        found = self._groups(index, isize, read_chunks, min(isize, end + LOOKAHEAD) if self.group_w else end)
+        hit = [g for g in found if g.start < end and offset < (g.end or 0)]
+        ahead = self._next_group(found, end)
+        if not hit:
+            return read_chunks(index, offset, size, ahead)
+        parts: list[bytes | memoryview] = []
+        pos = offset
+        for g in hit:
+            assert g.end is not None
+            if pos < g.start:
+                parts.append(read_chunks(index, pos, g.start - pos, g.start))
+                pos = g.start
+            stop = min(end, g.end)
+            parts.append(self._group_bytes(index, g, read_chunks, pos - g.start, stop - pos))
+            pos = stop
+        if pos < end:
+            parts.append(read_chunks(index, pos, end - pos, ahead))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _next_group(self, found: list[Segment], end: int) -> int | None:
+        """Where read-ahead past ``end`` must stop: the next stored group's start (its decode reads
+        its chunks), where the layout's parse stopped, or None (no group follows)."""
+        if not self.group_w:
+            return None
+        later = [g.start for g in found if g.start >= end]
+        if later:
+            return min(later)
+        known = self._layout
+        if known is None or known[3] is None:
+            return None  # parsed to the end: no group follows
+        return max(end, known[3].pos)  # a group may start where the parse stopped
+
+    def read_ahead_limit(self, index: Index, end: int) -> int | None:
+        """``_next_group`` as far as known without reading: the event loop's cached-read shortcut."""
+        known = self._layout
+        if not self.group_w or known is None or known[0] is not index:
+            return None
+        return self._next_group(known[2], end)
+
+    def _groups(self, index: Index, isize: int, read_chunks: ReadChunks, until: int) -> list[Segment]:
+        """The stored groups in ``index``'s first ``isize`` bytes, at least those that start
+        before ``until``: parsed from their headers once per index and size, only as far as reads
+        have reached (a restore's first read waits for the file's first chunk, not for the
+        headers of every group)."""
+        if not self.group_w or not isize:
+            return []
+        known = self._layout
+        if known is not None and known[0] is index and known[1] == isize and _parsed_to(known[3], until):
+            return known[2]
+        with self._layout_lock:
+            known = self._layout
+            if known is not None and known[0] is index and known[1] == isize:
+                found, st = known[2], known[3]
+            else:
+                found, st = [], relayout.start_state(self.group_w)
+            if not _parsed_to(st, until):
+
+                def read(off: int, n: int) -> bytes:
+                    return bytes(read_chunks(index, off, n, off + n))  # headers: no read-ahead
+
+                more, st = relayout.groups_until(read, isize, st, until)
+                found = found + more
+                self._layout = (index, isize, found, st)
+            return found
+
+    def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> memoryview:
+        """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode has put them in
+        place (a thread per group; the next group is decoded ahead, at most one)."""
+        d = self._decode(index, g, read_chunks)
+        if self._reading != g.start:
+            self._reading = g.start
+            if d.finished:
+                self._decode_next(index, g, read_chunks)
+        return d.wait(off, size)
+
+    def _decode(self, index: Index, g: Segment, read_chunks: ReadChunks) -> GroupDecode:
+        """The decode of ``g``, started if needed. Groups before the one before it are dropped (a
+        late read of the previous group may still come)."""
+        with self._decode_lock:
+            known = self._decodes
+            decodes = dict(known[1]) if known is not None and known[0] is index else {}
+            d = decodes.get(g.start)
+            fresh = d is None
+            if d is None:
+                key = DecodedGroups.key(index, g) if self.decoded_groups is not None else b""
+                done = self.decoded_groups.get(key) if self.decoded_groups is not None else None
+                d = decodes[g.start] = done if done is not None else GroupDecode(g, self.buffers)
+                fresh = done is None
+                earlier = sorted(start for start in decodes if start < g.start)
+                for start in earlier[:-1]:
+                    del decodes[start]
+                self._decodes = (index, decodes)
+        if fresh:
+            detached = getattr(read_chunks, "detached", None)  # files.HandleReader: a cursor of its own
+            reader = detached() if detached else read_chunks
+            args = (index, d, reader, key)
+            threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
+        return d
+
+    def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks, key: bytes) -> None:
+        d.run(index, reader)
+        if self.decoded_groups is not None and d.error is None and d.unpermute.done:
+            self.decoded_groups.put(key, d)
+        if self._reading == d.seg.start and not self._stopped():
+            self._decode_next(index, d.seg, reader)
+
+    def _decode_next(self, index: Index, g: Segment, read_chunks: ReadChunks) -> None:
+        known = self._layout
+        if known is None or known[0] is not index:
+            return
+        assert g.end is not None
+        later = [x for x in self._groups(index, known[1], read_chunks, g.end + 1) if x.start > g.start]
+        if later:
+            self._decode(index, later[0], read_chunks)
+
+    def plain_range(self, index: Index, offset: int, size: int) -> bool:
+        """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
+        there), as far as known without reading: the event loop's cached-read shortcut."""
+        if not self.group_w:
+            return True
+        known = self._layout
+        end = offset + size
+        if known is None or known[0] is not index or known[1] != index.size:
+            return False
+        if not _parsed_to(known[3], end):
+            return False  # not parsed that far yet
+        return not any(g.start < end and offset < (g.end or 0) for g in known[2])
+
+    def decoded(self, index: Index, offset: int, size: int) -> memoryview | None:
+        """The bytes if a group being put back holds all of them in place already (no wait, no
+        lock: the event loop calls it)."""
+        known = self._decodes
+        if known is None or known[0] is not index:
+            return None
+        for d in known[1].values():
+            start, end = d.seg.start, d.seg.end or 0
+            if start <= offset and offset + size <= end and d.unpermute.ready(offset - start, size):
+                return d.unpermute.data[offset - start : offset - start + size]
+        return None

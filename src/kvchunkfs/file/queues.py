@@ -1,0 +1,75 @@
+"""The write path's queues: ``ChunkPool`` (the threads that run file workers' turns) and ``ByteQueue``
+(a file's bytes waiting for the chunker)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+
+class ChunkPool:
+    """The threads that run file workers' turns: a bounded number, however many files are written."""
+
+    def __init__(self, workers: int = 0) -> None:
+        self.workers = workers or os.cpu_count() or 2
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker")
+
+    def submit(self, turn: Callable[[], None]) -> None:
+        self._executor.submit(turn)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class ByteQueue:
+    """Bytes queued for the chunker, kept as the pieces FUSE handed us (no copy per write)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes | bytearray | memoryview] = []
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, data: bytes) -> None:
+        self.pieces.append(data)
+        self.size += len(data)
+
+    def prepend(self, data: bytes) -> None:
+        if data:
+            self.pieces.insert(0, data)
+            self.size += len(data)
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite (and maybe extend) from ``offset``; rare, so it flattens the queue."""
+        flat = bytearray(b"".join(self.pieces))
+        flat[offset : offset + len(data)] = data
+        self.pieces, self.size = [flat], len(flat)
+
+    def take(self, keep: int = 0) -> list[bytes | bytearray | memoryview]:
+        """Remove and return all but the last ``keep`` bytes; cheap, so callers may hold a lock.
+
+        The kept bytes may span several pieces (a short write after an unaligned one): pieces are
+        split from the end until exactly ``keep`` bytes remain queued.
+        """
+        keep = max(0, min(keep, self.size))
+        taken = self.pieces
+        kept: list[bytes | bytearray | memoryview] = []
+        need = keep
+        while need:
+            last = taken.pop()
+            if len(last) <= need:
+                kept.append(last)
+                need -= len(last)
+            else:
+                view = memoryview(last)
+                kept.append(bytes(view[len(last) - need :]))  # at most one page: a small copy
+                taken.append(view[: len(last) - need])
+                need = 0
+        kept.reverse()
+        self.pieces, self.size = kept, keep
+        return taken
+
+    def join(self) -> bytes:
+        return b"".join(self.pieces)

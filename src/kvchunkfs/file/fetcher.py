@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore, quick_sum
 
@@ -29,7 +31,7 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
 STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
-STREAM_DEPTH = 2  # ... this many pieces ahead of its caller, into buffers it reuses
+STREAM_RING = 3  # ... into this many buffers it reuses: two pieces ahead of its caller
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -148,6 +150,7 @@ class Fetcher:
         self.readahead = readahead
         self.verify = verify
         self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
+        self.buffers: BufferPool | None = None  # where ``stream`` takes its buffers (set by Files)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk
@@ -216,26 +219,60 @@ class Fetcher:
             plan.append((i, n, length, None))
             i += n
         self.cache.count(hits=sum(1 for p in plan if p[3] is not None))
-        # The next pieces are read by the workers into a ring of buffers while the caller uses
-        # this one: disk, checksums and the caller's copy overlap, and no buffer is fresh per piece.
+        # One worker reads the pieces in order (sequential preads: the kernel's read-ahead keeps
+        # the disk streaming) into a ring of buffers while the caller uses the one before.
         room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)])
-        ring = [memoryview(bytearray(room)) for _ in range(STREAM_DEPTH + 1)]
-        reads: dict[int, Future[memoryview]] = {}
+        whole = (
+            self.buffers.take(room * STREAM_RING)
+            if self.buffers is not None
+            else np.empty(room * STREAM_RING, np.uint8)
+        )
+        free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for k in range(STREAM_RING):
+            free.put(whole.data[k * room : (k + 1) * room])
+        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]] = queue.SimpleQueue()
+        stop = threading.Event()
+        if any(p[3] is None for p in plan):
+            self.pool.submit(self._stream_pieces, index, plan, found, free, ready, stop)
+        try:
+            for j, n, _length, data in plan:
+                if data is not None:
+                    piece, buf = memoryview(data), None
+                else:
+                    buf, got = ready.get()
+                    if isinstance(got, BaseException):
+                        raise got
+                    piece = got
+                lo = offset - index.start(j) if j == first else 0
+                hi = len(piece) - (index.ends[last] - end if j + n - 1 == last else 0)
+                yield piece[lo:hi]
+                if buf is not None:
+                    free.put(buf)  # the caller asked for the next piece: it is done with this one
+        finally:
+            stop.set()
+            free.put(whole.data[:0])  # wakes the reader if it waits for a buffer
 
-        def submit(k: int) -> None:
-            if k < len(plan) and plan[k][3] is None:
-                j, n, length, _ = plan[k]
-                out = ring[k % len(ring)][:length]
-                reads[k] = self.pool.submit(self._stream_read, index, j, n, found, out)
-
-        for k in range(STREAM_DEPTH):
-            submit(k)
-        for k, (j, n, _length, data) in enumerate(plan):
-            submit(k + STREAM_DEPTH)  # its buffer is the one the caller gave back by asking again
-            piece = memoryview(data) if data is not None else reads.pop(k).result()
-            lo = offset - index.start(j) if j == first else 0
-            hi = len(piece) - (index.ends[last] - end if j + n - 1 == last else 0)
-            yield piece[lo:hi]
+    def _stream_pieces(
+        self,
+        index: Index,
+        plan: list[tuple[int, int, int, Buffer | None]],
+        found: dict[bytes, Location],
+        free: queue.SimpleQueue[memoryview],
+        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]],
+        stop: threading.Event,
+    ) -> None:
+        """``stream``'s reader (a worker): its uncached pieces in order, each into a free buffer."""
+        for j, n, length, data in plan:
+            if data is not None:
+                continue
+            buf = free.get()
+            if stop.is_set():
+                return
+            try:
+                ready.put((buf, self._stream_read(index, j, n, found, buf[:length])))
+            except BaseException as e:  # handed to the caller, who raises it
+                ready.put((buf, e))
+                return
 
     def _stream_read(self, index: Index, i: int, n: int, found: dict[bytes, Location], out: memoryview) -> memoryview:
         """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; a pack

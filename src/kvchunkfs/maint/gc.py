@@ -49,8 +49,9 @@ import trio
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import file_size
-from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
-from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, scan
+from kvchunkfs.store.packs import ChunkCorrupt, PackStore
+from kvchunkfs.store.packwriter import Batch, PackWriter
 from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
@@ -390,7 +391,7 @@ def reclaim_packs(
     """Delete, trim or compact packs with dead bytes: every pack, or ``only`` these. Returns the
     packs it left alone (the open one, the rest after an interruption): a later run looks again."""
     store = repo.store
-    out = _PackWriter(store)
+    out = _Output(store)
     packs = store.pack_ids() if only is None else sorted(only)
     left: set[int] = set()
     try:
@@ -448,7 +449,7 @@ def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
 
 
 def _compact_logged(
-    store: PackStore, pack: int, size: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
+    store: PackStore, pack: int, size: int, out: _Output, report: GCReport, stop: threading.Event | None
 ) -> None:
     try:
         moved = _compact(store, pack, out, report, stop)
@@ -462,9 +463,7 @@ def _compact_logged(
         report.disk_bytes_freed += size - moved
 
 
-def _compact(
-    store: PackStore, pack: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
-) -> int | None:
+def _compact(store: PackStore, pack: int, out: _Output, report: GCReport, stop: threading.Event | None) -> int | None:
     """Copy the live chunks of ``pack`` elsewhere; the bytes copied, or None if interrupted."""
     with store.lock:
         if pack == store.open_pack:
@@ -477,8 +476,7 @@ def _compact(
             if stop is not None and stop.is_set():
                 report.interrupted = True
                 return None
-            moves = out.copy(src, pack, batch)
-            report.chunks_moved += store.move_chunks(pack, moves, (out.pack, out.end))
+            report.chunks_moved += out.copy(src, pack, batch)
             nbytes = sum(n for _, _, n in batch)
             report.bytes_moved += nbytes
             moved += nbytes
@@ -499,60 +497,46 @@ def _batches(rows: list[tuple[bytes, int, int]]) -> Iterator[list[tuple[bytes, i
         yield batch
 
 
-class _PackWriter:
-    """GC's own output packs: created like any pack (self-describing), never the one saves append to."""
+class _Output:
+    """GC's output packs: written through the store's pack writer like any pack (self-describing,
+    each batch fsynced before its rows move), but packs of their own, never the one saves append to."""
 
     def __init__(self, store: PackStore) -> None:
         self.store = store
-        self.packs: set[int] = set()
-        self.pack = 0
-        self.fd = -1
-        self.end = 0
+        self.packs: set[int] = set()  # the packs it created (not compacted again in the same run)
+        self.writer = PackWriter(self._new_pack, store.pack_size, fsync=True)
 
-    def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
-        """Append verified copies of ``batch`` (with their record) and fsync them; returns
-        (id, new pack, new offset) for each. ``self.end`` is then the batch's end, to commit with the rows."""
+    def _new_pack(self) -> tuple[int, int]:
+        pack, fd = self.store.create_pack()
+        self.packs.add(pack)
+        return pack, fd
+
+    def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> int:
+        """Append verified copies of ``batch`` (with their record) and point their rows at them,
+        each only if it is still in ``old_pack``; returns the rows moved."""
         first = batch[0][1]
         span = batch[-1][1] + batch[-1][2] - first
         data = memoryview(os.pread(src, span, first))
-        pieces = []
+        pieces: list[tuple[bytes, bytes | memoryview]] = []
         for cid, off, n in batch:
             piece = data[off - first : off - first + n]
             if len(piece) != n or hashlib.sha256(piece).digest() != cid:
                 raise ChunkCorrupt(f"chunk {cid.hex()} in pack {old_pack} at {off} fails its checksum")
-            pieces.append(piece)
-        if self.fd < 0 or self.end >= self.store.pack_size:
-            self._next_pack()
-        record = batch_record([(cid, n) for cid, _, n in batch])
-        moves = []
-        off = self.end + len(record)
-        for cid, _, n in batch:
-            moves.append((cid, self.pack, off))
-            off += n
-        self._write([record, *pieces])
-        os.fsync(self.fd)  # the copies and their record are on disk before any row points at them
-        self.end = off
-        return moves
+            pieces.append((cid, piece))
+        moved = 0
 
-    def _write(self, pieces: list[bytes | memoryview]) -> None:
-        try:
-            pwrite_all(self.fd, pieces, self.end)
-        except OSError:
-            os.ftruncate(self.fd, self.end)
-            raise
+        def commit(copied: Batch) -> None:
+            nonlocal moved
+            moved = self.store.move_chunks(old_pack, copied.placed(), (copied.pack, copied.end))
 
-    def _next_pack(self) -> None:
-        self.close()
-        self.pack, self.fd = self.store.create_pack()
-        self.packs.add(self.pack)
-        self.end = PACK_HEADER_SIZE
+        self.writer.append(pieces, commit)
+        return moved
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            if self.end <= PACK_HEADER_SIZE:  # nothing copied into it
-                self.store.remove_pack(self.pack)
+        empty = self.writer.pack if self.writer.end <= PACK_HEADER_SIZE else None  # nothing copied into it
+        self.writer.close()
+        if empty is not None:
+            self.store.remove_pack(empty)
 
 
 # -- in the daemon --------------------------------------------------------------------------------

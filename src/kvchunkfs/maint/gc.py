@@ -48,9 +48,10 @@ import trio
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
+from kvchunkfs.store.chunkstore import PruneStore
 from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, scan
-from kvchunkfs.store.packs import ChunkCorrupt, PackStore
+from kvchunkfs.store.packs import ChunkCorrupt
 from kvchunkfs.store.packwriter import Batch, PackWriter
 from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
@@ -223,7 +224,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
     and unpinning needs ``store.lock``: so a stub installed after the check still has its chunks
     pinned during the sweep.
     """
-    store = repo.store
+    store: PruneStore = repo.store
     gen = repo.ns_mark()
     report.walks = 1
     named = named_ids(repo, report)
@@ -293,7 +294,7 @@ def _in_bucket(repo: Repository) -> set[bytes]:
     return out
 
 
-def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
+def _sweep(store: PruneStore, candidates: dict[bytes, int], report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
     if report.unreadable:  # what they name is unknown: any candidate may be live
         report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
@@ -325,7 +326,7 @@ def collect_changes(
     Pinned candidates (open files, saves in progress) are kept for the next run.
     """
     start = time.monotonic()
-    store = repo.store
+    store: PruneStore = repo.store
     report = GCReport(mode="changes")
     checkpoint(repo)
     candidates = store.take_fresh()
@@ -362,7 +363,7 @@ def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, 
     """Delete the rows of ``ids`` but pinned ones, a batch per hold of ``store.lock`` (a save waits
     for one batch at most), while ``repo.ns_settled(gen)``. Decided ids leave ``ids``; pinned ones
     stay in it. False if a namespace change came first (what is left must be asked about again)."""
-    store = repo.store
+    store: PruneStore = repo.store
     todo = list(ids)
     for i in range(0, len(todo), SWEEP_BATCH):
         batch = todo[i : i + SWEEP_BATCH]
@@ -390,7 +391,7 @@ def reclaim_packs(
 ) -> set[int]:
     """Delete, trim or compact packs with dead bytes: every pack, or ``only`` these. Returns the
     packs it left alone (the open one, the rest after an interruption): a later run looks again."""
-    store = repo.store
+    store: PruneStore = repo.store
     out = _Output(store)
     packs = store.pack_ids() if only is None else sorted(only)
     left: set[int] = set()
@@ -427,7 +428,7 @@ def reclaim_packs(
     return left
 
 
-def _worth_reclaiming(store: PackStore, pack: int, size: int, live: int, threshold: float) -> bool:
+def _worth_reclaiming(store: PruneStore, pack: int, size: int, live: int, threshold: float) -> bool:
     """Whether GC would delete or compact ``pack`` (nothing live, or too little; a pack that holds
     no chunk yet is not: sealing it would only start another)."""
     if size <= PACK_HEADER_SIZE:
@@ -435,7 +436,7 @@ def _worth_reclaiming(store: PackStore, pack: int, size: int, live: int, thresho
     return live == 0 or (bool(size) and live / size < threshold and _dead_bytes(store, pack, size, live) > 0)
 
 
-def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
+def _dead_bytes(store: PruneStore, pack: int, size: int, live: int) -> int:
     """Bytes of ``pack`` that are neither live chunks nor batch records (which every pack has)."""
     try:
         fd = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -449,7 +450,7 @@ def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
 
 
 def _compact_logged(
-    store: PackStore, pack: int, size: int, out: _Output, report: GCReport, stop: threading.Event | None
+    store: PruneStore, pack: int, size: int, out: _Output, report: GCReport, stop: threading.Event | None
 ) -> None:
     try:
         moved = _compact(store, pack, out, report, stop)
@@ -463,7 +464,7 @@ def _compact_logged(
         report.disk_bytes_freed += size - moved
 
 
-def _compact(store: PackStore, pack: int, out: _Output, report: GCReport, stop: threading.Event | None) -> int | None:
+def _compact(store: PruneStore, pack: int, out: _Output, report: GCReport, stop: threading.Event | None) -> int | None:
     """Copy the live chunks of ``pack`` elsewhere; the bytes copied, or None if interrupted."""
     with store.lock:
         if pack == store.open_pack:
@@ -501,7 +502,7 @@ class _Output:
     """GC's output packs: written through the store's pack writer like any pack (self-describing,
     each batch fsynced before its rows move), but packs of their own, never the one saves append to."""
 
-    def __init__(self, store: PackStore) -> None:
+    def __init__(self, store: PruneStore) -> None:
         self.store = store
         self.packs: set[int] = set()  # the packs it created (not compacted again in the same run)
         self.writer = PackWriter(self._new_pack, store.pack_size, fsync=True)

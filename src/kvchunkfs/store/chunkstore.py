@@ -5,7 +5,7 @@ read-ahead (locate, read runs), ``PruneStore`` for garbage collection (sweep row
 ``PackStore`` (local packs + map) implements all three. The shared tier on S3 (``store/remote.py``) is not
 a second implementation: the read path needs the local map (locations, runs of back-to-back chunks),
 so the tier keeps the local packs as its cache, brings a snapshot's missing chunks into them when it
-is opened (``Files.load``) and uploads behind the saves; this interface and the save path are
+is opened (``Files.load``) and uploads behind the saves; these interfaces and the save path are
 unchanged by it (docs/design.md, "The remote tier").
 """
 
@@ -70,7 +70,7 @@ class PruneStore(Protocol):
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
-        """Held by the sweep; saves check and pin under it (docs/design.md, "Garbage collection")."""
+        """Held by the sweep; saves check and pin under it (docs/design.md, "Garbage collection and pins")."""
         ...
 
     @property

@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchunkfs.store.chunkstore import Chunk
 from kvchunkfs.store.packformat import BATCH_HEADER_SIZE, ENTRY_SIZE, PACK_HEADER_SIZE, batch_record, pack_header
 
 _IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
-
-Chunk = tuple[bytes, bytes | memoryview]  # (id, bytes)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 It keeps the ordering rule of docs/design.md ("Saving: the order of writes") in one place: a
 batch's record and its chunks go to the pack's known end in one ``pwritev`` (record before bytes,
 ``packformat``), are fsynced if asked, and only then is the caller's ``commit`` run (bytes before
-rows). If writing or committing fails, the pack is cut back to where the batch began and the next
+rows). If the write, the fsync or the commit fails (OSError), the pack is cut back to where the batch began and the next
 batch is written there again: explicit offsets, so even a failing cut only leaves dead bytes.
 
 The writer does not know the map: ``new_pack`` numbers a pack and enters it in the map

@@ -22,7 +22,8 @@ import numpy as np
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.format.index import Index
-from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore, quick_sum
+from kvchunkfs.store.chunkstore import ChunkReader
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, quick_sum
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Cursor:
 
 class Fetcher:
     def __init__(
-        self, store: PackStore, cache: ChunkCache, workers: int = 8, readahead: int = 32 << 20, verify: bool = True
+        self, store: ChunkReader, cache: ChunkCache, workers: int = 8, readahead: int = 32 << 20, verify: bool = True
     ) -> None:
         self.store = store
         self.cache = cache

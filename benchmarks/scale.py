@@ -172,7 +172,6 @@ def measure(root: Path, n: int, old_way: bool) -> dict[str, float]:
     live = service.live
     out["POST /prefix-match (continued)"] = timed(lambda: live.prefix_match(cont, exclude_suffix=".tmp"))
     out["POST /prefix-match (new, shared prompt)"] = timed(lambda: live.prefix_match(new, exclude_suffix=".tmp"))
-    out["prefix match by scanning every row"] = timed(lambda: live._prefix_match_scan(cont, exclude_suffix=".tmp"))
     assert service.metrics is not None
     out["GET /metrics"] = timed(service.metrics.render)
     out["save + next listing page"] = timed(lambda: save_and_list(repo, service, n), runs=1)

@@ -9,7 +9,8 @@ Mounts a store built by ``scale.py --keep DIR`` with the real daemon (``kv-chunk
   page cache) and closes it, over and over; the slowest probe and the 99th percentile are
   reported while nothing else runs, and while each of these runs through the API's unix socket:
   a GC walk of every stub, a GC of the changes after 100 snapshots were deleted through the
-  mount, full listings, a prefix tree after a change, metrics scrapes;
+  mount, full listings, a prefix tree after a change, metrics scrapes, and 10 s of back-to-back
+  saves of 1.75 MiB files (``NAME.tmp``, then rename) through the mount;
 * the daemon's RSS and open fds afterwards, and its RSS once idle.
 
     python3 benchmarks/scale.py --sizes 50000 --keep /tmp/stores     # build (and measure in-process)
@@ -22,6 +23,7 @@ import argparse
 import json
 import mmap
 import os
+import random
 import re
 import signal
 import statistics
@@ -39,6 +41,25 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvchunkfs.service.apiclient import DaemonClient  # noqa: E402
 
 DELETE = 100
+SAVE_BYTES = 1_835_008  # 1.75 MiB: the saves another snapshot's reads wait beside
+SAVE_SECONDS = 10.0
+
+
+def back_to_back_saves(mnt: Path, seconds: float = SAVE_SECONDS) -> int:
+    """Save 1.75 MiB files in a loop for ``seconds`` as llama-server's proxy does (``NAME.tmp``,
+    1 MiB writes, close, rename over ``NAME``), each a different state of a few names."""
+    rng = random.Random(5)
+    saves, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        data = rng.randbytes(SAVE_BYTES)
+        name = mnt / f"saver-{saves % 4}"
+        tmp = name.with_name(name.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for i in range(0, len(data), 1 << 20):
+                f.write(data[i : i + (1 << 20)])
+        os.rename(tmp, name)
+        saves += 1
+    return saves
 
 
 def is_mounted(path: Path) -> bool:
@@ -184,6 +205,9 @@ def main() -> int:
         os.utime(mnt / names[-1])  # a touch: the catalog re-reads that row, the tree is built again
         out["GET /prefix-tree after a change"] = during(probe, lambda: client.request("GET", "/prefix-tree"))
         out["GET /metrics x20"] = during(probe, lambda: [client.request("GET", "/metrics") for _ in range(20)])
+        saves: list[int] = []
+        out["back-to-back saves of 1.75 MiB"] = during(probe, lambda: saves.append(back_to_back_saves(mnt)))
+        out["saves made"] = saves[0]
         rss, fds = daemon.proc_status()
         out["daemon RSS right after (MiB)"], out["daemon open fds"] = rss, fds
         time.sleep(4)  # no file open for 2 s: the daemon gives freed heap back (fuse/daemon.py trim_when_idle)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.file.fetcher import ChunkCache, Fetcher
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
 from kvchunkfs.file.queues import ChunkPool
@@ -29,26 +29,6 @@ from kvchunkfs.store.stubs import StubError
 log = logging.getLogger(__name__)
 
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
-
-
-class HandleReader:
-    """An open handle's reads: ``(index, offset, size) -> bytes``, and ``views`` (the same bytes
-    as the chunks' own buffers, for a group to be put back without joining it first)."""
-
-    def __init__(self, fetcher: Fetcher, cursor: Cursor | None) -> None:
-        self.fetcher, self.cursor = fetcher, cursor
-
-    def __call__(self, index: Index, offset: int, size: int) -> bytes:
-        return self.fetcher.read(index, offset, size, self.cursor)
-
-    def views(self, index: Index, offset: int, size: int) -> list[memoryview]:
-        return self.fetcher.read_views(index, offset, size, self.cursor)
-
-    def detached(self) -> HandleReader:
-        """The same reads through a cursor of their own (a decode ahead, on another thread): the
-        handle's stays where its reads left it; the chunk locations looked up at open are shared."""
-        locations = self.cursor.locations if self.cursor is not None else None
-        return HandleReader(self.fetcher, Cursor(locations=locations))
 
 
 @dataclass
@@ -103,10 +83,6 @@ class Files:
                 whole = relayout.to_file(g, read(index, g.start, g.end - g.start))
                 out[lo - offset : hi - offset] = whole[lo - g.start : hi - g.start]
         return bytes(out)
-
-    def read_with(self, cursor: Cursor) -> HandleReader:
-        """A chunk reader that keeps ``cursor``'s read-ahead going."""
-        return HandleReader(self.fetcher, cursor)
 
     def content(self, index: Index) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread)."""

@@ -14,13 +14,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvchunkfs.file.reader import HandleReader, ReadChunks
 from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.format.llama_state import Segment, State
 
 log = logging.getLogger(__name__)
-
-ReadChunks = Callable[[Index, int, int], bytes]
 
 
 def _parsed_to(st: State | None, until: int) -> bool:
@@ -84,8 +83,8 @@ class GroupDecode:
         g, u = self.seg, self.unpermute
         assert g.end is not None
         try:
-            views = getattr(reader, "views", None)  # files.HandleReader: the chunks' own buffers
-            fed = callable(views)
+            views = reader.views if isinstance(reader, HandleReader) else None  # the chunks' own buffers
+            fed = views is not None
             first, last = index.find(g.start), index.find(g.end - 1)
             i = first
             while fed and i <= last:
@@ -216,8 +215,8 @@ class FileGroups:
                     del decodes[start]
                 self._decodes = (index, decodes)
         if fresh:
-            detached = getattr(read_chunks, "detached", None)  # files.HandleReader: a cursor of its own
-            reader = detached() if detached else read_chunks
+            # A handle's reader: a cursor of its own, so the handle's read-ahead stays where it was.
+            reader = read_chunks.detached() if isinstance(read_chunks, HandleReader) else read_chunks
             args = (index, d, reader, key)
             threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
         return d

@@ -30,12 +30,11 @@ from typing import Any, Protocol, TypeVar
 import pyfuse3
 import trio
 
-from kvchunkfs.file.content import Action, FileContent, Mode
-from kvchunkfs.file.fetcher import Cursor
+from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files
+from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import openers
-from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
 
@@ -66,7 +65,7 @@ class Node:
 @dataclass(eq=False)
 class Handle:
     node: Node
-    cursor: Cursor = field(default_factory=Cursor)
+    file: FileHandle  # its reads and writes
     writer: bool = False
     opener: int | None = None  # process that opened it for writing: its own last close commits (flush)
     restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
@@ -270,7 +269,7 @@ class Operations(pyfuse3.Operations):
             if node.content is not None:
                 size = node.content.size
             else:
-                known = stubs.stub_size(self.repo.path(node.path)) if node.path is not None else None
+                known = self.repo.stub_size(node.path) if node.path is not None else None
                 size = known if known is not None else 0
                 if known is None:
                     log.warning("snapshot %s has no valid size attribute", node.path)
@@ -373,9 +372,7 @@ class Operations(pyfuse3.Operations):
 
     async def _apply_truncate(self, content: FileContent, size: int) -> None:
         try:
-            if content.truncate(size) is Action.TO_STAGING:
-                await self._thread(content.to_staging)
-                content.truncate(size)
+            await truncate(content, size)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
             log.error("truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
@@ -419,10 +416,8 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         rel = self._child(parent_inode, name)
-        path = self.repo.path(rel)
         try:
-            os.mkdir(path, stat.S_IMODE(mode))
-            os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
+            self.repo.mkdir(rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         await self._sync_dirs(rel)
@@ -526,7 +521,7 @@ class Operations(pyfuse3.Operations):
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
                 return await self._thread(self.files.replacement, node.path)
             return await self._thread(self.files.load, node.path)
-        except (stubs.StubError, IndexFormatError, OSError) as e:
+        except (IndexFormatError, OSError) as e:  # OSError: a stub that is not a snapshot too (StubError)
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
                 return await self._thread(self.files.content, self.repo.empty_index())
@@ -588,9 +583,9 @@ class Operations(pyfuse3.Operations):
         opener = await self._thread(openers.task_group, ctx.pid) if writer and self.mountpoint else None
         fh = self._next_fh
         self._next_fh += 1
-        handle = self.handles[fh] = Handle(node, writer=writer, opener=opener)
-        if node.content is not None and node.content.mode is Mode.CLEAN:
-            handle.cursor.locations = node.content.locations  # looked up once, at load
+        assert node.content is not None
+        file = FileHandle(node.content, self.files.fetcher, node.lock, lambda: node.path)
+        self.handles[fh] = Handle(node, file, writer=writer, opener=opener)
         node.writers += writer
         return fh
 
@@ -612,25 +607,21 @@ class Operations(pyfuse3.Operations):
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
-            await self._thread(stubs.note_use, self.repo.path(node.path))
-            self.repo.touched(node.path)  # the catalog re-reads use_count/last_use
+            await self._thread(self.repo.note_use, node.path)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
-        index = self.repo.empty_index()
-        args = (self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        args = (rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         try:
             if self.repo.durable:  # the empty stub and its name survive a power cut once create returns
-                await self._thread(functools.partial(stubs.create_empty, *args, fsync=True))
-                await self._thread(self.repo.sync_dirs, rel)
+                await self._thread(self.repo.create, *args)
             else:
-                stubs.create_empty(*args)
+                self.repo.create(*args)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = await self._new_handle(node, flags, ctx)
@@ -752,42 +743,19 @@ class Operations(pyfuse3.Operations):
     # pyfuse3 replies with any buffer; its stub says bytes. A memoryview spares a copy.
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         handle = self.handles[fh]
-        content = handle.node.content
-        assert content is not None
-        cursor = handle.cursor
-        read_chunks = self.files.read_with(cursor)
         try:
-            if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
-                if content.plain_range(off, size):
-                    data = self.files.fetcher.read_cached(content.index, off, size, cursor)
-                else:  # a re-laid-out group (chunker relayout): the one put back in file order
-                    data = content.decoded(off, size)
-                if data is not None:
-                    return data
-            return await self._thread(content.read, off, size, read_chunks)
+            return await handle.file.read(off, size)  # a restore's prefetched chunks: no thread hop
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("read of %s at %d failed: %s", handle.node.path, off, e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        node = self.handles[fh].node
-        content = node.content
-        assert content is not None
+        handle = self.handles[fh]
+        node = handle.node
         self.write_requests += 1
         self.write_bytes += len(buf)
         try:
-            async with node.lock:
-                while True:
-                    action = content.plan_write(off, len(buf))
-                    if action is Action.START_STREAM:
-                        await self._thread(content.start_stream)
-                    elif action is Action.TO_STAGING:
-                        log.info("%s: write at %d is not at the end, staging a copy", node.path, off)
-                        await self._thread(content.to_staging)
-                    elif content.write(off, buf):
-                        break
-            if content.backlogged():
-                await self._thread(content.wait_backlog)
+            await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("write to %s at %d failed: %s", node.path, off, e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
@@ -795,56 +763,37 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes ----------------------------------------------------------------
 
-    def _touched(self, inode: int) -> None:
-        path = self._node(inode).path
-        if path is not None:
-            self.repo.touched(path)
-
-    def _xattr_path(self, inode: int) -> str:
-        node = self._node(inode)
-        if node.path is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return str(self.repo.path(node.path))
+    def _path_of(self, inode: int) -> str | None:
+        """The node's path; None for an unlinked one or an unknown inode (the store answers ENOENT)."""
+        node = self.nodes.get(inode)
+        return node.path if node is not None else None
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         sname = os.fsdecode(name)
         if inode == pyfuse3.ROOT_INODE and sname == STATS_XATTR:
             return json.dumps(self.stats()).encode()
-        if not sname.startswith("user.") or sname in stubs.INTERNAL:
-            raise pyfuse3.FUSEError(errno.ENODATA)
         try:
-            return os.getxattr(self._xattr_path(inode), sname, follow_symlinks=False)
+            return self.repo.get_xattr(self._path_of(inode), sname)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        sname = os.fsdecode(name)
-        if not sname.startswith("user."):
-            raise pyfuse3.FUSEError(errno.ENOTSUP)
-        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
-            raise pyfuse3.FUSEError(errno.EPERM)
         try:
-            os.setxattr(self._xattr_path(inode), sname, value, follow_symlinks=False)
+            self.repo.set_xattr(self._path_of(inode), os.fsdecode(name), value)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self._touched(inode)
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         try:
-            names = os.listxattr(self._xattr_path(inode), follow_symlinks=False)
+            return [os.fsencode(n) for n in self.repo.list_xattrs(self._path_of(inode))]
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        return [os.fsencode(n) for n in names if n.startswith("user.") and n not in stubs.INTERNAL]
 
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        sname = os.fsdecode(name)
-        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
-            raise pyfuse3.FUSEError(errno.EPERM)
         try:
-            os.removexattr(self._xattr_path(inode), sname, follow_symlinks=False)
+            self.repo.remove_xattr(self._path_of(inode), os.fsdecode(name))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self._touched(inode)
 
     # -- introspection ----------------------------------------------------------------------
 

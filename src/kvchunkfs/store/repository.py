@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -117,6 +118,59 @@ class Repository:
     def read_index(self, rel: str) -> Index:
         """The index of an existing snapshot; StubError for a stub that is not one."""
         return stubs.read_index(self.path(rel))
+
+    def stub_size(self, rel: str) -> int | None:
+        """The size of the snapshot's content (its stub's size attribute); None if it has no valid one."""
+        return stubs.stub_size(self.path(rel))
+
+    # -- names and metadata a client makes -----------------------------------------------------
+    # Each tells the watchers itself, so callers never have to remember to.
+
+    def create(self, rel: str, mode: int, uid: int, gid: int) -> None:
+        """A new empty snapshot at ``rel`` (EEXIST if the name exists), owned by ``uid``:``gid``.
+        With durability=fsync its stub and its name survive a power cut once this returns; only
+        then is it slow (fsyncs): call it in a thread."""
+        stubs.create_empty(self.tmp, self.path(rel), self.empty_index(), mode, uid, gid, fsync=self.durable)
+        if self.durable:
+            self.sync_dirs(rel)
+        self.touched(rel)
+
+    def mkdir(self, rel: str, mode: int, uid: int, gid: int) -> None:
+        path = self.path(rel)
+        os.mkdir(path, mode)
+        os.chown(path, uid, gid, follow_symlinks=False)
+
+    def note_use(self, rel: str) -> None:
+        """A restore of ``rel`` began: its use count and last use move (blocking: xattr writes)."""
+        stubs.note_use(self.path(rel))
+        self.touched(rel)  # the catalog re-reads use_count/last_use
+
+    # The user attributes of a snapshot as a client sees them: ``user.*`` only, never the internal
+    # ones; the managed ones read-only, and under user.kvcfs.* only labels settable. ``rel`` None:
+    # the file has no name any more (unlinked while open), ENOENT once the name is checked.
+
+    def get_xattr(self, rel: str | None, name: str) -> bytes:
+        if not name.startswith("user.") or name in stubs.INTERNAL:
+            raise OSError(errno.ENODATA, f"no attribute {name}")
+        return os.getxattr(self.path(_named(rel)), name, follow_symlinks=False)
+
+    def set_xattr(self, rel: str | None, name: str, value: bytes) -> None:
+        if not name.startswith("user."):
+            raise OSError(errno.ENOTSUP, f"only user.* attributes: {name}")
+        _check_settable(name)
+        rel = _named(rel)
+        os.setxattr(self.path(rel), name, value, follow_symlinks=False)
+        self.touched(rel)
+
+    def remove_xattr(self, rel: str | None, name: str) -> None:
+        _check_settable(name)
+        rel = _named(rel)
+        os.removexattr(self.path(rel), name, follow_symlinks=False)
+        self.touched(rel)
+
+    def list_xattrs(self, rel: str | None) -> list[str]:
+        names = os.listxattr(self.path(_named(rel)), follow_symlinks=False)
+        return [n for n in names if n.startswith("user.") and n not in stubs.INTERNAL]
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -331,6 +385,18 @@ def prev_rel(name: str) -> str | None:
     except (binascii.Error, ValueError):
         return None
     return rel if rel and prev_name(rel) == name else None
+
+
+def _named(rel: str | None) -> str:
+    if rel is None:
+        raise FileNotFoundError(errno.ENOENT, "the file has no name any more")
+    return rel
+
+
+def _check_settable(name: str) -> None:
+    """EPERM for an attribute the filesystem maintains or one under user.kvcfs.* that is not a label."""
+    if name in stubs.MANAGED or (name.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(name)):
+        raise PermissionError(errno.EPERM, f"{name} is not settable")
 
 
 def _fsync_stub(path: Path) -> None:

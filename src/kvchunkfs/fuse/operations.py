@@ -6,8 +6,10 @@ path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileConte
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
 copies, pinning, writing stubs) goes to worker threads, and the trio thread never waits on a lock
-that another thread holds across I/O (docs/design.md, "Concurrency"). A per-node trio lock keeps
-writes, truncates and commits of one file in arrival order. The save protocol itself is
+that another thread holds across I/O (docs/design.md, "Concurrency"). A handle's reads and writes
+are one call into its ``FileHandle`` (file/handle.py), which makes those hops; names and metadata
+change through ``Repository``, which tells the catalog. A per-node trio lock keeps writes,
+truncates and commits of one file in arrival order. The save protocol itself is
 ``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the rename, here, so that it is
 ordered with the renames and unlinks of the same files).
 """

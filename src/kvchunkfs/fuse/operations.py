@@ -333,24 +333,22 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if fields.update_size:
             await self._truncate(node, attr.st_size)
-        path = self.repo.path(node.path) if node.path is not None else None
+        rel = node.path
         try:
-            # Never through a symlink: the daemon (root) would change its target, anywhere.
-            if path is not None and fields.update_mode:
-                _chmod_nofollow(path, stat.S_IMODE(attr.st_mode))
-            if path is not None and (fields.update_uid or fields.update_gid):
-                os.chown(
-                    path,
+            if rel is not None and fields.update_mode:
+                self.repo.set_mode(rel, stat.S_IMODE(attr.st_mode))
+            if rel is not None and (fields.update_uid or fields.update_gid):
+                self.repo.set_owner(
+                    rel,
                     attr.st_uid if fields.update_uid else -1,
                     attr.st_gid if fields.update_gid else -1,
-                    follow_symlinks=False,
                 )
-            if path is not None and (fields.update_atime or fields.update_mtime):
+            if rel is not None and (fields.update_atime or fields.update_mtime):
                 times = (
                     attr.st_atime_ns if fields.update_atime else None,
                     attr.st_mtime_ns if fields.update_mtime else None,
                 )
-                _set_times(path, *times)
+                self.repo.set_times(rel, *times)
                 if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
                     node.set_times = (*times, node.content.gen)
         except OSError as e:
@@ -394,7 +392,7 @@ class Operations(pyfuse3.Operations):
         if start_id == 0:  # once per listing: the bucket's entries this directory lacks
             await self._from_remote(self.repo.remote, "fill_dir", node.path)
         try:
-            names = _list_dir(self.repo.path(node.path))
+            names = self.repo.list_dir(node.path)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
@@ -728,7 +726,7 @@ class Operations(pyfuse3.Operations):
         if times is None or times[2] != gen:
             return
         try:
-            _set_times(self.repo.path(rel), times[0], times[1])
+            self.repo.set_times(rel, times[0], times[1])
         except OSError as e:  # the save stands; only its times are the save's
             log.warning("times set on %s not kept: %s", rel, e)
 
@@ -827,33 +825,3 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent_ino, name)
     except OSError as e:  # the kernel does not know the name: nothing to drop
         log.debug("invalidating %r: %s", name, e)
-
-
-def _list_dir(path: os.PathLike[str]) -> list[str]:
-    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return sorted(os.listdir(fd))
-    finally:
-        os.close(fd)
-
-
-def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
-    """utime of the stub itself (never a symlink's target); None keeps that time."""
-    st = os.lstat(path)
-    os.utime(
-        path,
-        ns=(st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns),
-        follow_symlinks=False,
-    )
-
-
-def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
-    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
-            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
-        os.chmod(f"/proc/self/fd/{fd}", mode)
-    finally:
-        os.close(fd)

@@ -140,6 +140,24 @@ class Repository:
         os.mkdir(path, mode)
         os.chown(path, uid, gid, follow_symlinks=False)
 
+    def list_dir(self, rel: str) -> list[str]:
+        """Sorted names in the directory ``rel`` itself (a symlink put in its place is not followed)."""
+        return _list_dir(self.path(rel))
+
+    # Mode, owner and times: of the stub or directory itself, never through a symlink (the daemon,
+    # root, would change its target, anywhere). The catalog shows none of them: no watcher is told.
+
+    def set_mode(self, rel: str, mode: int) -> None:
+        _chmod_nofollow(self.path(rel), mode)
+
+    def set_owner(self, rel: str, uid: int, gid: int) -> None:
+        """-1 keeps that id."""
+        os.chown(self.path(rel), uid, gid, follow_symlinks=False)
+
+    def set_times(self, rel: str, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """None keeps that time."""
+        _set_times(self.path(rel), atime_ns, mtime_ns)
+
     def note_use(self, rel: str) -> None:
         """A restore of ``rel`` began: its use count and last use move (blocking: xattr writes)."""
         stubs.note_use(self.path(rel))
@@ -417,3 +435,33 @@ def _is_file(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _list_dir(path: os.PathLike[str]) -> list[str]:
+    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
+    """utime of the stub itself (never a symlink's target); None keeps that time."""
+    st = os.lstat(path)
+    os.utime(
+        path,
+        ns=(st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns),
+        follow_symlinks=False,
+    )
+
+
+def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
+    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)

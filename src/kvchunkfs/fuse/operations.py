@@ -249,7 +249,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return node.last_stat
         try:
-            st = os.lstat(self.repo.path(node.path))
+            st = self.repo.lstat(node.path)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node.last_stat = st
@@ -297,12 +297,12 @@ class Operations(pyfuse3.Operations):
         rel = self._child(parent_inode, name)
         await self._refresh_from_remote(rel)
         try:
-            st = os.lstat(self.repo.path(rel))
+            st = self.repo.lstat(rel)
         except FileNotFoundError:
             if not await self._from_remote(self.repo.remote, "lookup", rel):
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
             try:
-                st = os.lstat(self.repo.path(rel))
+                st = self.repo.lstat(rel)
             except OSError as e:  # gone again meanwhile
                 raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except OSError as e:
@@ -398,7 +398,7 @@ class Operations(pyfuse3.Operations):
         for i, name in enumerate(names[start_id:], start_id):
             rel = f"{node.path}/{name}" if node.path else name
             try:
-                st = os.lstat(self.repo.path(rel))
+                st = self.repo.lstat(rel)
             except FileNotFoundError:
                 continue
             child = self._remember(rel, stat.S_ISDIR(st.st_mode))
@@ -464,7 +464,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         target = self.by_path.get(new)
         try:
-            if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(self.repo.path(new)):
+            if flags & pyfuse3.RENAME_NOREPLACE and self.repo.exists(new):
                 raise pyfuse3.FUSEError(errno.EEXIST)
             if target is not None and target.content is not None:
                 target.last_stat = self._stat_node(target)

@@ -119,6 +119,14 @@ class Repository:
         """The index of an existing snapshot; StubError for a stub that is not one."""
         return stubs.read_index(self.path(rel))
 
+    def lstat(self, rel: str) -> os.stat_result:
+        """The stub's or directory's own status (a symlink's, not its target's)."""
+        return os.lstat(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        """Whether the name exists (a dangling symlink too)."""
+        return os.path.lexists(self.path(rel))
+
     def stub_size(self, rel: str) -> int | None:
         """The size of the snapshot's content (its stub's size attribute); None if it has no valid one."""
         return stubs.stub_size(self.path(rel))

@@ -38,6 +38,8 @@ async def truncate(content: FileContent, size: int) -> None:
 
 
 class FileHandle:
+    """One open handle: its reads (with a read-ahead cursor of its own) and writes over the shared content."""
+
     def __init__(self, content: FileContent, fetcher: Fetcher, lock: trio.Lock, name: Callable[[], str | None]) -> None:
         self.content = content
         self.fetcher = fetcher

@@ -131,8 +131,9 @@ class Repository:
         """The size of the snapshot's content (its stub's size attribute); None if it has no valid one."""
         return stubs.stub_size(self.path(rel))
 
-    # -- names and metadata a client makes -----------------------------------------------------
-    # Each tells the watchers itself, so callers never have to remember to.
+    # -- names and metadata a client makes (through the mount) ---------------------------------
+    # Those that change what the catalog shows (a create, the use count, xattrs) tell the watchers
+    # themselves, so callers never have to remember to.
 
     def create(self, rel: str, mode: int, uid: int, gid: int) -> None:
         """A new empty snapshot at ``rel`` (EEXIST if the name exists), owned by ``uid``:``gid``.

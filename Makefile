@@ -1,10 +1,17 @@
 # Developer targets; CI runs scripts/test.sh, which is `make full` on a fresh machine (setup included).
 PYTEST = python3 -m pytest -q -p no:cacheprovider
 
-.PHONY: setup lint format unit slow fuse busy full
+.PHONY: setup lock lint format unit slow fuse busy full
 
 setup:
 	bash scripts/setup.sh
+
+# requirements.lock: every runtime, test and dev dependency pinned, resolved from pyproject.toml (what
+# setup installs). Run after changing the dependencies there; existing pins are kept where they still
+# fit: `make lock LOCK_FLAGS=--upgrade` moves every pin to the newest release.
+lock:
+	python3 -m piptools compile -q --extra test --extra dev --strip-extras --no-emit-index-url \
+		--no-emit-find-links $(LOCK_FLAGS) -o requirements.lock pyproject.toml
 
 lint:
 	ruff check src tests benchmarks e2e

@@ -24,6 +24,7 @@ MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it ser
 # module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
 # also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
 UNIT_MODULES = {
+    "test_buffers",
     "test_config",
     "test_evict_units",
     "test_format_cutter",

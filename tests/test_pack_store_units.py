@@ -1,7 +1,9 @@
-"""PackStore in-process: writes land at the pack's known end even when a rollback fails; the fd cache is bounded."""
+"""PackStore and its pack writer in-process: writes land at the pack's known end even when a rollback fails
+(saves and GC's copies alike); the fd cache is bounded."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sqlite3
@@ -11,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.format.index import Index
+from kvchunkfs.maint import gc
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, quick_sum
+from kvchunkfs.store.packwriter import Batch, PackWriter, create_pack_file
+from kvchunkfs.store.repository import Repository
 
 
 def chunk(n: int, seed: int) -> tuple[bytes, bytes]:
@@ -130,4 +137,119 @@ def test_an_empty_chunk_is_read(tmp_path: Path) -> None:
     reader.join(timeout=30)
     assert got == [b""], "the read of an empty chunk never finished"
     fetcher.close()
+    store.close()
+
+
+def _stream_store(tmp_path: Path, sizes: list[int]) -> tuple[PackStore, Index, bytes]:
+    store = PackStore(tmp_path)
+    chunks = [chunk(n, -1) for n in sizes]
+    store.put_many(chunks, object())
+    index = Index(1, 1 << 20, 4 << 20)
+    for cid, data in chunks:
+        index.append(cid, len(data))
+    return store, index, b"".join(d for _, d in chunks)
+
+
+def test_stream_gives_the_range_in_order_from_cache_and_packs(tmp_path: Path) -> None:
+    """``stream`` (a group's chunks straight off the packs) yields exactly the range asked, cut at
+    both ends, whatever mix of cached and uncached chunks and pieces larger than its buffer."""
+    store, index, whole = _stream_store(tmp_path, [300_000, 5_000, 2_500_000, 70_000, 900_000, 1])
+    fetcher = Fetcher(store, ChunkCache(64 << 20), workers=2, readahead=0)
+    try:
+        fetcher.get_many([index.ids[1], index.ids[4]])  # two of them cached
+        for lo, hi in [(0, len(whole)), (1, len(whole) - 1), (299_999, 305_001), (310_000, 2_000_000)]:
+            got = b"".join(bytes(v) for v in fetcher.stream(index, lo, hi))
+            assert got == whole[lo:hi], (lo, hi)
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def test_stream_fails_a_changed_chunk(tmp_path: Path) -> None:
+    """A chunk whose bytes changed on disk fails the stream with ChunkCorrupt, never wrong bytes."""
+    store, index, whole = _stream_store(tmp_path, [200_000, 200_000, 200_000])
+    loc = store.locate_many([index.ids[1]])[index.ids[1]]
+    with open(store.pack_path(loc.pack), "r+b") as f:
+        f.seek(loc.offset + 7)
+        f.write(bytes([whole[200_007] ^ 0xFF]))
+    fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)
+    got = bytearray()
+    try:
+        with pytest.raises(ChunkCorrupt):
+            for view in fetcher.stream(index, 0, len(whole)):
+                got += view
+        assert bytes(got) == whole[: len(got)] and len(got) < 400_000  # nothing past the bad chunk
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def test_the_pack_writer_cuts_off_a_batch_whose_commit_fails(tmp_path: Path) -> None:
+    """Record before bytes, bytes before rows: a batch whose commit fails is cut off again, and the
+    next one is written where it began; a forward scan then finds only what was committed."""
+    created: list[Path] = []
+
+    def new_pack() -> tuple[int, int]:
+        created.append(tmp_path / f"{len(created) + 1}.pack")
+        return len(created), create_pack_file(created[-1])
+
+    def refuse(batch: Batch) -> None:
+        raise OSError(errno.EIO, "the map refused the rows")
+
+    committed: list[Batch] = []
+    writer = PackWriter(new_pack, 1 << 20, fsync=False)
+    with pytest.raises(OSError):
+        writer.append([chunk(50_000, -1)], refuse)
+    assert os.path.getsize(created[0]) == PACK_HEADER_SIZE
+    kept = writer.append([chunk(30_000, -1), chunk(20_000, -1)], committed.append)
+    writer.close()
+    fd = os.open(created[0], os.O_RDONLY)
+    try:
+        found = scan(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert found.batches == 1 and committed == [kept]
+    assert [(c.id, 1, c.offset) for c in found.chunks] == kept.placed()
+
+
+def test_the_pack_writer_keeps_packs_within_their_size(tmp_path: Path) -> None:
+    """A large call is split into batches so that each pack stays within ``pack_size`` (a chunk
+    larger than a pack gets a pack of its own); every batch is committed with its pack and end."""
+    sizes: dict[int, Path] = {}
+
+    def new_pack() -> tuple[int, int]:
+        pack = len(sizes) + 1
+        sizes[pack] = tmp_path / f"{pack}.pack"
+        return pack, create_pack_file(sizes[pack])
+
+    committed: list[Batch] = []
+    writer = PackWriter(new_pack, 100_000, fsync=True)
+    writer.append_fitting([chunk(30_000, i) for i in range(10)] + [chunk(160_000, 99)], committed.append)
+    writer.close()
+    assert len(sizes) > 3
+    for pack, path in sizes.items():
+        size = path.stat().st_size
+        assert size <= 100_000 or [len(d) for b in committed if b.pack == pack for _, d in b.chunks] == [160_000]
+        assert max(b.end for b in committed if b.pack == pack) == size
+
+
+def test_a_compaction_copy_whose_rows_are_refused_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC copies through the same pack writer as saves: when the map refuses to move the rows, the
+    copy is cut off (its output pack, left empty, is deleted) and the chunk stays where it was."""
+    repo = Repository(tmp_path)
+    store = repo.store
+    dead, live = chunk(100_000, -1), chunk(10_000, -1)
+    store.put_many([dead, live], object())
+    store.delete_chunks([dead[0]])
+    before = store.pack_ids()
+
+    def refuse(*args: object) -> int:
+        raise OSError(errno.EIO, "chunk map replaced")
+
+    monkeypatch.setattr(store, "move_chunks", refuse)
+    report = gc.GCReport()
+    gc.reclaim_packs(repo, 0.5, report, None)
+    assert report.packs_compacted == 0 and any("not compacted" in e for e in report.errors)
+    assert store.pack_ids() == before
+    assert store.get_many([live[0]]) == [live[1]]
     store.close()

@@ -315,3 +315,36 @@ def test_a_restore_soon_after_reuses_the_groups_put_back(kvfs):
     other = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1200, 32), spec)  # same shape, other rows
     _write(mnt / "s", other)
     assert (mnt / "s").read_bytes() == other
+
+
+def test_restore_buffers_are_reused_only_when_free(kvfs):
+    """Groups are put back into pooled buffers (faulted in at mount, reused once nothing refers to
+    them). With a pool far smaller than the groups restored, from several threads at once and
+    again after a remount, buffers do get reused and every read still returns its file's bytes:
+    a buffer a decoded group or a reply still uses is never written into."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = ggsq.Spec(n_layer=6, row_bytes=512)
+    files = {f"s{n}": ggsq.synthetic_bytes(ggsq.synthetic_tokens(n, n), spec) for n in (350, 500, 700, 900)}
+    kvfs.remount(["--cache-size", "16MiB"])  # 8 MiB of buffers for groups of 1-2.6 MiB
+    mnt = Path(kvfs.mnt)
+    for name, data in files.items():
+        _write(mnt / name, data)
+    rng = random.Random(7)
+
+    def restore(name: str) -> None:
+        with open(mnt / name, "rb") as f:
+            got = bytearray()
+            while chunk := f.read(rng.choice([4096, 131072, MiB])):
+                got += chunk
+        assert bytes(got) == files[name], name
+
+    for _ in range(2):
+        kvfs.remount()
+        mnt = Path(kvfs.mnt)
+        for _ in range(3):
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3")
+            with ThreadPoolExecutor(3) as pool:
+                list(pool.map(restore, rng.sample(sorted(files), len(files))))
+        assert kvfs.stats()["restore_buffers_reused"] > 0

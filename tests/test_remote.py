@@ -501,8 +501,8 @@ def pack_bytes(m: Mount) -> int:
 
 def unmapped(m: Mount, name: str) -> set[bytes]:
     """Chunks of ``name`` the local map lacks (evicted, or not fetched yet)."""
+    from kvchunkfs.store.chunkmap import MapReader
     from kvchunkfs.store.layout import Layout
-    from kvchunkfs.store.packs import MapReader
 
     reader = MapReader.open(Layout(m.store))
     try:

@@ -214,7 +214,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("pack_size", "size", 64 * MiB, "pack file size before a new pack is started", lo=1),
         Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),
         Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
-        Setting("cache_size", "size", 256 * MiB, "chunk cache size", lo=0),
+        Setting(
+            "cache_size",
+            "size",
+            256 * MiB,
+            "memory restores keep: half caches chunks, half holds stored groups put back (faulted in at mount)",
+            lo=0,
+        ),
         Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
         Setting(
             "max_file_size",

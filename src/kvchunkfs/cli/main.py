@@ -58,6 +58,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     repo = open_repo(cfg)
     files = Files(repo)
+    files.reserve_buffers()
     clean = False
     try:
         recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.file.queues import ByteQueue, ChunkPool
@@ -98,6 +99,7 @@ class FileContent:
         max_size: int = 1 << 62,
         successors: Successors | None = None,
         decoded_groups: DecodedGroups | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -112,7 +114,7 @@ class FileContent:
         self.max_size = max_size
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
-        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop)
+        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -373,6 +375,10 @@ class FileContent:
         """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
         there), as far as known without reading: the event loop's cached-read shortcut."""
         return self.groups.plain_range(self.index, offset, size)
+
+    def read_ahead_limit(self, end: int) -> int | None:
+        """Where read-ahead past ``end`` must stop (see ``FileGroups.read_ahead_limit``)."""
+        return self.groups.read_ahead_limit(self.index, end)
 
     def decoded(self, offset: int, size: int) -> memoryview | None:
         """The bytes if a group being put back holds all of them in place already (no wait, no

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.format.index import Index
-from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, PackStore, quick_sum
+from kvchunkfs.store.chunkstore import ChunkReader
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, quick_sum
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
+STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
+STREAM_RING = 3  # ... into this many buffers it reuses: two pieces ahead of its caller
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -139,21 +144,25 @@ class Cursor:
 
 class Fetcher:
     def __init__(
-        self, store: PackStore, cache: ChunkCache, workers: int = 8, readahead: int = 32 << 20, verify: bool = True
+        self, store: ChunkReader, cache: ChunkCache, workers: int = 8, readahead: int = 32 << 20, verify: bool = True
     ) -> None:
         self.store = store
         self.cache = cache
         self.readahead = readahead
         self.verify = verify
         self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prefetch")
+        self.buffers: BufferPool | None = None  # where ``stream`` takes its buffers (set by Files)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[Buffer]] = {}
         self.chunks_read = 0  # chunks that came from disk
 
     # -- public -----------------------------------------------------------------------------
 
-    def read(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> bytes:
-        """Bytes ``[offset, offset+size)`` of the file described by ``index`` (short at EOF)."""
+    def read(
+        self, index: Index, offset: int, size: int, cursor: Cursor | None = None, ahead: int | None = None
+    ) -> bytes:
+        """Bytes ``[offset, offset+size)`` of the file described by ``index`` (short at EOF);
+        read-ahead stops at ``ahead`` if given."""
         end = min(offset + size, index.size)
         if offset >= end:
             return b""
@@ -161,7 +170,7 @@ class Fetcher:
         waits, mine = self._claim(index.ids[first : last + 1])
         if mine:  # read first what this read waits for, then queue read-ahead behind it on the disk
             self._fetch(mine, cursor.locations if cursor is not None else None)
-        self._advance(index, end, last, offset, cursor)
+        self._advance(index, end, last, offset, cursor, ahead)
         return _assemble(index, offset, end, first, last, _results(waits))
 
     def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
@@ -181,7 +190,125 @@ class Fetcher:
         views[0] = views[0][offset - index.start(first) :]
         return views
 
-    def read_cached(self, index: Index, offset: int, size: int, cursor: Cursor) -> Buffer | None:
+    def stream(
+        self, index: Index, offset: int, end: int, locations: dict[bytes, Location] | None = None
+    ) -> Iterator[memoryview]:
+        """The bytes ``[offset, end)`` of ``index`` in order, whole chunks at a time (the first and
+        last cut to the range); each view is valid only until the next one is asked for.
+
+        For a reader that copies every byte at once (a stored group being put back): cached chunks
+        are used, the others are read by the calling thread straight from their packs into one
+        reused buffer, never cached and never handed between threads. One sequential reader keeps
+        the disk streaming; no fresh buffer per run, no worker wakeups.
+        """
+        end = min(end, index.size)
+        if offset >= end:
+            return
+        first, last = index.find(offset), index.find(end - 1)
+        ids = index.ids[first : last + 1]
+        known = locations if locations is not None and all(c in locations for c in ids) else None
+        found = dict(known if known is not None else self.store.locate_many(ids))
+        plan: list[tuple[int, int, int, Buffer | None]] = []  # (first chunk, count, bytes, cached data)
+        i = first
+        while i <= last:
+            data = self.cache.get(index.ids[i])
+            if data is not None:
+                plan.append((i, 1, len(data), data))
+                i += 1
+                continue
+            n, length = _stream_run(index, i, last, found, max(STREAM_PIECE, index.length(i)))
+            plan.append((i, n, length, None))
+            i += n
+        self.cache.count(hits=sum(1 for p in plan if p[3] is not None))
+        # One worker reads the pieces in order (sequential preads: the kernel's read-ahead keeps
+        # the disk streaming) into a ring of buffers while the caller uses the one before.
+        room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)])
+        whole = (
+            self.buffers.take(room * STREAM_RING)
+            if self.buffers is not None
+            else np.empty(room * STREAM_RING, np.uint8)
+        )
+        free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for k in range(STREAM_RING):
+            free.put(whole.data[k * room : (k + 1) * room])
+        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]] = queue.SimpleQueue()
+        stop = threading.Event()
+        if any(p[3] is None for p in plan):
+            self.pool.submit(self._stream_pieces, index, plan, found, free, ready, stop)
+        try:
+            for j, n, _length, data in plan:
+                if data is not None:
+                    piece, buf = memoryview(data), None
+                else:
+                    buf, got = ready.get()
+                    if isinstance(got, BaseException):
+                        raise got
+                    piece = got
+                lo = offset - index.start(j) if j == first else 0
+                hi = len(piece) - (index.ends[last] - end if j + n - 1 == last else 0)
+                yield piece[lo:hi]
+                if buf is not None:
+                    free.put(buf)  # the caller asked for the next piece: it is done with this one
+        finally:
+            stop.set()
+            free.put(whole.data[:0])  # wakes the reader if it waits for a buffer
+
+    def _stream_pieces(
+        self,
+        index: Index,
+        plan: list[tuple[int, int, int, Buffer | None]],
+        found: dict[bytes, Location],
+        free: queue.SimpleQueue[memoryview],
+        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]],
+        stop: threading.Event,
+    ) -> None:
+        """``stream``'s reader (a worker): its uncached pieces in order, each into a free buffer."""
+        for j, n, length, data in plan:
+            if data is not None:
+                continue
+            buf = free.get()
+            if stop.is_set():
+                return
+            try:
+                ready.put((buf, self._stream_read(index, j, n, found, buf[:length])))
+            except BaseException as e:  # handed to the caller, who raises it
+                ready.put((buf, e))
+                return
+
+    def _stream_read(self, index: Index, i: int, n: int, found: dict[bytes, Location], out: memoryview) -> memoryview:
+        """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; a pack
+        GC deleted meanwhile is looked up again once."""
+        ids = index.ids[i : i + n]
+        loc = found[ids[0]]
+        try:
+            for _ in self.store.read_run_into(loc.pack, loc.offset, out, len(out)):
+                pass
+        except FileNotFoundError:  # GC compacted the pack after the chunks were located
+            at = 0
+            for data in self.get_many(ids):  # looked up again, read and checked the usual way
+                out[at : at + len(data)] = data
+                at += len(data)
+            if at != len(out):
+                raise ChunkCorrupt(f"chunks from {ids[0].hex()} are {at} bytes, the index says {len(out)}") from None
+            return out
+        self.cache.count(misses=n)
+        with self._lock:
+            self.chunks_read += n
+        at = 0
+        for k, cid in enumerate(ids):
+            c = found[cid]
+            if self.verify and not _intact(cid, c, out[at : at + c.length]):
+                err = ChunkCorrupt(f"chunk {cid.hex()} in pack {c.pack} at {c.offset} fails its checksum")
+                log.error("%s", err)
+                raise err
+            if c.length != index.length(i + k):
+                raise ChunkCorrupt(f"chunk {cid.hex()} is {c.length} bytes, the index says {index.length(i + k)}")
+            at += c.length
+        return out
+
+    def read_cached(
+        self, index: Index, offset: int, size: int, cursor: Cursor, ahead: int | None = None
+    ) -> Buffer | None:
         """The read if every chunk it needs is cached already, else None; never blocks.
 
         A prefetched restore is served like this on the FUSE thread, without a thread handoff, and
@@ -196,14 +323,17 @@ class Fetcher:
         located = self.cache.get_all(index.ids[first : last + 1])
         if located is None:
             return None
-        self._advance(index, end, last, offset, cursor)
+        self._advance(index, end, last, offset, cursor, ahead)
         span = _span(located, offset - index.start(first), end - offset)
         if span is not None:
             return span
         return _assemble(index, offset, end, first, last, [e.data for e in located])
 
-    def _advance(self, index: Index, end: int, last: int, offset: int, cursor: Cursor | None) -> None:
-        """Note where the handle read; on sequential access keep read-ahead ``readahead`` bytes ahead."""
+    def _advance(
+        self, index: Index, end: int, last: int, offset: int, cursor: Cursor | None, ahead: int | None = None
+    ) -> None:
+        """Note where the handle read; on sequential access keep read-ahead ``readahead`` bytes
+        ahead (never past ``ahead``)."""
         if cursor is None:
             return
         sequential = offset == 0 or abs(offset - cursor.next_offset) <= SEQ_SLACK
@@ -215,7 +345,9 @@ class Fetcher:
         # runs of RUN_MAX, short enough that the workers never run dry while the reader catches up.
         if start < len(index) and index.start(start) > end + self.readahead - self.readahead // 4:
             return
-        self._prefetch(index, start, end + self.readahead, cursor)
+        limit = end + self.readahead if ahead is None else min(ahead, end + self.readahead)
+        if start < len(index) and index.start(start) < limit:
+            self._prefetch(index, start, limit, cursor)
 
     def get_many(self, ids: Sequence[bytes]) -> list[Buffer]:
         """Chunk bytes for ``ids``; fetches what neither the cache nor a worker has."""
@@ -387,6 +519,22 @@ def _intact(cid: bytes, loc: Location, data: Buffer) -> bool:
     if loc.sum is not None:
         return quick_sum(data) == loc.sum
     return hashlib.sha256(data).digest() == cid
+
+
+def _stream_run(index: Index, i: int, last: int, found: dict[bytes, Location], room: int) -> tuple[int, int]:
+    """(count, bytes) of the chunks from ``i`` on that lie back to back in one pack and fit in
+    ``room`` (at least chunk ``i``); ChunkMissing if the map lacks chunk ``i``."""
+    loc = found.get(index.ids[i])
+    if loc is None:
+        raise ChunkMissing(index.ids[i].hex())
+    n, length = 1, loc.length
+    while i + n <= last:
+        nxt = found.get(index.ids[i + n])
+        if nxt is None or nxt.pack != loc.pack or nxt.offset != loc.offset + length or length + nxt.length > room:
+            break
+        length += nxt.length
+        n += 1
+    return n, length
 
 
 def _results(waits: Sequence[Future[Buffer] | Buffer]) -> list[Buffer]:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
 from kvchunkfs.file.groups import DecodedGroups
@@ -50,9 +51,13 @@ class Files:
     def __init__(self, repo: Repository) -> None:
         s = repo.settings
         self.repo = repo
-        self.cache = ChunkCache(s.cache_size)
+        # cache_size bounds the memory restores keep: half caches chunks, half holds groups being
+        # put back (chunker relayout), in buffers faulted in once (file/buffers.py).
+        self.buffers = BufferPool(s.cache_size // 2)
+        self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
+        self.fetcher.buffers = self.buffers
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
         # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
         # for locations looked up at open. Only touched under store.lock, in load.
@@ -63,9 +68,9 @@ class Files:
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
         # Groups of relayout files put back lately, for the next restore of the same snapshot.
-        self.decoded_groups = DecodedGroups()
+        self.decoded_groups = DecodedGroups(self.buffers.capacity // 2)  # its groups live in those buffers
 
-    def read_chunks(self, index: Index, offset: int, size: int) -> bytes:
+    def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)
 
     def read_file(self, index: Index, offset: int, size: int) -> bytes:
@@ -84,6 +89,11 @@ class Files:
                 out[lo - offset : hi - offset] = whole[lo - g.start : hi - g.start]
         return bytes(out)
 
+    def reserve_buffers(self) -> None:
+        """Fault in the restore buffers now (a daemon at mount): a restore soon after a restart
+        does not wait for fresh memory."""
+        self.buffers.reserve()
+
     def content(self, index: Index) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread)."""
         repo = self.repo
@@ -98,6 +108,7 @@ class Files:
             max_size=repo.settings.max_file_size,
             successors=self.successors,
             decoded_groups=self.decoded_groups,
+            buffers=self.buffers,
         )
 
     def replacement(self, rel: str) -> FileContent:

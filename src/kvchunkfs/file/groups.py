@@ -14,12 +14,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.reader import HandleReader, ReadChunks
 from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.format.llama_state import Segment, State
 
 log = logging.getLogger(__name__)
+
+
+LOOKAHEAD = 1 << 20  # a read parses this far past itself to know where the next group starts
 
 
 def _parsed_to(st: State | None, until: int) -> bool:
@@ -68,13 +72,13 @@ class DecodedGroups:
 
 class GroupDecode:
     """One stored group (chunker relayout) being put back in file order on a thread of its own,
-    fed its chunks in order a few MiB at a time, so readers of its first block follow the fetch."""
+    fed its chunks in order a piece at a time, so readers of its first block follow the fetch."""
 
-    STEP = 2 << 20  # stored bytes fetched and put in place per step
-
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, buffers: BufferPool | None = None) -> None:
+        assert seg.end is not None
         self.seg = seg
-        self.unpermute = relayout.Unpermute(seg)
+        out = buffers.take(seg.end - seg.start) if buffers is not None else None  # a group keeps its range
+        self.unpermute = relayout.Unpermute(seg, out)
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.finished = False
@@ -83,20 +87,15 @@ class GroupDecode:
         g, u = self.seg, self.unpermute
         assert g.end is not None
         try:
-            views = reader.views if isinstance(reader, HandleReader) else None  # the chunks' own buffers
-            fed = views is not None
-            first, last = index.find(g.start), index.find(g.end - 1)
-            i = first
-            while fed and i <= last:
-                j = i
-                while j <= last and index.start(j) - index.start(i) < self.STEP:
-                    j += 1
-                stop = index.start(j) if j <= last else g.end
-                # Chunks back to back in a run buffer come as one view: few numpy copies a step.
-                fed = u.feed(views(index, index.start(i), stop - index.start(i)))  # type: ignore[misc]
-                with self.cond:
-                    self.cond.notify_all()
-                i = j
+            stream = reader.stream if isinstance(reader, HandleReader) else None  # chunks straight off the packs
+            fed = stream is not None
+            if fed:
+                for piece in stream(index, g.start, g.end):  # type: ignore[misc]
+                    fed = u.feed([piece])
+                    with self.cond:
+                        self.cond.notify_all()
+                    if not fed:
+                        break
             if not fed or not u.done:  # records wider than a chunk: all at once
                 u.set_all(reader(index, g.start, g.end - g.start))
         except BaseException as e:
@@ -123,9 +122,16 @@ class FileGroups:
     from their headers as reads reach them) and their decodes (one thread per group, the next one
     ahead). The chunks hold a group's bytes permuted; reads get them in file order."""
 
-    def __init__(self, group_w: int, decoded_groups: DecodedGroups | None, stopped: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        group_w: int,
+        decoded_groups: DecodedGroups | None,
+        stopped: Callable[[], bool],
+        buffers: BufferPool | None = None,
+    ) -> None:
         self.group_w = group_w
         self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
+        self.buffers = buffers  # where groups are put back (shared, reused once unreferenced)
         self._stopped = stopped  # the file's last handle is gone: decode no further ahead
         # (index, its size, its groups parsed so far, the parser's state after them: None when
         # parsed to the end); replaced whole, never changed: the event loop reads it without a lock.
@@ -144,22 +150,44 @@ class FileGroups:
         ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
         isize = index.size if isize is None else isize
         end = offset + size
-        hit = [g for g in self._groups(index, isize, read_chunks, end) if g.start < end and offset < (g.end or 0)]
+        found = self._groups(index, isize, read_chunks, min(isize, end + LOOKAHEAD) if self.group_w else end)
+        hit = [g for g in found if g.start < end and offset < (g.end or 0)]
+        ahead = self._next_group(found, end)
         if not hit:
-            return read_chunks(index, offset, size)
+            return read_chunks(index, offset, size, ahead)
         parts: list[bytes | memoryview] = []
         pos = offset
         for g in hit:
             assert g.end is not None
             if pos < g.start:
-                parts.append(read_chunks(index, pos, g.start - pos))
+                parts.append(read_chunks(index, pos, g.start - pos, g.start))
                 pos = g.start
             stop = min(end, g.end)
             parts.append(self._group_bytes(index, g, read_chunks, pos - g.start, stop - pos))
             pos = stop
         if pos < end:
-            parts.append(read_chunks(index, pos, end - pos))
+            parts.append(read_chunks(index, pos, end - pos, ahead))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _next_group(self, found: list[Segment], end: int) -> int | None:
+        """Where read-ahead past ``end`` must stop: the next stored group's start (its decode reads
+        its chunks), where the layout's parse stopped, or None (no group follows)."""
+        if not self.group_w:
+            return None
+        later = [g.start for g in found if g.start >= end]
+        if later:
+            return min(later)
+        known = self._layout
+        if known is None or known[3] is None:
+            return None  # parsed to the end: no group follows
+        return max(end, known[3].pos)  # a group may start where the parse stopped
+
+    def read_ahead_limit(self, index: Index, end: int) -> int | None:
+        """``_next_group`` as far as known without reading: the event loop's cached-read shortcut."""
+        known = self._layout
+        if not self.group_w or known is None or known[0] is not index:
+            return None
+        return self._next_group(known[2], end)
 
     def _groups(self, index: Index, isize: int, read_chunks: ReadChunks, until: int) -> list[Segment]:
         """The stored groups in ``index``'s first ``isize`` bytes, at least those that start
@@ -180,7 +208,7 @@ class FileGroups:
             if not _parsed_to(st, until):
 
                 def read(off: int, n: int) -> bytes:
-                    return bytes(read_chunks(index, off, n))
+                    return bytes(read_chunks(index, off, n, off + n))  # headers: no read-ahead
 
                 more, st = relayout.groups_until(read, isize, st, until)
                 found = found + more
@@ -208,7 +236,7 @@ class FileGroups:
             if d is None:
                 key = DecodedGroups.key(index, g) if self.decoded_groups is not None else b""
                 done = self.decoded_groups.get(key) if self.decoded_groups is not None else None
-                d = decodes[g.start] = done if done is not None else GroupDecode(g)
+                d = decodes[g.start] = done if done is not None else GroupDecode(g, self.buffers)
                 fresh = done is None
                 earlier = sorted(start for start in decodes if start < g.start)
                 for start in earlier[:-1]:

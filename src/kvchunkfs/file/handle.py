@@ -74,7 +74,8 @@ class FileHandle:
         if content.mode is not Mode.CLEAN:
             return None
         if content.plain_range(offset, size):
-            return self.fetcher.read_cached(content.index, offset, size, self.cursor)
+            ahead = content.read_ahead_limit(offset + size)
+            return self.fetcher.read_cached(content.index, offset, size, self.cursor, ahead)
         return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:

@@ -121,13 +121,15 @@ class Unpermute:
     order; ``ready`` says whether a range (group-relative, file order) is in place; ``data`` is the
     file form (only ranges that are ready hold their bytes)."""
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, out: np.ndarray | None = None) -> None:
+        """``out``: where to put the group back (at least its length, uninitialised), if not new."""
         g = seg.group
         assert g is not None
         self.g = g
         self.heads, self.body = _parts(g)
         self.blocks = _heads(g)
-        self.out = np.empty(self.heads + g.count * self.body, np.uint8)
+        n = self.heads + g.count * self.body
+        self.out = out[:n] if out is not None and len(out) >= n else np.empty(n, np.uint8)
         self.data = self.out.data
         self._head = bytearray()
         self.cells = 0  # cells whose rows are in place in every block

@@ -809,6 +809,7 @@ class Operations(pyfuse3.Operations):
             "chunks_read": self.files.fetcher.chunks_read,
             "cache_hits": self.files.cache.hits,
             "cache_misses": self.files.cache.misses,
+            "restore_buffers_reused": self.files.buffers.reused,
             "saves": self.saves,
             "restores": self.restores,
             "write_requests": self.write_requests,

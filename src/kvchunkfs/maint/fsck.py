@@ -51,9 +51,9 @@ from kvchunkfs.maint.recovery import (
     repair_packs,
 )
 from kvchunkfs.store import stubs
+from kvchunkfs.store.chunkmap import MapReader
 from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
-from kvchunkfs.store.packs import MapReader
 from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 

@@ -48,9 +48,11 @@ import trio
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
+from kvchunkfs.store.chunkstore import PruneStore
 from kvchunkfs.store.layout import file_size
-from kvchunkfs.store.packformat import PACK_HEADER_SIZE, batch_record, has_header, scan
-from kvchunkfs.store.packs import ChunkCorrupt, PackStore, pwrite_all
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, scan
+from kvchunkfs.store.packs import ChunkCorrupt
+from kvchunkfs.store.packwriter import Batch, PackWriter
 from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
 
@@ -222,7 +224,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
     and unpinning needs ``store.lock``: so a stub installed after the check still has its chunks
     pinned during the sweep.
     """
-    store = repo.store
+    store: PruneStore = repo.store
     gen = repo.ns_mark()
     report.walks = 1
     named = named_ids(repo, report)
@@ -292,7 +294,7 @@ def _in_bucket(repo: Repository) -> set[bytes]:
     return out
 
 
-def _sweep(store: PackStore, candidates: dict[bytes, int], report: GCReport) -> None:
+def _sweep(store: PruneStore, candidates: dict[bytes, int], report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
     if report.unreadable:  # what they name is unknown: any candidate may be live
         report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
@@ -324,7 +326,7 @@ def collect_changes(
     Pinned candidates (open files, saves in progress) are kept for the next run.
     """
     start = time.monotonic()
-    store = repo.store
+    store: PruneStore = repo.store
     report = GCReport(mode="changes")
     checkpoint(repo)
     candidates = store.take_fresh()
@@ -361,7 +363,7 @@ def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, 
     """Delete the rows of ``ids`` but pinned ones, a batch per hold of ``store.lock`` (a save waits
     for one batch at most), while ``repo.ns_settled(gen)``. Decided ids leave ``ids``; pinned ones
     stay in it. False if a namespace change came first (what is left must be asked about again)."""
-    store = repo.store
+    store: PruneStore = repo.store
     todo = list(ids)
     for i in range(0, len(todo), SWEEP_BATCH):
         batch = todo[i : i + SWEEP_BATCH]
@@ -389,8 +391,8 @@ def reclaim_packs(
 ) -> set[int]:
     """Delete, trim or compact packs with dead bytes: every pack, or ``only`` these. Returns the
     packs it left alone (the open one, the rest after an interruption): a later run looks again."""
-    store = repo.store
-    out = _PackWriter(store)
+    store: PruneStore = repo.store
+    out = _Output(store)
     packs = store.pack_ids() if only is None else sorted(only)
     left: set[int] = set()
     try:
@@ -426,7 +428,7 @@ def reclaim_packs(
     return left
 
 
-def _worth_reclaiming(store: PackStore, pack: int, size: int, live: int, threshold: float) -> bool:
+def _worth_reclaiming(store: PruneStore, pack: int, size: int, live: int, threshold: float) -> bool:
     """Whether GC would delete or compact ``pack`` (nothing live, or too little; a pack that holds
     no chunk yet is not: sealing it would only start another)."""
     if size <= PACK_HEADER_SIZE:
@@ -434,7 +436,7 @@ def _worth_reclaiming(store: PackStore, pack: int, size: int, live: int, thresho
     return live == 0 or (bool(size) and live / size < threshold and _dead_bytes(store, pack, size, live) > 0)
 
 
-def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
+def _dead_bytes(store: PruneStore, pack: int, size: int, live: int) -> int:
     """Bytes of ``pack`` that are neither live chunks nor batch records (which every pack has)."""
     try:
         fd = os.open(store.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -448,7 +450,7 @@ def _dead_bytes(store: PackStore, pack: int, size: int, live: int) -> int:
 
 
 def _compact_logged(
-    store: PackStore, pack: int, size: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
+    store: PruneStore, pack: int, size: int, out: _Output, report: GCReport, stop: threading.Event | None
 ) -> None:
     try:
         moved = _compact(store, pack, out, report, stop)
@@ -462,9 +464,7 @@ def _compact_logged(
         report.disk_bytes_freed += size - moved
 
 
-def _compact(
-    store: PackStore, pack: int, out: _PackWriter, report: GCReport, stop: threading.Event | None
-) -> int | None:
+def _compact(store: PruneStore, pack: int, out: _Output, report: GCReport, stop: threading.Event | None) -> int | None:
     """Copy the live chunks of ``pack`` elsewhere; the bytes copied, or None if interrupted."""
     with store.lock:
         if pack == store.open_pack:
@@ -477,8 +477,7 @@ def _compact(
             if stop is not None and stop.is_set():
                 report.interrupted = True
                 return None
-            moves = out.copy(src, pack, batch)
-            report.chunks_moved += store.move_chunks(pack, moves, (out.pack, out.end))
+            report.chunks_moved += out.copy(src, pack, batch)
             nbytes = sum(n for _, _, n in batch)
             report.bytes_moved += nbytes
             moved += nbytes
@@ -499,60 +498,46 @@ def _batches(rows: list[tuple[bytes, int, int]]) -> Iterator[list[tuple[bytes, i
         yield batch
 
 
-class _PackWriter:
-    """GC's own output packs: created like any pack (self-describing), never the one saves append to."""
+class _Output:
+    """GC's output packs: written through the store's pack writer like any pack (self-describing,
+    each batch fsynced before its rows move), but packs of their own, never the one saves append to."""
 
-    def __init__(self, store: PackStore) -> None:
+    def __init__(self, store: PruneStore) -> None:
         self.store = store
-        self.packs: set[int] = set()
-        self.pack = 0
-        self.fd = -1
-        self.end = 0
+        self.packs: set[int] = set()  # the packs it created (not compacted again in the same run)
+        self.writer = PackWriter(self._new_pack, store.pack_size, fsync=True)
 
-    def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> list[tuple[bytes, int, int]]:
-        """Append verified copies of ``batch`` (with their record) and fsync them; returns
-        (id, new pack, new offset) for each. ``self.end`` is then the batch's end, to commit with the rows."""
+    def _new_pack(self) -> tuple[int, int]:
+        pack, fd = self.store.create_pack()
+        self.packs.add(pack)
+        return pack, fd
+
+    def copy(self, src: int, old_pack: int, batch: list[tuple[bytes, int, int]]) -> int:
+        """Append verified copies of ``batch`` (with their record) and point their rows at them,
+        each only if it is still in ``old_pack``; returns the rows moved."""
         first = batch[0][1]
         span = batch[-1][1] + batch[-1][2] - first
         data = memoryview(os.pread(src, span, first))
-        pieces = []
+        pieces: list[tuple[bytes, bytes | memoryview]] = []
         for cid, off, n in batch:
             piece = data[off - first : off - first + n]
             if len(piece) != n or hashlib.sha256(piece).digest() != cid:
                 raise ChunkCorrupt(f"chunk {cid.hex()} in pack {old_pack} at {off} fails its checksum")
-            pieces.append(piece)
-        if self.fd < 0 or self.end >= self.store.pack_size:
-            self._next_pack()
-        record = batch_record([(cid, n) for cid, _, n in batch])
-        moves = []
-        off = self.end + len(record)
-        for cid, _, n in batch:
-            moves.append((cid, self.pack, off))
-            off += n
-        self._write([record, *pieces])
-        os.fsync(self.fd)  # the copies and their record are on disk before any row points at them
-        self.end = off
-        return moves
+            pieces.append((cid, piece))
+        moved = 0
 
-    def _write(self, pieces: list[bytes | memoryview]) -> None:
-        try:
-            pwrite_all(self.fd, pieces, self.end)
-        except OSError:
-            os.ftruncate(self.fd, self.end)
-            raise
+        def commit(copied: Batch) -> None:
+            nonlocal moved
+            moved = self.store.move_chunks(old_pack, copied.placed(), (copied.pack, copied.end))
 
-    def _next_pack(self) -> None:
-        self.close()
-        self.pack, self.fd = self.store.create_pack()
-        self.packs.add(self.pack)
-        self.end = PACK_HEADER_SIZE
+        self.writer.append(pieces, commit)
+        return moved
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            if self.end <= PACK_HEADER_SIZE:  # nothing copied into it
-                self.store.remove_pack(self.pack)
+        empty = self.writer.pack if self.writer.end <= PACK_HEADER_SIZE else None  # nothing copied into it
+        self.writer.close()
+        if empty is not None:
+            self.store.remove_pack(empty)
 
 
 # -- in the daemon --------------------------------------------------------------------------------

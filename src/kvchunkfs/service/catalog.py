@@ -30,8 +30,8 @@ from kvchunkfs.format.index import Index
 from kvchunkfs.formula import Formula
 from kvchunkfs.service import prefixtree
 from kvchunkfs.store import stubs
+from kvchunkfs.store.chunkmap import MapReader
 from kvchunkfs.store.layout import Layout
-from kvchunkfs.store.packs import MapReader
 from kvchunkfs.units import parse_size
 
 HOUR = 3600.0

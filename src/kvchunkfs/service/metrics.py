@@ -163,6 +163,9 @@ class StoreCollector(Collector):
         yield _counter("kvcfs_readahead_cache_hits", "Chunk reads served by the read-ahead cache", cache.hits)
         yield _counter("kvcfs_readahead_cache_misses", "Chunk reads that had to wait for disk", cache.misses)
         yield _gauge("kvcfs_readahead_cache_bytes", "Bytes held by the read-ahead cache", cache.size)
+        pool = self.files.buffers
+        yield _counter("kvcfs_restore_buffers_reused", "Groups put back into a buffer faulted in before", pool.reused)
+        yield _gauge("kvcfs_restore_buffers_bytes", "Bytes of buffers kept for groups being put back", pool.size)
         yield from self._ops()
         yield from self._store()
 

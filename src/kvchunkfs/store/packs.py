@@ -1,14 +1,11 @@
-"""Chunk store: append-only pack files plus a SQLite map chunk id -> (pack, offset, length).
+"""Chunk store: append-only pack files plus the chunk map (``chunkmap``), pins, and the reads.
 
-Packs are the truth, the map is a cache. Write order for new chunks (see docs/design.md): a batch
-record listing the chunks (``packformat``) and their bytes are written at the open pack's known end
-first, then the map rows and the pack's new committed end (table ``packs``) are committed in one
-transaction. A crash between the two leaves a described batch past the committed end, which
+Packs are the truth, the map is a cache. Saves append through the pack writer (``packwriter``): a
+batch record listing the chunks (``packformat``) and their bytes are written at the open pack's
+known end first, then the map rows and the pack's new committed end (table ``packs``) are committed
+in one transaction. A crash between the two leaves a described batch past the committed end, which
 recovery adds to the map. A map row therefore never points at bytes that were not written, and
-the map can always be rebuilt from the packs.
-
-The map file may be deleted or replaced under a running daemon; every write transaction first
-checks that ``chunks.db`` is still the file this connection opened, and refuses (EIO) otherwise.
+the map can always be rebuilt from the packs (docs/design.md, "Saving: the order of writes").
 
 Pins protect chunks that open files use but no stub names yet (a save in progress, a file that
 was unlinked while open). Garbage collection treats pinned ids as live; the existence check and
@@ -25,7 +22,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,41 +30,17 @@ from typing import Any
 
 import xxhash
 
-from kvchunkfs.format.index import Index
+from kvchunkfs.store.chunkmap import UPSERT_END, ChunkMap, ChunkMissing, Location, os_error
 from kvchunkfs.store.layout import Layout, fsync_dir
-from kvchunkfs.store.packformat import (
-    BATCH_HEADER_SIZE,
-    ENTRY_SIZE,
-    PACK_HEADER_SIZE,
-    Described,
-    batch_record,
-    pack_header,
-)
+from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described
+from kvchunkfs.store.packwriter import Batch, PackWriter, create_pack_file
+
+__all__ = ["ChunkCorrupt", "ChunkMissing", "Location", "PackStore", "StoreCounters", "quick_sum"]
 
 log = logging.getLogger(__name__)
 
-_SQL_BATCH = 500
-_IOV_MAX = 512  # writev takes at most IOV_MAX (1024) buffers
 MAX_FDS = 64  # read fds kept open (least recently used idle ones are closed)
 FRESH_MAX = 1 << 18  # new ids kept for GC between collections (~30 MB; 16 GB of 64 KiB chunks)
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS chunks (
-    id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
-) WITHOUT ROWID;
-DROP INDEX IF EXISTS chunks_by_pack;
-CREATE INDEX IF NOT EXISTS chunks_by_pack_len ON chunks (pack, offset, length);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS packs (pack INTEGER PRIMARY KEY, end INTEGER NOT NULL);
-"""
-_CLEAN = "clean_unmount"
-# A pack's committed end only grows (a commit of an older batch must not move it back).
-_UPSERT_END = (
-    "INSERT INTO packs (pack, end) VALUES (?, ?) ON CONFLICT (pack) DO UPDATE SET end = max(end, excluded.end)"
-)
-
-
-class ChunkMissing(LookupError):
-    """A chunk an index names is not in the store."""
 
 
 class ChunkCorrupt(ValueError):
@@ -81,14 +53,6 @@ def quick_sum(data: bytes | memoryview) -> bytes:
     on disk, a row pointing at the wrong bytes); not against a forger, who would need write access
     to the store, packs and map alike (see the threat model)."""
     return xxhash.xxh3_64_digest(data)
-
-
-@dataclass(frozen=True)
-class Location:
-    pack: int
-    offset: int
-    length: int
-    sum: bytes | None = None  # xxh3-64 of the chunk's bytes as written (None: a row that has none)
 
 
 @dataclass
@@ -120,7 +84,10 @@ class _PackFd:
         self.retired = False
 
 
-class PackStore:
+class PackStore(ChunkMap):
+    """The store's packs and map as one: saves (``put_many``), pins, GC's and recovery's steps on
+    packs and rows, and the read fds. The map's queries are ``ChunkMap``'s."""
+
     def __init__(self, root: Path, pack_size: int = 64 << 20, durable: bool = False, max_fds: int = MAX_FDS) -> None:
         self.root = root
         self.layout = Layout(root)
@@ -128,28 +95,15 @@ class PackStore:
         self.layout.create_dirs()
         self.layout.make_private()  # every snapshot's bytes: the daemon's user only
         self.pack_size = pack_size
-        self.durable = durable
         self.lock = threading.RLock()  # map writes, pack appends, pins, GC sweep
         self._fd_lock = threading.Lock()
         self._fds: OrderedDict[int, _PackFd] = OrderedDict()  # least recently used first
         self.max_fds = max_fds
-        self.db_path = self.layout.db
-        self.db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
-        self._db_ident = _ident(self.db_path)  # the file this connection writes to
-        self._db_lost: str | None = None
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-        self._db_lock = threading.Lock()  # sqlite3 connection is shared between threads
-        self._migrate()
-        self._pack_id: int | None = None  # pack currently appended to
-        self._pack_fd = -1
-        self._pack_end = 0
+        super().__init__(self.layout.db, durable, self.pack_ids)
+        self._writer = PackWriter(self.create_pack, pack_size, fsync=durable)  # the pack saves append to
         self._unsynced: set[int] = set()  # packs written since the last sync()
         self.pins: dict[object, set[bytes]] = {}
         self.counters = StoreCounters()
-        # (rows, bytes) of the map, counted once and then kept up to date by every write; None:
-        # count again. Read without a lock (metrics), written under _db_lock.
-        self._map_stats: tuple[int, int] | None = None
         # Ids mapped since GC last took them (under ``lock``): with the catalog's dropped ids, what
         # a collection of the changes looks at (maint/gc.py). None once too many piled up: the
         # next collection must walk every stub.
@@ -159,131 +113,13 @@ class PackStore:
         # tier): locations remembered from before (``Files``' reopen cache) may now lack chunks.
         self.drop_gen = 0
 
-    def _migrate(self) -> None:
-        """Create the schema; a map without the ``packs`` table is a new or a legacy one.
-
-        ``described_from``: packs numbered below it may be legacy packs (no header, written before
-        packs described themselves). A legacy map is taken as the truth about the packs it knows;
-        a new map over existing packs (chunks.db was lost) knows none of them, so recovery scans
-        the described ones and leaves legacy ones alone.
-        """
-        tables = {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        self.db.executescript(_SCHEMA)
-        if "sum" not in {row[1] for row in self.db.execute("PRAGMA table_info(chunks)")}:
-            self.db.execute("ALTER TABLE chunks ADD COLUMN sum BLOB")  # rows from before have none
-        if "packs" in tables:
-            self.described_from = int(self.get_meta("described_from") or 1)
-            return
-        on_disk = self.pack_ids()
-        last = max(int(self.get_meta("last_pack") or 0), on_disk[-1] if on_disk else 0)
-        steps: list[tuple[str, Sequence[tuple]]] = [
-            ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("described_from", str(last + 1))]),
-            ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [("last_pack", str(last))]),
-        ]
-        if "chunks" in tables:
-            ends = dict(self.db.execute("SELECT pack, max(offset + length) FROM chunks GROUP BY pack"))
-            known = [(pack, ends.get(pack, 0)) for pack in sorted(set(on_disk) | set(ends))]
-            steps.append(("INSERT OR REPLACE INTO packs (pack, end) VALUES (?, ?)", known))
-            log.info("chunk map: %d legacy packs (no batch records) are known only to the map", len(on_disk))
-        self._commit(steps)
-        self.described_from = last + 1
-
-    # -- metadata ---------------------------------------------------------------------------
-
-    def get_meta(self, key: str) -> str | None:
-        with self._db_lock:
-            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else None
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self._db_lock:
-            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
-
-    # -- queries ----------------------------------------------------------------------------
-
-    def locate_many(self, ids: Iterable[bytes]) -> dict[bytes, Location]:
-        wanted = list(dict.fromkeys(ids))
-        found: dict[bytes, Location] = {}
-        with self._db_lock:
-            for i in range(0, len(wanted), _SQL_BATCH):
-                part = wanted[i : i + _SQL_BATCH]
-                q = f"SELECT id, pack, offset, length, sum FROM chunks WHERE id IN ({','.join('?' * len(part))})"
-                for cid, pack, off, length, check in self.db.execute(q, part):
-                    found[cid] = Location(pack, off, length, check)
-        return found
-
-    def locate(self, cid: bytes) -> Location:
-        loc = self.locate_many([cid]).get(cid)
-        if loc is None:
-            raise ChunkMissing(cid.hex())
-        return loc
-
-    @staticmethod
-    def length_mismatch(index: Index, found: dict[bytes, Location]) -> str | None:
-        """How ``index`` disagrees with the map (``found``: its chunks located) about a chunk's
-        length, or None. Chunks the map lacks are not judged here (reading them fails with EIO)."""
-        for i, cid in enumerate(index.ids):
-            loc = found.get(cid)
-            if loc is not None and loc.length != index.length(i):
-                return f"chunk {i} ({cid.hex()}) is {index.length(i)} bytes in the index, {loc.length} in the map"
-        return None
-
     def pack_ids(self) -> list[int]:
         return self.layout.pack_ids()
-
-    def chunks_in_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
-        """(id, offset, length) of the mapped chunks of one pack, in pack order."""
-        with self._db_lock:
-            q = "SELECT id, offset, length FROM chunks WHERE pack = ? ORDER BY offset"
-            return self.db.execute(q, (pack,)).fetchall()
 
     def pack_path(self, pack: int) -> Path:
         return self.layout.pack_path(pack)
 
-    def stats(self) -> tuple[int, int]:
-        """(chunk count, stored chunk bytes) according to the map: counted once, then kept."""
-        known = self._map_stats
-        if known is not None:
-            return known
-        with self._db_lock:
-            if self._map_stats is None:
-                q = "SELECT count(*), coalesce(sum(length), 0) FROM chunks"
-                n, total = self.db.execute(q).fetchone()
-                self._map_stats = (n, total)
-            return self._map_stats
-
-    def cached_stats(self) -> tuple[int, int] | None:
-        """``stats`` if known, without waiting for any lock (a scrape must not queue behind saves)."""
-        return self._map_stats
-
-    def _count_rows(self, rows: int, length: int) -> None:
-        """Under ``_db_lock``, after a commit that added (or, negative, removed) rows."""
-        if self._map_stats is not None:
-            n, total = self._map_stats
-            self._map_stats = (n + rows, total + length)
-
-    # -- maintenance: GC, recovery, fsck ----------------------------------------------------
-
-    def chunk_lengths(self) -> dict[bytes, int]:
-        """Every mapped chunk id with its length."""
-        with self._db_lock:
-            return dict(self.db.execute("SELECT id, length FROM chunks"))
-
-    def pack_usage(self, packs: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
-        """pack -> (mapped chunks, mapped bytes, end of its last mapped chunk), for every mapped
-        pack or only ``packs`` (one covering-index range each, not a walk of the map)."""
-        if packs is None:
-            q = "SELECT pack, count(*), sum(length), max(offset + length) FROM chunks GROUP BY pack"
-            with self._db_lock:
-                return {pack: (n, total, end) for pack, n, total, end in self.db.execute(q)}
-        out = {}
-        q = "SELECT count(*), coalesce(sum(length), 0), coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
-        for pack in packs:
-            with self._db_lock:  # per pack: a save's map write waits for one range at most
-                n, total, end = self.db.execute(q, (pack,)).fetchone()
-            if n:
-                out[pack] = (n, total, end)
-        return out
+    # -- GC's bookkeeping -------------------------------------------------------------------
 
     def take_fresh(self) -> set[bytes] | None:
         """The ids mapped since the last call (None: too many to have kept; walk every stub)."""
@@ -308,102 +144,6 @@ class PackStore:
             if len(self._fresh) > FRESH_MAX:
                 self._fresh = None
 
-    def mapped_packs(self) -> list[int]:
-        """Packs some row points into: one index seek per pack, not a walk of every row."""
-        out: list[int] = []
-        q = "SELECT pack FROM chunks WHERE pack > ? ORDER BY pack LIMIT 1"
-        with self._db_lock:
-            while (row := self.db.execute(q, (out[-1] if out else -(1 << 62),)).fetchone()) is not None:
-                out.append(row[0])
-        return out
-
-    def set_clean_mark(self) -> None:
-        """At a clean unmount (every save finished, nothing in flight): the time, so the next mount
-        checks only the stubs changed since. Durable, like its removal."""
-        row = (_CLEAN, repr(time.time()))
-        self._commit([("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [row])], durable=True)
-
-    def take_clean_mark(self) -> float | None:
-        """When the last daemon unmounted cleanly (None: it did not); removes the mark (durably)."""
-        value = self.get_meta(_CLEAN)
-        if value is None:
-            return None
-        self._commit([("DELETE FROM meta WHERE key = ?", [(_CLEAN,)])], durable=True)
-        try:
-            return float(value)
-        except ValueError:
-            return None
-
-    def pack_ends(self) -> dict[int, int]:
-        """pack -> committed end: the map knows every batch before it (table ``packs``)."""
-        with self._db_lock:
-            return dict(self.db.execute("SELECT pack, end FROM packs"))
-
-    def _commit(self, steps: Sequence[tuple[str, Sequence[tuple]]], durable: bool = False) -> int:
-        """Run each (sql, rows) of ``steps`` in one transaction; returns the rows changed.
-
-        ``durable``: the commit itself is fsynced (WAL + synchronous=FULL), whatever the setting.
-        """
-        with self._db_lock:
-            self._check_db()
-            if durable and not self.durable:
-                self.db.execute("PRAGMA synchronous=FULL")
-            self.db.execute("BEGIN")
-            try:
-                changed = 0
-                for sql, params in steps:
-                    for row in params:
-                        changed += self.db.execute(sql, row).rowcount
-                self.db.execute("COMMIT")
-            except sqlite3.Error:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
-                raise
-            finally:
-                if durable and not self.durable:
-                    self.db.execute("PRAGMA synchronous=NORMAL")
-        return changed
-
-    def _check_db(self) -> None:
-        """Refuse to write into a map file that was deleted or replaced under us (EIO, logged once).
-
-        Writing on would commit rows nobody will read (a deleted file) or mix two maps; reopening
-        would need a rebuild while saves run. The packs describe every chunk written so far, so
-        the next mount rebuilds the map from them.
-        """
-        if self._db_lost is None:
-            now = _ident(self.db_path)
-            if now == self._db_ident:
-                return
-            self._db_lost = "was deleted" if now is None else "was replaced by another file"
-            log.error(
-                "%s %s while the store is in use: refusing to save (EIO) until the store is mounted again; "
-                "the packs describe every chunk written so far and the next mount rebuilds the map from them",
-                self.db_path,
-                self._db_lost,
-            )
-        raise OSError(errno.EIO, f"chunk map {self.db_path} {self._db_lost}; remount the store")
-
-    def delete_chunks(self, ids: Iterable[bytes]) -> int:
-        """Drop map rows (GC's sweep: call under ``lock``); the pack bytes become dead space."""
-        return len(self.drop_rows(ids))
-
-    def drop_rows(self, ids: Iterable[bytes]) -> list[tuple[int, int]]:
-        """``delete_chunks``, returning (pack, length) of each row deleted."""
-        with self._db_lock:
-            self._check_db()
-            self.db.execute("BEGIN")
-            try:
-                sql = "DELETE FROM chunks WHERE id = ? RETURNING pack, length"
-                rows = [row for cid in ids for row in self.db.execute(sql, (cid,))]
-                self.db.execute("COMMIT")
-            except sqlite3.Error:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
-                raise
-            self._count_rows(-len(rows), -sum(n for _, n in rows))
-        return rows
-
     def evict_chunks(self, ids: Sequence[bytes]) -> tuple[int, int]:
         """Drop the rows of ``ids`` that are not pinned (eviction: the chunks are safely in the
         shared tier); returns (rows dropped, their bytes). Call under ``lock`` after checking that no
@@ -416,8 +156,8 @@ class PackStore:
             if not drop:
                 return 0, 0
             found = self.locate_many(drop)
-            if self._pack_id is not None and any(loc.pack == self._pack_id for loc in found.values()):
-                self._close_pack()
+            if self._writer.pack is not None and any(loc.pack == self._writer.pack for loc in found.values()):
+                self._writer.close()
             n = self.delete_chunks(drop)
             self.drop_gen += 1
             return n, sum(loc.length for loc in found.values())
@@ -433,7 +173,7 @@ class PackStore:
         with self.lock:
             steps: list[tuple[str, Sequence[tuple[Any, ...]]]] = [
                 (sql, [(pack, off, cid, old_pack) for cid, pack, off in moves]),
-                (_UPSERT_END, [new_end]),
+                (UPSERT_END, [new_end]),
             ]
             return self._commit(steps, durable=True) - 1
 
@@ -448,29 +188,17 @@ class PackStore:
             (sql.format("IGNORE"), [r for r in rows if r[0] not in bad]),
         ]
         with self.lock:
-            added = self._commit([*steps, (_UPSERT_END, [(pack, end)])]) - 1
+            added = self._commit([*steps, (UPSERT_END, [(pack, end)])]) - 1
             self._note_fresh(r[0] for r in rows)  # adopted rows may name no snapshot: GC looks at them
             self._map_stats = None  # replaced rows change lengths: count again when asked
             return added
 
-    def forget_pack(self, pack: int) -> None:
-        """Drop the committed end of a pack that is gone."""
-        self._commit([("DELETE FROM packs WHERE pack = ?", [(pack,)])])
-
-    def rows_outside(self, pack: int, size: int) -> list[bytes]:
-        """Ids of the rows of ``pack`` that end past ``size`` bytes."""
-        with self._db_lock:
-            q = "SELECT id FROM chunks WHERE pack = ? AND offset + length > ?"
-            return [cid for (cid,) in self.db.execute(q, (pack, size))]
-
     def trim_pack(self, pack: int) -> int:
         """Cut the dead bytes after the last mapped chunk of a closed pack; returns the bytes cut."""
         with self.lock:
-            if pack == self._pack_id:
+            if pack == self._writer.pack:
                 return 0
-            with self._db_lock:
-                q = "SELECT coalesce(max(offset + length), 0) FROM chunks WHERE pack = ?"
-                (end,) = self.db.execute(q, (pack,)).fetchone()
+            end = self.mapped_end(pack)
             path = self.pack_path(pack)
             size = path.lstat().st_size
             if end == 0 or size <= end:
@@ -491,10 +219,8 @@ class PackStore:
         """Delete a pack no row points into (never the open one, never one the map does not know,
         e.g. a legacy pack after chunks.db was lost); False if it is kept."""
         with self.lock:
-            with self._db_lock:
-                used = self.db.execute("SELECT 1 FROM chunks WHERE pack = ? LIMIT 1", (pack,)).fetchone()
-                known = self.db.execute("SELECT 1 FROM packs WHERE pack = ?", (pack,)).fetchone()
-            if pack == self._pack_id or used or not known:
+            used, known = self.pack_state(pack)
+            if pack == self._writer.pack or used or not known:
                 return False
             self._check_db()
             with contextlib.suppress(FileNotFoundError):
@@ -537,7 +263,7 @@ class PackStore:
             try:
                 present = self.locate_many(cid for cid, _ in chunks)
             except sqlite3.Error as e:  # callers (the chunker thread) handle OSError only
-                raise _os_error(e) from e
+                raise os_error(e) from e
             new: dict[bytes, bytes | memoryview] = {}
             for cid, data in chunks:
                 if cid in present or cid in new:
@@ -545,83 +271,27 @@ class PackStore:
                 else:
                     new[cid] = data
             if new:
-                self._append_packed(new)
+                self._writer.append_fitting(list(new.items()), self._append_batch)
             return sum(len(d) for d in new.values())
 
-    def _append_packed(self, new: dict[bytes, bytes | memoryview]) -> None:
-        """Append a batch, starting a new pack whenever the next chunk would overflow ``pack_size``.
-
-        A backlog can make one batch many MiB; packs stay near their size, so GC can delete or
-        compact them piece by piece.
-        """
-        items = list(new.items())
-        i = 0
-        while i < len(items):
-            cost = BATCH_HEADER_SIZE + ENTRY_SIZE + len(items[i][1])
-            if self._pack_id is not None and self._pack_end + cost > self.pack_size:
-                self._close_pack()
-            _, _, end = self._open_pack()
-            room = self.pack_size - end - BATCH_HEADER_SIZE
-            group: dict[bytes, bytes | memoryview] = {}
-            size = 0
-            while i < len(items) and (not group or size + ENTRY_SIZE + len(items[i][1]) <= room):
-                group[items[i][0]] = items[i][1]
-                size += ENTRY_SIZE + len(items[i][1])
-                i += 1
-            self._append(group)
-
-    def _append(self, new: dict[bytes, bytes | memoryview]) -> None:
-        """Write one batch (record + chunks) at the pack's known end, then commit its rows."""
-        fd, pack, start = self._open_pack()
-        datas = list(new.values())
-        record = batch_record([(cid, len(data)) for cid, data in new.items()])
-        rows = []
-        off = start + len(record)
-        for cid, data in new.items():
-            rows.append((cid, pack, off, len(data), quick_sum(data)))
-            off += len(data)
+    def _append_batch(self, batch: Batch) -> None:
+        """The pack writer's commit of a saved batch: its rows (with their quick sums), then the
+        counters. A map failure is the OSError callers handle, so the writer cuts the batch off."""
+        rows = [
+            (cid, batch.pack, off, len(data), quick_sum(data))
+            for (cid, data), off in zip(batch.chunks, batch.offsets, strict=True)
+        ]
         try:
-            pwrite_all(fd, [record, *datas], start)
-            if self.durable:
-                os.fsync(fd)
-            self._insert_rows(rows, pack, off)
-        except (OSError, sqlite3.Error) as e:
-            # Nothing of this batch is in the map. The next batch is written at _pack_end again
-            # (explicit offsets), so even a failing truncate only leaves dead bytes behind it.
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)
-            if isinstance(e, sqlite3.Error):
-                raise _os_error(e) from e
-            raise
-        self._pack_end = off
-        self._unsynced.add(pack)
-        self.counters.add(chunks_written=len(rows), bytes_written=off - start - len(record))
-        if self._pack_end >= self.pack_size:
-            self._close_pack()
+            self._insert_rows(rows, batch.pack, batch.end)
+        except sqlite3.Error as e:
+            raise os_error(e) from e
+        self._unsynced.add(batch.pack)
+        self.counters.add(chunks_written=len(rows), bytes_written=sum(r[3] for r in rows))
 
     def _insert_rows(self, rows: list[tuple[bytes, int, int, int, bytes]], pack: int, end: int) -> None:
         """The batch's rows and the pack's new committed end, in one transaction."""
-        with self._db_lock:
-            self._check_db()
-            self.db.execute("BEGIN")
-            try:
-                sql = "INSERT OR REPLACE INTO chunks (id, pack, offset, length, sum) VALUES (?,?,?,?,?)"
-                self.db.executemany(sql, rows)
-                self.db.execute(_UPSERT_END, (pack, end))
-                self.db.execute("COMMIT")
-            except sqlite3.Error:
-                with contextlib.suppress(sqlite3.Error):
-                    self.db.execute("ROLLBACK")
-                raise
-            # put_many found none of these ids in the map under ``lock``: every row is new.
-            self._count_rows(len(rows), sum(r[3] for r in rows))
+        self._add_rows(rows, pack, end)  # put_many found none of these ids in the map under ``lock``
         self._note_fresh(r[0] for r in rows)
-
-    def _open_pack(self) -> tuple[int, int, int]:
-        if self._pack_id is None:
-            pack, fd = self.create_pack()
-            self._pack_id, self._pack_fd, self._pack_end = pack, fd, PACK_HEADER_SIZE
-        return self._pack_fd, self._pack_id, self._pack_end
 
     def create_pack(self) -> tuple[int, int]:
         """A new pack holding just its header (number, write fd), under a number never used before.
@@ -641,34 +311,21 @@ class PackStore:
                     ]
                 )
             except sqlite3.Error as e:
-                raise _os_error(e) from e
-            path = self.pack_path(pack)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                pwrite_all(fd, [pack_header()], 0)
-            except OSError:
-                os.close(fd)
-                os.unlink(path)
-                raise
-            return pack, fd
-
-    def _close_pack(self) -> None:
-        if self._pack_id is not None:
-            os.close(self._pack_fd)
-            self._pack_id, self._pack_fd, self._pack_end = None, -1, 0
+                raise os_error(e) from e
+            return pack, create_pack_file(self.pack_path(pack))
 
     @property
     def open_pack(self) -> int | None:
         """The pack new chunks go to; GC never touches it (it may ``seal`` it first)."""
-        return self._pack_id
+        return self._writer.pack
 
     def seal(self, pack: int) -> bool:
         """Stop appending to ``pack`` if it is still the open one: the next batch starts a new pack,
         and GC may delete, trim or compact this one like any other. False if it was not open."""
         with self.lock:  # appends hold it: none is writing to the fd being closed
-            if self._pack_id != pack:
+            if self._writer.pack != pack:
                 return False
-            self._close_pack()
+            self._writer.close()
             return True
 
     def sync(self) -> None:
@@ -678,8 +335,7 @@ class PackStore:
                 with contextlib.suppress(FileNotFoundError), self.pack_fd(pack) as fd:
                     os.fsync(fd)
             self._unsynced.clear()
-            with self._db_lock:
-                self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self.checkpoint_map()
             fsync_dir(self.packs_dir)
 
     # -- pins -------------------------------------------------------------------------------
@@ -760,11 +416,10 @@ class PackStore:
     def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
         """Fill ``out`` with the pack's bytes from ``offset``, ``piece`` bytes a read, yielding how
         many are in place after each: a reader may use a run's first chunks while the rest is still
-        on its way. The whole range is announced to the kernel first, so the disk streams it."""
+        on its way. No WILLNEED hint: the kernel's own read-ahead of sequential preads streams the
+        disk, and announcing a whole run first made cold reads slower, not faster."""
         length = len(out)
         with self.pack_fd(pack) as fd:
-            with contextlib.suppress(OSError):  # only a hint
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             done = 0
             if not length:
                 yield 0  # a run of empty chunks is in place at once
@@ -778,98 +433,9 @@ class PackStore:
 
     def close(self) -> None:
         with self.lock:
-            self._close_pack()
+            self._writer.close()
         with self._fd_lock:
             for entry in self._fds.values():
                 os.close(entry.fd)
             self._fds.clear()
-        with self._db_lock:
-            self.db.close()
-
-
-def pwrite_all(fd: int, datas: Sequence[bytes | memoryview], offset: int) -> None:
-    """Write ``datas`` at ``offset`` (never at the fd's position: a failed batch cannot shift the next)."""
-    for i in range(0, len(datas), _IOV_MAX):
-        part = datas[i : i + _IOV_MAX]
-        total = sum(len(d) for d in part)
-        written = os.pwritev(fd, part, offset)
-        if written < total:  # short write (rare on regular files): finish from a joined copy, or raise
-            rest = memoryview(b"".join(part))
-            while written < total:
-                written += os.pwrite(fd, rest[written:], offset + written)
-        offset += total
-
-
-def _ident(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _os_error(e: sqlite3.Error) -> OSError:
-    """A chunk-map failure as the OSError callers handle (a full disk stays ENOSPC)."""
-    full = "full" in str(e).lower()
-    return OSError(errno.ENOSPC if full else errno.EIO, f"chunk map: {e}")
-
-
-class MapReader:
-    """A read-only view of a store's chunk map, safe beside a running daemon (fsck, offline listings)."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    @classmethod
-    def open(cls, layout: Layout) -> MapReader:
-        if not layout.exists():
-            raise FileNotFoundError(errno.ENOENT, "no store here (no chunk map)", str(layout.db))
-        try:
-            db = sqlite3.connect(f"{layout.db.as_uri()}?mode=ro", uri=True)
-            db.execute("SELECT 1 FROM chunks LIMIT 1")
-        except sqlite3.Error as e:  # e.g. no permission for the WAL index of a root-owned store
-            raise OSError(errno.EIO, f"cannot read the chunk map {layout.db}: {e}") from None
-        return cls(db)
-
-    @classmethod
-    def open_or_empty(cls, layout: Layout) -> tuple[MapReader, str]:
-        """The map, or an empty one and the problem (missing or unreadable: the packs still tell)."""
-        path = layout.db
-        if path.exists():
-            db = sqlite3.connect(path)
-            try:
-                db.execute("SELECT count(*) FROM chunks").fetchone()
-                return cls(db), ""
-            except sqlite3.OperationalError as e:
-                if "no such table" not in str(e):
-                    db.close()
-                    raise
-                why = "has no chunk table"
-            except sqlite3.DatabaseError as e:
-                why = f"is unreadable ({e})"
-            db.close()
-        else:
-            why = "is missing"
-        empty = sqlite3.connect(":memory:")
-        empty.execute("CREATE TABLE chunks (id BLOB PRIMARY KEY, pack INTEGER, offset INTEGER, length INTEGER)")
-        return cls(empty), f"{path} {why}; --repair (or the next mount) rebuilds the map from the packs"
-
-    def rows(self) -> Iterator[tuple[bytes, int, int, int]]:
-        """(id, pack, offset, length) of every row, in pack order."""
-        yield from self.db.execute("SELECT id, pack, offset, length FROM chunks ORDER BY pack, offset")
-
-    def rows_of_pack(self, pack: int) -> list[tuple[bytes, int, int]]:
-        q = "SELECT id, offset, length FROM chunks WHERE pack = ? ORDER BY offset"
-        return self.db.execute(q, (pack,)).fetchall()
-
-    def locate(self, cid: bytes) -> Location | None:
-        row = self.db.execute("SELECT pack, offset, length FROM chunks WHERE id = ?", (cid,)).fetchone()
-        return Location(*row) if row else None
-
-    def stats(self) -> tuple[int, int]:
-        """(chunk count, stored chunk bytes)."""
-        n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
-        return n, total
-
-    def close(self) -> None:
-        self.db.close()
+        self.close_map()

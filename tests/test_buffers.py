@@ -39,3 +39,20 @@ def test_the_pool_keeps_no_more_than_its_capacity() -> None:
     assert pool.size == 8 * MiB and len(held) == 4
     small = pool.take(1000)  # small buffers are not pooled
     assert len(small) == 1000 and pool.size == 8 * MiB
+
+
+def test_a_pool_without_an_idle_buffer_asks_to_reclaim_one() -> None:
+    """When every buffer is busy and no new one fits in the capacity, the pool asks its reclaimer
+    (the kept decoded groups) to let one go and hands that one out. While a new one would fit once
+    idle buffers are dropped, kept groups are left alone."""
+    kept: list[np.ndarray] = []
+    pool = BufferPool(8 * MiB, reclaim=lambda: bool(kept) and kept.pop(0) is not None)
+    kept.append(pool.take(4 * MiB))  # held by a "kept group"
+    busy = pool.take(2 * MiB)
+    idle = pool.take(1 * MiB)
+    del idle
+    fresh = pool.take(2 * MiB)  # fits once the idle 1 MiB one is dropped: the kept group stays
+    assert kept and pool.size == 8 * MiB and pool.reused == 0
+    again = pool.take(3 * MiB)  # nothing idle, no room: the kept group lets its buffer go
+    assert not kept and pool.reused == 1 and not np.shares_memory(again, fresh)
+    assert len(busy) == 2 * MiB and len(again) == 3 * MiB

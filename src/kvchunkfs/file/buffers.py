@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
 _MIN = 1 << 20  # smaller buffers are cheap to fault: not pooled
+RECLAIMS = 8  # kept groups forgotten at most per take, to free a buffer that fits
 
 
 class BufferPool:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, reclaim: Callable[[], bool] | None = None) -> None:
         self.capacity = capacity  # bytes of idle and busy buffers the pool keeps
+        # Asked to let go of a buffer when none is idle (drop a kept decoded group); False: nothing left.
+        self.reclaim = reclaim
         self._bufs: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again (a metric for tests and profiles)
@@ -54,12 +58,18 @@ class BufferPool:
         (the pool follows the sizes restores really need)."""
         if n < _MIN or n > self.capacity:
             return np.empty(n, np.uint8)
-        with self._lock:
-            idle = self._idle()
-            fits = [i for i in idle if len(self._bufs[i]) >= n]
-            if fits:
-                self.reused += 1
-                return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]
+        for _ in range(RECLAIMS):
+            with self._lock:
+                idle = self._idle()
+                fits = [i for i in idle if len(self._bufs[i]) >= n]
+                if fits:
+                    self.reused += 1
+                    return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]
+                if self.size - sum(len(self._bufs[i]) for i in idle) + n <= self.capacity:
+                    break  # room for a new one once idle ones are dropped: keep the kept groups
+            # Outside the lock: the reclaimer takes its own.
+            if self.reclaim is None or not self.reclaim():
+                break
         fresh = np.empty(n, np.uint8)
         with self._lock:
             for i in sorted(self._idle(), key=lambda i: len(self._bufs[i])):

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
@@ -115,6 +117,7 @@ class FileContent:
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers)
+        self.buffers = buffers  # large joins of a save's batch go there (reused once unreferenced)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
@@ -376,6 +379,10 @@ class FileContent:
         there), as far as known without reading: the event loop's cached-read shortcut."""
         return self.groups.plain_range(self.index, offset, size)
 
+    @property
+    def _alloc(self) -> Callable[[int], np.ndarray] | None:
+        return self.buffers.take if self.buffers is not None else None
+
     def read_ahead_limit(self, end: int) -> int | None:
         """Where read-ahead past ``end`` must stop (see ``FileGroups.read_ahead_limit``)."""
         return self.groups.read_ahead_limit(self.index, end)
@@ -473,7 +480,7 @@ class FileContent:
         self._step("taken")
         # Outside the lock (joins copy megabytes), so FUSE writes can keep queueing meanwhile.
         # ``last`` is tentative: cut again with the next batch, since more bytes may follow.
-        chunks, last, state = cut_batch(self.chunker, state, Pieces(taken), prev, self.successors)
+        chunks, last, state = cut_batch(self.chunker, state, Pieces(taken, self._alloc), prev, self.successors)
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:

@@ -55,6 +55,7 @@ class Files:
         # put back (chunker relayout), in buffers faulted in once (file/buffers.py).
         self.buffers = BufferPool(s.cache_size // 2)
         self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
+        repo.chunker.alloc = self.buffers.take  # a save's groups are re-laid out there too
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         self.fetcher.buffers = self.buffers
@@ -68,7 +69,9 @@ class Files:
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
         # Groups of relayout files put back lately, for the next restore of the same snapshot.
-        self.decoded_groups = DecodedGroups(self.buffers.capacity // 2)  # its groups live in those buffers
+        # They live in the pool's buffers: the pool forgets the oldest when it needs a buffer.
+        self.decoded_groups = DecodedGroups(self.buffers.capacity)
+        self.buffers.reclaim = self.decoded_groups.drop_oldest
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)

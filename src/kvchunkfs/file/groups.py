@@ -69,6 +69,15 @@ class DecodedGroups:
                 _, old = self._lru.popitem(last=False)
                 self._size -= len(old.unpermute.data)
 
+    def drop_oldest(self) -> bool:
+        """Forget the least recently used group (the buffer pool needs its buffer); False if none."""
+        with self._lock:
+            if not self._lru:
+                return False
+            _, old = self._lru.popitem(last=False)
+            self._size -= len(old.unpermute.data)
+            return True
+
 
 class GroupDecode:
     """One stored group (chunker relayout) being put back in file order on a thread of its own,

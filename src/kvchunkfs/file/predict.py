@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, islice
+
+import numpy as np
 
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
@@ -29,6 +31,7 @@ START = b""  # the key of a file's first chunk
 PROBE = 16  # trailing bytes of a chunk kept to reject a wrong guess without hashing
 LIMIT = 1 << 17  # successors kept: 8 GiB of snapshots at 64 KiB chunks, ~24 MiB of memory
 WINDOW = 1 << 20  # after a miss, bytes cut before trying to predict again
+JOIN_POOLED = 1 << 20  # joins this large go into a pooled buffer when the batch has a pool
 
 Buffer = bytes | memoryview
 Chunks = list[tuple[bytes, Buffer]]
@@ -81,7 +84,10 @@ class Pieces:
     """The queued write buffers of a batch, read as one byte string; only what is asked is joined
     (a predicted chunk inside one buffer is a view of it: no copy)."""
 
-    def __init__(self, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+    def __init__(
+        self, pieces: Sequence[bytes | bytearray | memoryview], alloc: Callable[[int], np.ndarray] | None = None
+    ) -> None:
+        self.alloc = alloc  # where large joins go (a pool of reused buffers), else new bytes
         self.views = [memoryview(p) for p in pieces if len(p)]
         self.starts = [0, *accumulate(len(v) for v in self.views)]
         self.size = self.starts[-1]
@@ -101,7 +107,14 @@ class Pieces:
             i += 1
             parts.append(self.views[i][:left])
             left -= len(parts[-1])
-        return b"".join(parts)
+        if self.alloc is None or n < JOIN_POOLED:
+            return b"".join(parts)
+        out = self.alloc(n)
+        at = 0
+        for part in parts:
+            out[at : at + len(part)] = np.frombuffer(part, np.uint8)
+            at += len(part)
+        return out.data
 
 
 def cut_batch(

@@ -26,7 +26,10 @@ K/V bodies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from kvchunkfs.format import llama_state as ls
 from kvchunkfs.format import relayout
@@ -70,6 +73,9 @@ class Cutter:
         if kind not in KINDS:
             raise ValueError(f"unknown chunker {kind!r}")
         self.kind = kind
+        # Where a group's stored form is built (relayout saves): a daemon sets a pool of buffers
+        # faulted in once; None: a fresh array each time.
+        self.alloc: Callable[[int], np.ndarray] | None = None
         self.cdc = Chunker(chunk_min, chunk_avg, chunk_max)
         self.min, self.avg, self.max = chunk_min, chunk_avg, chunk_max
 
@@ -157,7 +163,8 @@ class Cutter:
         assert seg.end is not None and pos == seg.start
         top = base + len(view)
         if seg.end <= top:
-            stream = memoryview(relayout.to_stream(seg, view[seg.start - base : seg.end - base]))
+            room = self.alloc(seg.end - seg.start) if self.alloc is not None else None
+            stream = memoryview(relayout.to_stream(seg, view[seg.start - base : seg.end - base], room))
             rows = replace(seg, group=None)
             return self._cut_segment(rows, stream, seg.start, seg.start, True, out)
         if final:

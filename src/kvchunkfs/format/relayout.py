@@ -88,12 +88,12 @@ def _heads(g: Group) -> list[tuple[int, int, int]]:
     return out
 
 
-def _permute(seg: Segment, src: Buffer, back: bool) -> memoryview:
+def _permute(seg: Segment, src: Buffer, back: bool, out: np.ndarray | None = None) -> memoryview:
     g = seg.group
     assert g is not None
     heads, body = _parts(g)
     s = np.frombuffer(src, np.uint8)
-    o = np.empty(len(s), np.uint8)
+    o = out[: len(s)] if out is not None and len(out) >= len(s) else np.empty(len(s), np.uint8)
     stream, file = (s, o) if back else (o, s)
     records = stream[heads:].reshape(g.cells, g.count * g.width)
     for i, (hp, at, h) in enumerate(_heads(g)):
@@ -105,9 +105,10 @@ def _permute(seg: Segment, src: Buffer, back: bool) -> memoryview:
     return o.data
 
 
-def to_stream(seg: Segment, src: Buffer) -> memoryview:
-    """The stored form of a group's file bytes ``src`` (exactly ``seg.end - seg.start`` bytes)."""
-    return _permute(seg, src, back=False)
+def to_stream(seg: Segment, src: Buffer, out: np.ndarray | None = None) -> memoryview:
+    """The stored form of a group's file bytes ``src`` (exactly ``seg.end - seg.start`` bytes),
+    built in ``out`` if it is given and large enough."""
+    return _permute(seg, src, False, out)
 
 
 def to_file(seg: Segment, src: Buffer) -> memoryview:

@@ -97,6 +97,30 @@ def test_imports_follow_the_layers(name: str):
         assert (mine, theirs) not in SIBLINGS_APART, f"{name} imports {target}: {mine} and {theirs} stay apart"
 
 
+# What the FUSE layer may not reach past: stubs and store paths go through ``Repository`` (which
+# tells the catalog of each change), a file's write modes and thread hops through ``FileHandle``.
+FUSE_NEVER = {
+    "kvchunkfs.store.stubs": None,  # the whole module
+    "kvchunkfs.file.content": {"Action", "Mode"},
+    "kvchunkfs.file.reader": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in all_modules() if layer_of(n) == "fuse"))
+def test_the_fuse_layer_stays_thin(name: str):
+    tree = ast.parse(all_modules()[name].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                assert FUSE_NEVER.get(a.name, ()) is not None, f"{name} imports {a.name}"
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                assert FUSE_NEVER.get(full, ()) is not None, f"{name} imports {full}"
+                banned = FUSE_NEVER.get(node.module, ())
+                assert banned is not None and a.name not in banned, f"{name} imports {a.name} from {node.module}"
+
+
 def test_no_import_cycles():
     modules = all_modules()
     graph: dict[str, set[str]] = defaultdict(set)

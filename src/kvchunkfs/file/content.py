@@ -35,9 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from kvchunkfs.file.buffers import BufferPool
-from kvchunkfs.file.groups import DecodedGroups, FileGroups, ReadChunks
+from kvchunkfs.file.groups import DecodedGroups, FileGroups
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.file.queues import ByteQueue, ChunkPool
+from kvchunkfs.file.reader import ReadChunks
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 from kvchunkfs.format.index import Index

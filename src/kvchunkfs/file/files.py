@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.fetcher import ChunkCache, Cursor, Fetcher
+from kvchunkfs.file.fetcher import ChunkCache, Fetcher
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
 from kvchunkfs.file.queues import ChunkPool
@@ -31,30 +30,6 @@ from kvchunkfs.store.stubs import StubError
 log = logging.getLogger(__name__)
 
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
-
-
-class HandleReader:
-    """An open handle's reads: ``(index, offset, size) -> bytes``, and ``views`` (the same bytes
-    as the chunks' own buffers, for a group to be put back without joining it first)."""
-
-    def __init__(self, fetcher: Fetcher, cursor: Cursor | None) -> None:
-        self.fetcher, self.cursor = fetcher, cursor
-
-    def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
-        return self.fetcher.read(index, offset, size, self.cursor, ahead)
-
-    def views(self, index: Index, offset: int, size: int) -> list[memoryview]:
-        return self.fetcher.read_views(index, offset, size, self.cursor)
-
-    def stream(self, index: Index, offset: int, end: int) -> Iterator[memoryview]:
-        """``Fetcher.stream`` with the locations looked up at open."""
-        return self.fetcher.stream(index, offset, end, self.cursor.locations if self.cursor is not None else None)
-
-    def detached(self) -> HandleReader:
-        """The same reads through a cursor of their own (a decode ahead, on another thread): the
-        handle's stays where its reads left it; the chunk locations looked up at open are shared."""
-        locations = self.cursor.locations if self.cursor is not None else None
-        return HandleReader(self.fetcher, Cursor(locations=locations))
 
 
 @dataclass
@@ -121,10 +96,6 @@ class Files:
         """Fault in the restore buffers now (a daemon at mount): a restore soon after a restart
         does not wait for fresh memory."""
         self.buffers.reserve()
-
-    def read_with(self, cursor: Cursor) -> HandleReader:
-        """A chunk reader that keeps ``cursor``'s read-ahead going."""
-        return HandleReader(self.fetcher, cursor)
 
     def content(self, index: Index) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread)."""

@@ -13,22 +13,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
 
 from kvchunkfs.file.buffers import BufferPool
+from kvchunkfs.file.reader import HandleReader, ReadChunks
 from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.format.llama_state import Segment, State
 
 log = logging.getLogger(__name__)
-
-
-class ReadChunks(Protocol):
-    """Bytes ``[offset, offset + size)`` of the file ``index`` names, from its chunks as stored.
-    ``ahead``: the offset read-ahead stops at (None: the reader's own window), so reads around a
-    stored group leave the group's chunks to its decode, which streams them itself."""
-
-    def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes: ...
 
 
 LOOKAHEAD = 1 << 20  # a read parses this far past itself to know where the next group starts
@@ -104,8 +96,8 @@ class GroupDecode:
         g, u = self.seg, self.unpermute
         assert g.end is not None
         try:
-            stream = getattr(reader, "stream", None)  # files.HandleReader: chunks straight off the packs
-            fed = callable(stream)
+            stream = reader.stream if isinstance(reader, HandleReader) else None  # chunks straight off the packs
+            fed = stream is not None
             if fed:
                 for piece in stream(index, g.start, g.end):  # type: ignore[misc]
                     fed = u.feed([piece])
@@ -260,8 +252,8 @@ class FileGroups:
                     del decodes[start]
                 self._decodes = (index, decodes)
         if fresh:
-            detached = getattr(read_chunks, "detached", None)  # files.HandleReader: a cursor of its own
-            reader = detached() if detached else read_chunks
+            # A handle's reader: a cursor of its own, so the handle's read-ahead stays where it was.
+            reader = read_chunks.detached() if isinstance(read_chunks, HandleReader) else read_chunks
             args = (index, d, reader, key)
             threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
         return d

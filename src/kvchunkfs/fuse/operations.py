@@ -6,8 +6,10 @@ path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileConte
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
 copies, pinning, writing stubs) goes to worker threads, and the trio thread never waits on a lock
-that another thread holds across I/O (docs/design.md, "Concurrency"). A per-node trio lock keeps
-writes, truncates and commits of one file in arrival order. The save protocol itself is
+that another thread holds across I/O (docs/design.md, "Concurrency"). A handle's reads and writes
+are one call into its ``FileHandle`` (file/handle.py), which makes those hops; names and metadata
+change through ``Repository``, which tells the catalog. A per-node trio lock keeps writes,
+truncates and commits of one file in arrival order. The save protocol itself is
 ``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the rename, here, so that it is
 ordered with the renames and unlinks of the same files).
 """
@@ -30,12 +32,11 @@ from typing import Any, Protocol, TypeVar
 import pyfuse3
 import trio
 
-from kvchunkfs.file.content import Action, FileContent, Mode
-from kvchunkfs.file.fetcher import Cursor
+from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files
+from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import openers
-from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
 
@@ -66,7 +67,7 @@ class Node:
 @dataclass(eq=False)
 class Handle:
     node: Node
-    cursor: Cursor = field(default_factory=Cursor)
+    file: FileHandle  # its reads and writes
     writer: bool = False
     opener: int | None = None  # process that opened it for writing: its own last close commits (flush)
     restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
@@ -248,7 +249,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return node.last_stat
         try:
-            st = os.lstat(self.repo.path(node.path))
+            st = self.repo.lstat(node.path)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node.last_stat = st
@@ -270,7 +271,7 @@ class Operations(pyfuse3.Operations):
             if node.content is not None:
                 size = node.content.size
             else:
-                known = stubs.stub_size(self.repo.path(node.path)) if node.path is not None else None
+                known = self.repo.stub_size(node.path) if node.path is not None else None
                 size = known if known is not None else 0
                 if known is None:
                     log.warning("snapshot %s has no valid size attribute", node.path)
@@ -296,12 +297,12 @@ class Operations(pyfuse3.Operations):
         rel = self._child(parent_inode, name)
         await self._refresh_from_remote(rel)
         try:
-            st = os.lstat(self.repo.path(rel))
+            st = self.repo.lstat(rel)
         except FileNotFoundError:
             if not await self._from_remote(self.repo.remote, "lookup", rel):
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
             try:
-                st = os.lstat(self.repo.path(rel))
+                st = self.repo.lstat(rel)
             except OSError as e:  # gone again meanwhile
                 raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except OSError as e:
@@ -332,24 +333,22 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if fields.update_size:
             await self._truncate(node, attr.st_size)
-        path = self.repo.path(node.path) if node.path is not None else None
+        rel = node.path
         try:
-            # Never through a symlink: the daemon (root) would change its target, anywhere.
-            if path is not None and fields.update_mode:
-                _chmod_nofollow(path, stat.S_IMODE(attr.st_mode))
-            if path is not None and (fields.update_uid or fields.update_gid):
-                os.chown(
-                    path,
+            if rel is not None and fields.update_mode:
+                self.repo.set_mode(rel, stat.S_IMODE(attr.st_mode))
+            if rel is not None and (fields.update_uid or fields.update_gid):
+                self.repo.set_owner(
+                    rel,
                     attr.st_uid if fields.update_uid else -1,
                     attr.st_gid if fields.update_gid else -1,
-                    follow_symlinks=False,
                 )
-            if path is not None and (fields.update_atime or fields.update_mtime):
+            if rel is not None and (fields.update_atime or fields.update_mtime):
                 times = (
                     attr.st_atime_ns if fields.update_atime else None,
                     attr.st_mtime_ns if fields.update_mtime else None,
                 )
-                _set_times(path, *times)
+                self.repo.set_times(rel, *times)
                 if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
                     node.set_times = (*times, node.content.gen)
         except OSError as e:
@@ -373,9 +372,7 @@ class Operations(pyfuse3.Operations):
 
     async def _apply_truncate(self, content: FileContent, size: int) -> None:
         try:
-            if content.truncate(size) is Action.TO_STAGING:
-                await self._thread(content.to_staging)
-                content.truncate(size)
+            await truncate(content, size)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
             log.error("truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
@@ -395,13 +392,13 @@ class Operations(pyfuse3.Operations):
         if start_id == 0:  # once per listing: the bucket's entries this directory lacks
             await self._from_remote(self.repo.remote, "fill_dir", node.path)
         try:
-            names = _list_dir(self.repo.path(node.path))
+            names = self.repo.list_dir(node.path)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
             rel = f"{node.path}/{name}" if node.path else name
             try:
-                st = os.lstat(self.repo.path(rel))
+                st = self.repo.lstat(rel)
             except FileNotFoundError:
                 continue
             child = self._remember(rel, stat.S_ISDIR(st.st_mode))
@@ -419,10 +416,8 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         rel = self._child(parent_inode, name)
-        path = self.repo.path(rel)
         try:
-            os.mkdir(path, stat.S_IMODE(mode))
-            os.chown(path, ctx.uid, ctx.gid, follow_symlinks=False)
+            self.repo.mkdir(rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         await self._sync_dirs(rel)
@@ -469,7 +464,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         target = self.by_path.get(new)
         try:
-            if flags & pyfuse3.RENAME_NOREPLACE and os.path.lexists(self.repo.path(new)):
+            if flags & pyfuse3.RENAME_NOREPLACE and self.repo.exists(new):
                 raise pyfuse3.FUSEError(errno.EEXIST)
             if target is not None and target.content is not None:
                 target.last_stat = self._stat_node(target)
@@ -526,7 +521,7 @@ class Operations(pyfuse3.Operations):
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
                 return await self._thread(self.files.replacement, node.path)
             return await self._thread(self.files.load, node.path)
-        except (stubs.StubError, IndexFormatError, OSError) as e:
+        except (IndexFormatError, OSError) as e:  # OSError: a stub that is not a snapshot too (StubError)
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
                 return await self._thread(self.files.content, self.repo.empty_index())
@@ -588,9 +583,9 @@ class Operations(pyfuse3.Operations):
         opener = await self._thread(openers.task_group, ctx.pid) if writer and self.mountpoint else None
         fh = self._next_fh
         self._next_fh += 1
-        handle = self.handles[fh] = Handle(node, writer=writer, opener=opener)
-        if node.content is not None and node.content.mode is Mode.CLEAN:
-            handle.cursor.locations = node.content.locations  # looked up once, at load
+        assert node.content is not None
+        file = FileHandle(node.content, self.files.fetcher, node.lock, lambda: node.path)
+        self.handles[fh] = Handle(node, file, writer=writer, opener=opener)
         node.writers += writer
         return fh
 
@@ -612,25 +607,21 @@ class Operations(pyfuse3.Operations):
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
-            await self._thread(stubs.note_use, self.repo.path(node.path))
-            self.repo.touched(node.path)  # the catalog re-reads use_count/last_use
+            await self._thread(self.repo.note_use, node.path)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
-        index = self.repo.empty_index()
-        args = (self.repo.tmp, self.repo.path(rel), index, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        args = (rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         try:
             if self.repo.durable:  # the empty stub and its name survive a power cut once create returns
-                await self._thread(functools.partial(stubs.create_empty, *args, fsync=True))
-                await self._thread(self.repo.sync_dirs, rel)
+                await self._thread(self.repo.create, *args)
             else:
-                stubs.create_empty(*args)
+                self.repo.create(*args)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self.repo.touched(rel)
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = await self._new_handle(node, flags, ctx)
@@ -735,7 +726,7 @@ class Operations(pyfuse3.Operations):
         if times is None or times[2] != gen:
             return
         try:
-            _set_times(self.repo.path(rel), times[0], times[1])
+            self.repo.set_times(rel, times[0], times[1])
         except OSError as e:  # the save stands; only its times are the save's
             log.warning("times set on %s not kept: %s", rel, e)
 
@@ -752,43 +743,19 @@ class Operations(pyfuse3.Operations):
     # pyfuse3 replies with any buffer; its stub says bytes. A memoryview spares a copy.
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         handle = self.handles[fh]
-        content = handle.node.content
-        assert content is not None
-        cursor = handle.cursor
-        read_chunks = self.files.read_with(cursor)
         try:
-            if content.mode is Mode.CLEAN:  # a restore: prefetched chunks are answered right here
-                if content.plain_range(off, size):
-                    ahead = content.read_ahead_limit(off + size)
-                    data = self.files.fetcher.read_cached(content.index, off, size, cursor, ahead)
-                else:  # a re-laid-out group (chunker relayout): the one put back in file order
-                    data = content.decoded(off, size)
-                if data is not None:
-                    return data
-            return await self._thread(content.read, off, size, read_chunks)
+            return await handle.file.read(off, size)  # a restore's prefetched chunks: no thread hop
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("read of %s at %d failed: %s", handle.node.path, off, e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        node = self.handles[fh].node
-        content = node.content
-        assert content is not None
+        handle = self.handles[fh]
+        node = handle.node
         self.write_requests += 1
         self.write_bytes += len(buf)
         try:
-            async with node.lock:
-                while True:
-                    action = content.plan_write(off, len(buf))
-                    if action is Action.START_STREAM:
-                        await self._thread(content.start_stream)
-                    elif action is Action.TO_STAGING:
-                        log.info("%s: write at %d is not at the end, staging a copy", node.path, off)
-                        await self._thread(content.to_staging)
-                    elif content.write(off, buf):
-                        break
-            if content.backlogged():
-                await self._thread(content.wait_backlog)
+            await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("write to %s at %d failed: %s", node.path, off, e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
@@ -796,56 +763,37 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes ----------------------------------------------------------------
 
-    def _touched(self, inode: int) -> None:
-        path = self._node(inode).path
-        if path is not None:
-            self.repo.touched(path)
-
-    def _xattr_path(self, inode: int) -> str:
-        node = self._node(inode)
-        if node.path is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return str(self.repo.path(node.path))
+    def _path_of(self, inode: int) -> str | None:
+        """The node's path; None for an unlinked one or an unknown inode (the store answers ENOENT)."""
+        node = self.nodes.get(inode)
+        return node.path if node is not None else None
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         sname = os.fsdecode(name)
         if inode == pyfuse3.ROOT_INODE and sname == STATS_XATTR:
             return json.dumps(self.stats()).encode()
-        if not sname.startswith("user.") or sname in stubs.INTERNAL:
-            raise pyfuse3.FUSEError(errno.ENODATA)
         try:
-            return os.getxattr(self._xattr_path(inode), sname, follow_symlinks=False)
+            return self.repo.get_xattr(self._path_of(inode), sname)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        sname = os.fsdecode(name)
-        if not sname.startswith("user."):
-            raise pyfuse3.FUSEError(errno.ENOTSUP)
-        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
-            raise pyfuse3.FUSEError(errno.EPERM)
         try:
-            os.setxattr(self._xattr_path(inode), sname, value, follow_symlinks=False)
+            self.repo.set_xattr(self._path_of(inode), os.fsdecode(name), value)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self._touched(inode)
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         try:
-            names = os.listxattr(self._xattr_path(inode), follow_symlinks=False)
+            return [os.fsencode(n) for n in self.repo.list_xattrs(self._path_of(inode))]
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        return [os.fsencode(n) for n in names if n.startswith("user.") and n not in stubs.INTERNAL]
 
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        sname = os.fsdecode(name)
-        if sname in stubs.MANAGED or (sname.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(sname)):
-            raise pyfuse3.FUSEError(errno.EPERM)
         try:
-            os.removexattr(self._xattr_path(inode), sname, follow_symlinks=False)
+            self.repo.remove_xattr(self._path_of(inode), os.fsdecode(name))
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        self._touched(inode)
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -878,33 +826,3 @@ def _invalidate_entry(parent_ino: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent_ino, name)
     except OSError as e:  # the kernel does not know the name: nothing to drop
         log.debug("invalidating %r: %s", name, e)
-
-
-def _list_dir(path: os.PathLike[str]) -> list[str]:
-    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return sorted(os.listdir(fd))
-    finally:
-        os.close(fd)
-
-
-def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
-    """utime of the stub itself (never a symlink's target); None keeps that time."""
-    st = os.lstat(path)
-    os.utime(
-        path,
-        ns=(st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns),
-        follow_symlinks=False,
-    )
-
-
-def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
-    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
-            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
-        os.chmod(f"/proc/self/fd/{fd}", mode)
-    finally:
-        os.close(fd)

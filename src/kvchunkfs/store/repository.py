@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -117,6 +118,86 @@ class Repository:
     def read_index(self, rel: str) -> Index:
         """The index of an existing snapshot; StubError for a stub that is not one."""
         return stubs.read_index(self.path(rel))
+
+    def lstat(self, rel: str) -> os.stat_result:
+        """The stub's or directory's own status (a symlink's, not its target's)."""
+        return os.lstat(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        """Whether the name exists (a dangling symlink too)."""
+        return os.path.lexists(self.path(rel))
+
+    def stub_size(self, rel: str) -> int | None:
+        """The size of the snapshot's content (its stub's size attribute); None if it has no valid one."""
+        return stubs.stub_size(self.path(rel))
+
+    # -- names and metadata a client makes (through the mount) ---------------------------------
+    # Those that change what the catalog shows (a create, the use count, xattrs) tell the watchers
+    # themselves, so callers never have to remember to.
+
+    def create(self, rel: str, mode: int, uid: int, gid: int) -> None:
+        """A new empty snapshot at ``rel`` (EEXIST if the name exists), owned by ``uid``:``gid``.
+        With durability=fsync its stub and its name survive a power cut once this returns; only
+        then is it slow (fsyncs): call it in a thread."""
+        stubs.create_empty(self.tmp, self.path(rel), self.empty_index(), mode, uid, gid, fsync=self.durable)
+        if self.durable:
+            self.sync_dirs(rel)
+        self.touched(rel)
+
+    def mkdir(self, rel: str, mode: int, uid: int, gid: int) -> None:
+        path = self.path(rel)
+        os.mkdir(path, mode)
+        os.chown(path, uid, gid, follow_symlinks=False)
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Sorted names in the directory ``rel`` itself (a symlink put in its place is not followed)."""
+        return _list_dir(self.path(rel))
+
+    # Mode, owner and times: of the stub or directory itself, never through a symlink (the daemon,
+    # root, would change its target, anywhere). The catalog shows none of them: no watcher is told.
+
+    def set_mode(self, rel: str, mode: int) -> None:
+        _chmod_nofollow(self.path(rel), mode)
+
+    def set_owner(self, rel: str, uid: int, gid: int) -> None:
+        """-1 keeps that id."""
+        os.chown(self.path(rel), uid, gid, follow_symlinks=False)
+
+    def set_times(self, rel: str, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """None keeps that time."""
+        _set_times(self.path(rel), atime_ns, mtime_ns)
+
+    def note_use(self, rel: str) -> None:
+        """A restore of ``rel`` began: its use count and last use move (blocking: xattr writes)."""
+        stubs.note_use(self.path(rel))
+        self.touched(rel)  # the catalog re-reads use_count/last_use
+
+    # The user attributes of a snapshot as a client sees them: ``user.*`` only, never the internal
+    # ones; the managed ones read-only, and under user.kvcfs.* only labels settable. ``rel`` None:
+    # the file has no name any more (unlinked while open), ENOENT once the name is checked.
+
+    def get_xattr(self, rel: str | None, name: str) -> bytes:
+        if not name.startswith("user.") or name in stubs.INTERNAL:
+            raise OSError(errno.ENODATA, f"no attribute {name}")
+        return os.getxattr(self.path(_named(rel)), name, follow_symlinks=False)
+
+    def set_xattr(self, rel: str | None, name: str, value: bytes) -> None:
+        if not name.startswith("user."):
+            raise OSError(errno.ENOTSUP, f"only user.* attributes: {name}")
+        _check_settable(name)
+        rel = _named(rel)
+        os.setxattr(self.path(rel), name, value, follow_symlinks=False)
+        self.touched(rel)
+
+    def remove_xattr(self, rel: str | None, name: str) -> None:
+        _check_settable(name)
+        rel = _named(rel)
+        os.removexattr(self.path(rel), name, follow_symlinks=False)
+        self.touched(rel)
+
+    def list_xattrs(self, rel: str | None) -> list[str]:
+        names = os.listxattr(self.path(_named(rel)), follow_symlinks=False)
+        return [n for n in names if n.startswith("user.") and n not in stubs.INTERNAL]
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -333,6 +414,18 @@ def prev_rel(name: str) -> str | None:
     return rel if rel and prev_name(rel) == name else None
 
 
+def _named(rel: str | None) -> str:
+    if rel is None:
+        raise FileNotFoundError(errno.ENOENT, "the file has no name any more")
+    return rel
+
+
+def _check_settable(name: str) -> None:
+    """EPERM for an attribute the filesystem maintains or one under user.kvcfs.* that is not a label."""
+    if name in stubs.MANAGED or (name.startswith(stubs.XATTR_PREFIX) and not stubs.is_user_settable(name)):
+        raise PermissionError(errno.EPERM, f"{name} is not settable")
+
+
 def _fsync_stub(path: Path) -> None:
     """fsync the stub at ``path`` if it is a regular file (never through a symlink, never blocking on a FIFO)."""
     try:
@@ -351,3 +444,33 @@ def _is_file(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _list_dir(path: os.PathLike[str]) -> list[str]:
+    """Sorted names in the directory ``path`` itself (a symlink put in its place is not followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def _set_times(path: os.PathLike[str], atime_ns: int | None, mtime_ns: int | None) -> None:
+    """utime of the stub itself (never a symlink's target); None keeps that time."""
+    st = os.lstat(path)
+    os.utime(
+        path,
+        ns=(st.st_atime_ns if atime_ns is None else atime_ns, st.st_mtime_ns if mtime_ns is None else mtime_ns),
+        follow_symlinks=False,
+    )
+
+
+def _chmod_nofollow(path: os.PathLike[str], mode: int) -> None:
+    """chmod that never follows a symlink (Linux has no lchmod; this is what glibc's fchmodat does)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.EOPNOTSUPP, "a symlink has no mode of its own", os.fspath(path))
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)

@@ -1,0 +1,85 @@
+"""The async face of an open file: what the FUSE layer awaits for a handle's reads and writes.
+
+A ``FileHandle`` is one open handle over the file's shared ``FileContent``. It owns the steps the
+content's write modes need (``plan_write``: start the stream or copy to staging first, each in a
+worker thread), the wait for a chunker far behind, and the read fast path: on the event loop, a read
+whose bytes are cached, or already put back from a stored group (chunker relayout), is answered
+with no thread hop; anything else reads in a worker thread. No call here waits on the event loop
+for a lock another thread holds across I/O: the content's ``cond`` is never held across I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from kvchunkfs.file.content import Action, FileContent, Mode
+from kvchunkfs.file.fetcher import Cursor, Fetcher
+from kvchunkfs.file.reader import HandleReader
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def _thread(fn: Callable[..., T], *args: Any) -> T:
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+async def truncate(content: FileContent, size: int) -> None:
+    """Truncate ``content`` (its file's writes, truncates and commits ordered by the caller); a
+    truncate the content cannot apply in place first copies it to staging, in a worker thread."""
+    if content.truncate(size) is Action.TO_STAGING:
+        await _thread(content.to_staging)
+        content.truncate(size)
+
+
+class FileHandle:
+    """One open handle: its reads (with a read-ahead cursor of its own) and writes over the shared content."""
+
+    def __init__(self, content: FileContent, fetcher: Fetcher, lock: trio.Lock, name: Callable[[], str | None]) -> None:
+        self.content = content
+        self.fetcher = fetcher
+        self.lock = lock  # the file's, shared by its handles: its writes, truncates and commits in order
+        self.name = name  # the file's path now, for log lines
+        self.cursor = Cursor()  # this handle's read-ahead
+        if content.mode is Mode.CLEAN:
+            self.cursor.locations = content.locations  # looked up once, at load
+        self.reader = HandleReader(fetcher, self.cursor)
+
+    async def write(self, offset: int, data: bytes) -> None:
+        """Apply one write, in arrival order with the file's others; then, if the chunker is far
+        behind, wait for it (in a worker thread: the event loop goes on serving others)."""
+        content = self.content
+        async with self.lock:
+            while True:
+                action = content.plan_write(offset, len(data))
+                if action is Action.START_STREAM:
+                    await _thread(content.start_stream)
+                elif action is Action.TO_STAGING:
+                    log.info("%s: write at %d is not at the end, staging a copy", self.name(), offset)
+                    await _thread(content.to_staging)
+                elif content.write(offset, data):
+                    break
+        if content.backlogged():
+            await _thread(content.wait_backlog)
+
+    def read_ready(self, offset: int, size: int) -> bytes | memoryview | None:
+        """The bytes if they can be answered on the event loop (no wait, no lock held across I/O):
+        a restore's prefetched chunks, or a stored group's bytes already put back in file order."""
+        content = self.content
+        if content.mode is not Mode.CLEAN:
+            return None
+        if content.plain_range(offset, size):
+            ahead = content.read_ahead_limit(offset + size)
+            return self.fetcher.read_cached(content.index, offset, size, self.cursor, ahead)
+        return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
+
+    async def read(self, offset: int, size: int) -> bytes | memoryview:
+        data = self.read_ready(offset, size)
+        if data is not None:
+            return data
+        return await _thread(self.content.read, offset, size, self.reader)

@@ -67,6 +67,10 @@ class ChunkMap:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         self._db_lock = threading.Lock()  # sqlite3 connection is shared between threads
+        # Checkpoints go through a connection of their own: the WAL's and the map's fsyncs never
+        # hold ``_db_lock``, so an open's lookups do not wait for them.
+        self._ckpt_db: sqlite3.Connection | None = None
+        self._ckpt_lock = threading.Lock()
         # (rows, bytes) of the map, counted once and then kept up to date by every write; None:
         # count again. Read without a lock (metrics), written under _db_lock.
         self._map_stats: tuple[int, int] | None = None
@@ -329,11 +333,25 @@ class ChunkMap:
             self._count_rows(len(rows), sum(r[3] for r in rows))
 
     def checkpoint_map(self) -> None:
-        """Copy the WAL into the map file as far as no reader holds it back (PASSIVE)."""
-        with self._db_lock:
-            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        """Copy the WAL into the map file as far as no reader holds it back (PASSIVE). The WAL is
+        fsynced before and the map after (synchronous NORMAL on the checkpointing connection): every
+        row committed so far is durable when this returns. EIO if the map file was replaced."""
+        with self._ckpt_lock:
+            self._check_db()
+            try:
+                if self._ckpt_db is None:
+                    db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+                    db.execute("PRAGMA synchronous=NORMAL")
+                    self._ckpt_db = db
+                self._ckpt_db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error as e:
+                raise os_error(e) from e
 
     def close_map(self) -> None:
+        with self._ckpt_lock:
+            if self._ckpt_db is not None:
+                self._ckpt_db.close()
+                self._ckpt_db = None
         with self._db_lock:
             self.db.close()
 

@@ -329,14 +329,22 @@ class PackStore(ChunkMap):
             return True
 
     def sync(self) -> None:
-        """Make every chunk written so far durable (pack data, then the map)."""
+        """Make every chunk written so far durable (pack data, then the map). The fsyncs run
+        outside ``lock`` (opens and saves go on meanwhile): a pack written to while they run is
+        synced again next time."""
         with self.lock:
-            for pack in sorted(self._unsynced):
+            packs = sorted(self._unsynced)
+            self._unsynced.clear()
+        try:
+            for pack in packs:
                 with contextlib.suppress(FileNotFoundError), self.pack_fd(pack) as fd:
                     os.fsync(fd)
-            self._unsynced.clear()
             self.checkpoint_map()
             fsync_dir(self.packs_dir)
+        except BaseException:
+            with self.lock:
+                self._unsynced.update(packs)
+            raise
 
     # -- pins -------------------------------------------------------------------------------
 

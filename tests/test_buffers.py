@@ -26,11 +26,11 @@ def test_a_buffer_with_a_live_view_is_never_handed_out() -> None:
     assert bytes(view) == b"\x01" * 100
     del view, b
     gc.collect()
-    c = pool.take(3 * MiB)  # both idle now: the smaller that fits
-    d = pool.take(3 * MiB)  # the other one
-    assert pool.reused == 3
+    c = pool.take(3 * MiB)  # both idle now: the 5 MiB one (at most twice the size asked)
+    d = pool.take(3 * MiB)  # the 8 MiB one is too big for it: a new one, kept
+    assert pool.reused == 2 and pool.size == 16 * MiB
     assert len(c) == len(d) == 3 * MiB and not np.shares_memory(c, d)
-    assert pool.size == 13 * MiB
+    assert sorted(pool.sizes()) == [3 * MiB, 5 * MiB, 8 * MiB]
 
 
 def test_the_pool_keeps_no_more_than_its_capacity() -> None:
@@ -56,3 +56,11 @@ def test_a_pool_without_an_idle_buffer_asks_to_reclaim_one() -> None:
     again = pool.take(3 * MiB)  # nothing idle, no room: the kept group lets its buffer go
     assert not kept and pool.reused == 1 and not np.shares_memory(again, fresh)
     assert len(busy) == 2 * MiB and len(again) == 3 * MiB
+
+
+def test_a_mount_reserves_the_sizes_the_last_one_kept() -> None:
+    pool = BufferPool(16 * MiB)
+    pool.reserve([7 * MiB, 7 * MiB, 100, 9 * MiB])  # largest first, as far as they fit; tiny ones not pooled
+    assert pool.sizes() == [9 * MiB, 7 * MiB]
+    a, b = pool.take(6 * MiB), pool.take(5 * MiB)  # the 7 MiB one, then the 9 MiB one
+    assert pool.reused == 2 and not np.shares_memory(a, b)

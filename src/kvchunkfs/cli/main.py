@@ -96,6 +96,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     finally:
         if repo.remote is not None:
             repo.remote.close()
+        files.remember_buffers()
         files.close()
         if clean:
             _mark_clean(repo)

@@ -36,16 +36,26 @@ class BufferPool:
     def size(self) -> int:
         return sum(len(b) for b in self._bufs)
 
-    def reserve(self) -> None:
-        """Fault in buffers now (a daemon at mount, before the first restore waits for them): half
-        the capacity, a quarter, and so on down to ``_MIN``, twice the smallest."""
-        sizes, n = [], self.capacity // 2
-        while n >= _MIN:
-            sizes.append(n)
-            n //= 2
-        if sizes:
-            sizes.append(sizes[-1])
-        for n in sizes:
+    def sizes(self) -> list[int]:
+        """The sizes of the buffers kept: what the restores of this store needed (remembered
+        across restarts, so the next mount reserves them)."""
+        with self._lock:
+            return sorted((len(b) for b in self._bufs), reverse=True)
+
+    def reserve(self, sizes: list[int] | None = None) -> None:
+        """Fault in buffers now (a daemon at mount, before the first restore waits for them): of
+        ``sizes`` (those a previous mount kept), else half the capacity, a quarter, and so on down
+        to ``_MIN``, twice the smallest."""
+        if sizes is None:
+            sizes, n = [], self.capacity // 2
+            while n >= _MIN:
+                sizes.append(n)
+                n //= 2
+            if sizes:
+                sizes.append(sizes[-1])
+        for n in sorted(sizes, reverse=True):
+            if n < _MIN:
+                continue
             if self.size + n <= self.capacity:
                 buf = np.empty(n, np.uint8)
                 buf[::4096] = 0  # one write per page faults it in
@@ -61,7 +71,9 @@ class BufferPool:
         for _ in range(RECLAIMS):
             with self._lock:
                 idle = self._idle()
-                fits = [i for i in idle if len(self._bufs[i]) >= n]
+                # At most twice the size asked: a small group must not hold a big buffer that a
+                # big group will need (a new buffer of the right size is kept instead).
+                fits = [i for i in idle if n <= len(self._bufs[i]) <= 2 * n]
                 if fits:
                     self.reused += 1
                     return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]
@@ -72,7 +84,7 @@ class BufferPool:
                 break
         fresh = np.empty(n, np.uint8)
         with self._lock:
-            for i in sorted(self._idle(), key=lambda i: len(self._bufs[i])):
+            for i in sorted(self._idle(), key=lambda i: len(self._bufs[i])):  # smallest first
                 if self.size + n <= self.capacity:
                     break
                 self._bufs[i] = _GONE

@@ -7,8 +7,10 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from kvchunkfs.store.stubs import StubError
 
 log = logging.getLogger(__name__)
 
+BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
 
 
@@ -94,8 +97,20 @@ class Files:
 
     def reserve_buffers(self) -> None:
         """Fault in the restore buffers now (a daemon at mount): a restore soon after a restart
-        does not wait for fresh memory."""
-        self.buffers.reserve()
+        does not wait for fresh memory. Of the sizes the last mount kept (``close``), if known."""
+        try:
+            sizes = json.loads(self.repo.store.get_meta(BUFFER_SIZES_KEY) or "null")
+        except (OSError, ValueError, sqlite3.Error):
+            sizes = None
+        ok = isinstance(sizes, list) and all(isinstance(n, int) for n in sizes)
+        self.buffers.reserve(sizes if ok else None)
+
+    def remember_buffers(self) -> None:
+        """Note the sizes of the buffers kept, for the next mount's ``reserve_buffers`` (a hint)."""
+        try:
+            self.repo.store.set_meta(BUFFER_SIZES_KEY, json.dumps(self.buffers.sizes()))
+        except (OSError, sqlite3.Error) as e:
+            log.warning("could not note the restore buffers' sizes: %s", e)
 
     def content(self, index: Index) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread)."""

@@ -173,23 +173,6 @@ class Fetcher:
         self._advance(index, end, last, offset, cursor, ahead)
         return _assemble(index, offset, end, first, last, _results(waits))
 
-    def read_views(self, index: Index, offset: int, size: int, cursor: Cursor | None = None) -> list[memoryview]:
-        """``read`` as the chunks' own buffers (the first and last cut to the range), not joined."""
-        end = min(offset + size, index.size)
-        if offset >= end:
-            return []
-        first, last = index.find(offset), index.find(end - 1)
-        if cursor is not None:  # a large read (a whole group): its chunks by the workers, in runs
-            self._prefetch(index, first, end, cursor)
-        self._advance(index, end, last, offset, cursor)
-        ids = index.ids[first : last + 1]
-        datas = self.get_many(ids)
-        _check_lengths(index, first, datas)
-        views = _coalesced(self.cache.get_all(ids, count=False), datas)
-        views[-1] = views[-1][: len(views[-1]) - (index.ends[last] - end)]
-        views[0] = views[0][offset - index.start(first) :]
-        return views
-
     def stream(
         self, index: Index, offset: int, end: int, locations: dict[bytes, Location] | None = None
     ) -> Iterator[memoryview]:
@@ -553,23 +536,6 @@ def _span(located: Sequence[Located], head: int, length: int) -> memoryview | No
             return None
         pos += len(entry.data)
     return run.buf[start + head : start + head + length]
-
-
-def _coalesced(located: list[Located] | None, datas: Sequence[Buffer]) -> list[memoryview]:
-    """The chunks as views, neighbours that lie back to back in one run buffer as one view (a
-    restore's chunks usually do: they were saved, and are read, in order)."""
-    if located is None or any(e.data is not d for e, d in zip(located, datas, strict=True)):
-        return [memoryview(d) for d in datas]
-    out: list[memoryview] = []
-    run, start, pos = None, -1, -1
-    for e in located:
-        if run is not None and e.run is run and e.start == pos and start >= 0 and run.buf is not None:
-            pos += len(e.data)
-            out[-1] = run.buf[start:pos]
-            continue
-        out.append(memoryview(e.data))
-        run, start, pos = e.run, e.start, e.start + len(e.data)
-    return out
 
 
 def _check_lengths(index: Index, first: int, datas: Sequence[Buffer]) -> None:

@@ -25,17 +25,14 @@ class ReadChunks(Protocol):
 
 
 class HandleReader:
-    """An open handle's reads: ``(index, offset, size) -> bytes`` through its cursor, ``stream``
-    (a group's chunks in order, for its decode) and ``views`` (the chunks' own buffers)."""
+    """An open handle's reads: ``(index, offset, size) -> bytes`` through its cursor, and ``stream``
+    (a group's chunks in order, for its decode)."""
 
     def __init__(self, fetcher: Fetcher, cursor: Cursor | None) -> None:
         self.fetcher, self.cursor = fetcher, cursor
 
     def __call__(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size, self.cursor, ahead)
-
-    def views(self, index: Index, offset: int, size: int) -> list[memoryview]:
-        return self.fetcher.read_views(index, offset, size, self.cursor)
 
     def stream(self, index: Index, offset: int, end: int) -> Iterator[memoryview]:
         """``Fetcher.stream`` with the locations looked up at open."""

@@ -63,9 +63,10 @@ class BufferPool:
                     self._bufs.append(buf)
 
     def take(self, n: int) -> np.ndarray:
-        """An uninitialised ``n``-byte array: the smallest pooled buffer that fits and nothing else
-        refers to, else a new one, kept if the pool has room once idle smaller ones are dropped
-        (the pool follows the sizes restores really need)."""
+        """An uninitialised ``n``-byte array: the smallest pooled buffer nothing else refers to of
+        ``n`` to ``2 * n`` bytes, else a new one, kept if the pool has room once idle ones are
+        dropped or, failing that, the reclaimer let one go (the pool follows the sizes restores
+        really need)."""
         if n < _MIN or n > self.capacity:
             return np.empty(n, np.uint8)
         for _ in range(RECLAIMS):

@@ -180,9 +180,9 @@ class Fetcher:
         last cut to the range); each view is valid only until the next one is asked for.
 
         For a reader that copies every byte at once (a stored group being put back): cached chunks
-        are used, the others are read by the calling thread straight from their packs into one
-        reused buffer, never cached and never handed between threads. One sequential reader keeps
-        the disk streaming; no fresh buffer per run, no worker wakeups.
+        are used; the others are read straight from their packs by one worker, in order, into a
+        ring of reused buffers, and never cached. One sequential reader keeps the disk streaming;
+        no fresh buffer per run, no hand-off per chunk.
         """
         end = min(end, index.size)
         if offset >= end:
@@ -190,7 +190,7 @@ class Fetcher:
         first, last = index.find(offset), index.find(end - 1)
         ids = index.ids[first : last + 1]
         known = locations if locations is not None and all(c in locations for c in ids) else None
-        found = dict(known if known is not None else self.store.locate_many(ids))
+        found = known if known is not None else self.store.locate_many(ids)
         plan: list[tuple[int, int, int, Buffer | None]] = []  # (first chunk, count, bytes, cached data)
         i = first
         while i <= last:
@@ -259,8 +259,8 @@ class Fetcher:
                 return
 
     def _stream_read(self, index: Index, i: int, n: int, found: dict[bytes, Location], out: memoryview) -> memoryview:
-        """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; a pack
-        GC deleted meanwhile is looked up again once."""
+        """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; if GC
+        deleted the pack meanwhile, they are looked up again and read the usual way."""
         ids = index.ids[i : i + n]
         loc = found[ids[0]]
         try:
@@ -281,9 +281,7 @@ class Fetcher:
         for k, cid in enumerate(ids):
             c = found[cid]
             if self.verify and not _intact(cid, c, out[at : at + c.length]):
-                err = ChunkCorrupt(f"chunk {cid.hex()} in pack {c.pack} at {c.offset} fails its checksum")
-                log.error("%s", err)
-                raise err
+                raise _corrupt(cid, c)
             if c.length != index.length(i + k):
                 raise ChunkCorrupt(f"chunk {cid.hex()} is {c.length} bytes, the index says {index.length(i + k)}")
             at += c.length
@@ -459,9 +457,7 @@ class Fetcher:
             at = loc.offset - base
             piece = view[at : at + loc.length]
             if self.verify and not _intact(cid, loc, piece):
-                err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
-                log.error("%s", err)
-                self._fail(cid, futures[cid], err)
+                self._fail(cid, futures[cid], _corrupt(cid, loc))
                 continue
             good.append((cid, piece, at))
         return good
@@ -502,6 +498,13 @@ def _intact(cid: bytes, loc: Location, data: Buffer) -> bool:
     if loc.sum is not None:
         return quick_sum(data) == loc.sum
     return hashlib.sha256(data).digest() == cid
+
+
+def _corrupt(cid: bytes, loc: Location) -> ChunkCorrupt:
+    """The error of a chunk whose bytes fail their check, logged once here."""
+    err = ChunkCorrupt(f"chunk {cid.hex()} in pack {loc.pack} at {loc.offset} fails its checksum")
+    log.error("%s", err)
+    return err
 
 
 def _stream_run(index: Index, i: int, last: int, found: dict[bytes, Location], room: int) -> tuple[int, int]:

@@ -88,12 +88,17 @@ def _heads(g: Group) -> list[tuple[int, int, int]]:
     return out
 
 
+def _room(out: np.ndarray | None, n: int) -> np.ndarray:
+    """``n`` bytes of ``out`` if it is given and large enough, else a new (uninitialised) array."""
+    return out[:n] if out is not None and len(out) >= n else np.empty(n, np.uint8)
+
+
 def _permute(seg: Segment, src: Buffer, back: bool, out: np.ndarray | None = None) -> memoryview:
     g = seg.group
     assert g is not None
     heads, body = _parts(g)
     s = np.frombuffer(src, np.uint8)
-    o = out[: len(s)] if out is not None and len(out) >= len(s) else np.empty(len(s), np.uint8)
+    o = _room(out, len(s))
     stream, file = (s, o) if back else (o, s)
     records = stream[heads:].reshape(g.cells, g.count * g.width)
     for i, (hp, at, h) in enumerate(_heads(g)):
@@ -130,7 +135,7 @@ class Unpermute:
         self.heads, self.body = _parts(g)
         self.blocks = _heads(g)
         n = self.heads + g.count * self.body
-        self.out = out[:n] if out is not None and len(out) >= n else np.empty(n, np.uint8)
+        self.out = _room(out, n)
         self.data = self.out.data
         self._head = bytearray()
         self.cells = 0  # cells whose rows are in place in every block

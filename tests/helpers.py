@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
+from kvchunkfs.store.packs import PackStore
 
 
 def rand_bytes(n: int, seed: int) -> bytes:
@@ -111,3 +113,18 @@ def loop_beside(step: Callable[[], None], work: Callable[[], None]) -> list[Base
         stop.set()
         thread.join()
     return errors
+
+
+def stream_store(root: Path, sizes: list[int]) -> tuple[PackStore, Index, bytes]:
+    """A store holding one random chunk of each size, back to back in one pack, and the index
+    of a file made of them in order, with the file's bytes."""
+    store = PackStore(root)
+    chunks = []
+    for n in sizes:
+        data = os.urandom(n)
+        chunks.append((hashlib.sha256(data).digest(), data))
+    store.put_many(chunks, object())
+    index = Index(1, 1 << 20, 4 << 20)
+    for cid, data in chunks:
+        index.append(cid, len(data))
+    return store, index, b"".join(d for _, d in chunks)

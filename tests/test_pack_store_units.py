@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import stream_store
 
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
-from kvchunkfs.format.index import Index
 from kvchunkfs.maint import gc
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, quick_sum
@@ -140,20 +140,10 @@ def test_an_empty_chunk_is_read(tmp_path: Path) -> None:
     store.close()
 
 
-def _stream_store(tmp_path: Path, sizes: list[int]) -> tuple[PackStore, Index, bytes]:
-    store = PackStore(tmp_path)
-    chunks = [chunk(n, -1) for n in sizes]
-    store.put_many(chunks, object())
-    index = Index(1, 1 << 20, 4 << 20)
-    for cid, data in chunks:
-        index.append(cid, len(data))
-    return store, index, b"".join(d for _, d in chunks)
-
-
 def test_stream_gives_the_range_in_order_from_cache_and_packs(tmp_path: Path) -> None:
     """``stream`` (a group's chunks straight off the packs) yields exactly the range asked, cut at
     both ends, whatever mix of cached and uncached chunks and pieces larger than its buffer."""
-    store, index, whole = _stream_store(tmp_path, [300_000, 5_000, 2_500_000, 70_000, 900_000, 1])
+    store, index, whole = stream_store(tmp_path, [300_000, 5_000, 2_500_000, 70_000, 900_000, 1])
     fetcher = Fetcher(store, ChunkCache(64 << 20), workers=2, readahead=0)
     try:
         fetcher.get_many([index.ids[1], index.ids[4]])  # two of them cached
@@ -167,7 +157,7 @@ def test_stream_gives_the_range_in_order_from_cache_and_packs(tmp_path: Path) ->
 
 def test_stream_fails_a_changed_chunk(tmp_path: Path) -> None:
     """A chunk whose bytes changed on disk fails the stream with ChunkCorrupt, never wrong bytes."""
-    store, index, whole = _stream_store(tmp_path, [200_000, 200_000, 200_000])
+    store, index, whole = stream_store(tmp_path, [200_000, 200_000, 200_000])
     loc = store.locate_many([index.ids[1]])[index.ids[1]]
     with open(store.pack_path(loc.pack), "r+b") as f:
         f.seek(loc.offset + 7)

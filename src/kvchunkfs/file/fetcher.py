@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,6 +23,7 @@ import numpy as np
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkReader
+from kvchunkfs.store.direct import SLACK
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, quick_sum
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ Buffer = bytes | memoryview  # cached chunks are views into the run they were re
 RUN_MAX = 4 << 20  # largest run; big enough to stream, small enough to spread over workers
 READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed out as they land
 STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
-STREAM_RING = 3  # ... into this many buffers it reuses: two pieces ahead of its caller
+STREAM_READERS = 2  # ... by this many workers (reads in flight) ...
+STREAM_RING = STREAM_READERS + 2  # ... into this many buffers it reuses
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -180,9 +182,10 @@ class Fetcher:
         last cut to the range); each view is valid only until the next one is asked for.
 
         For a reader that copies every byte at once (a stored group being put back): cached chunks
-        are used; the others are read straight from their packs by one worker, in order, into a
-        ring of reused buffers, and never cached. One sequential reader keeps the disk streaming;
-        no fresh buffer per run, no hand-off per chunk.
+        are used; the others are read straight from their packs, a piece at a time in order, by
+        ``STREAM_READERS`` workers into a ring of reused buffers, and never cached. Cold pieces are
+        read with O_DIRECT (``PackStore.read_run_placed``), and two reads in flight keep the disk
+        busy while a piece is checked and handed over; no fresh buffer per run, no hand-off per chunk.
         """
         end = min(end, index.size)
         if offset >= end:
@@ -203,9 +206,10 @@ class Fetcher:
             plan.append((i, n, length, None))
             i += n
         self.cache.count(hits=sum(1 for p in plan if p[3] is not None))
-        # One worker reads the pieces in order (sequential preads: the kernel's read-ahead keeps
-        # the disk streaming) into a ring of buffers while the caller uses the one before.
-        room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)])
+        # A few workers read the pieces in order, each into a free buffer of a ring, while the
+        # caller uses the one before: direct reads are synchronous, so with one reader the disk
+        # would wait while it checks a piece and hands it over.
+        room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)]) + SLACK  # SLACK: direct reads
         whole = (
             self.buffers.take(room * STREAM_RING)
             if self.buffers is not None
@@ -214,60 +218,41 @@ class Fetcher:
         free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         for k in range(STREAM_RING):
             free.put(whole.data[k * room : (k + 1) * room])
-        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]] = queue.SimpleQueue()
-        stop = threading.Event()
-        if any(p[3] is None for p in plan):
-            self.pool.submit(self._stream_pieces, index, plan, found, free, ready, stop)
+        reads = _PieceReads([(j, n, length) for j, n, length, data in plan if data is None], free)
+        for _ in range(min(STREAM_READERS, len(reads.pieces))):
+            self.pool.submit(reads.work, lambda j, n, length, buf: self._stream_read(index, j, n, found, buf, length))
+        k = 0  # uncached pieces yielded so far
         try:
             for j, n, _length, data in plan:
+                buf = None
                 if data is not None:
-                    piece, buf = memoryview(data), None
+                    piece = memoryview(data)
                 else:
-                    buf, got = ready.get()
-                    if isinstance(got, BaseException):
-                        raise got
-                    piece = got
+                    buf, piece = reads.results[k].result()
+                    k += 1
                 lo = offset - index.start(j) if j == first else 0
                 hi = len(piece) - (index.ends[last] - end if j + n - 1 == last else 0)
                 yield piece[lo:hi]
                 if buf is not None:
                     free.put(buf)  # the caller asked for the next piece: it is done with this one
         finally:
-            stop.set()
-            free.put(whole.data[:0])  # wakes the reader if it waits for a buffer
+            reads.stop.set()
+            for _ in range(STREAM_READERS):
+                free.put(whole.data[:0])  # wakes readers waiting for a buffer
 
-    def _stream_pieces(
-        self,
-        index: Index,
-        plan: list[tuple[int, int, int, Buffer | None]],
-        found: dict[bytes, Location],
-        free: queue.SimpleQueue[memoryview],
-        ready: queue.SimpleQueue[tuple[memoryview, memoryview | BaseException]],
-        stop: threading.Event,
-    ) -> None:
-        """``stream``'s reader (a worker): its uncached pieces in order, each into a free buffer."""
-        for j, n, length, data in plan:
-            if data is not None:
-                continue
-            buf = free.get()
-            if stop.is_set():
-                return
-            try:
-                ready.put((buf, self._stream_read(index, j, n, found, buf[:length])))
-            except BaseException as e:  # handed to the caller, who raises it
-                ready.put((buf, e))
-                return
-
-    def _stream_read(self, index: Index, i: int, n: int, found: dict[bytes, Location], out: memoryview) -> memoryview:
-        """Chunks ``i .. i+n-1`` (back to back in one pack) read into ``out`` and checked; if GC
-        deleted the pack meanwhile, they are looked up again and read the usual way."""
+    def _stream_read(
+        self, index: Index, i: int, n: int, found: dict[bytes, Location], room: memoryview, length: int
+    ) -> memoryview:
+        """Chunks ``i .. i+n-1`` (back to back in one pack, ``length`` bytes) read into ``room`` and
+        checked; if GC deleted the pack meanwhile, they are looked up again and read the usual way."""
         ids = index.ids[i : i + n]
         loc = found[ids[0]]
+        out = room[:length]
         try:
-            for _ in self.store.read_run_into(loc.pack, loc.offset, out, len(out)):
-                pass
+            for view, _ in self.store.read_run_placed(loc.pack, loc.offset, length, room, length):
+                out = view  # one read: the run's bytes, wherever a direct read put them
         except FileNotFoundError:  # GC compacted the pack after the chunks were located
-            at = 0
+            out, at = room[:length], 0
             for data in self.get_many(ids):  # looked up again, read and checked the usual way
                 out[at : at + len(data)] = data
                 at += len(data)
@@ -426,12 +411,13 @@ class Fetcher:
         handed to their readers at once (a restore's first read waits for its chunk, not its run)."""
         start = run[0][1]
         length = run[-1][1].offset + run[-1][1].length - start.offset
-        view = np.empty(length, np.uint8).data  # not zeroed: every byte of it is read into
-        buffer = Run(length, view)
+        room = np.empty(length + SLACK, np.uint8).data  # not zeroed: every byte of it is read into
+        buffer = Run(length)
         i = 0  # the next chunk to check
         try:
             try:
-                for done in self.store.read_run_into(start.pack, start.offset, view, READ_PIECE):
+                for view, done in self.store.read_run_placed(start.pack, start.offset, length, room, READ_PIECE):
+                    buffer.buf = view
                     j = i
                     while j < len(run) and run[j][1].offset + run[j][1].length - start.offset <= done:
                         j += 1
@@ -490,6 +476,42 @@ class Fetcher:
             self._inflight.pop(cid, None)
         if not fut.done():
             fut.set_exception(err)
+
+
+class _PieceReads:
+    """``stream``'s readers: workers that take the uncached pieces in order, each read into a free
+    buffer of the ring, its result (buffer, bytes) or error in that piece's future.
+
+    A worker takes a free buffer before it takes a piece, so every piece taken has a buffer; the
+    caller waits only for the earliest piece not yet yielded, which is taken or next to be taken,
+    and a ring of ``STREAM_READERS + 2`` always has a buffer for it: no deadlock.
+    """
+
+    def __init__(self, pieces: list[tuple[int, int, int]], free: queue.SimpleQueue[memoryview]) -> None:
+        self.pieces = pieces  # (first chunk, count, bytes)
+        self.results: list[Future[tuple[memoryview, memoryview]]] = [Future() for _ in pieces]
+        self.free = free
+        self.stop = threading.Event()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def work(self, read: Callable[[int, int, int, memoryview], memoryview]) -> None:
+        while True:
+            buf = self.free.get()
+            if self.stop.is_set():
+                return
+            with self._lock:
+                k = self._next
+                if k >= len(self.pieces):
+                    self.free.put(buf)  # for another reader waiting for one, to see the end
+                    return
+                self._next += 1
+            j, n, length = self.pieces[k]
+            try:
+                self.results[k].set_result((buf, read(j, n, length, buf)))
+            except BaseException as e:  # handed to the caller, who raises it
+                self.results[k].set_exception(e)
+                return
 
 
 def _intact(cid: bytes, loc: Location, data: Buffer) -> bool:

@@ -226,12 +226,13 @@ class FileGroups:
 
     def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> memoryview:
         """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode has put them in
-        place (a thread per group; the next group is decoded ahead, at most one)."""
+        place (a thread per group). When reads reach ``g``, the next group's decode starts too: a
+        group is served only once all of it is in place (its first block needs every record), so
+        the next one is fetched and put back while this one waits and is served."""
         d = self._decode(index, g, read_chunks)
         if self._reading != g.start:
             self._reading = g.start
-            if d.finished:
-                self._decode_next(index, g, read_chunks)
+            self._decode_next(index, g, read_chunks)
         return d.wait(off, size)
 
     def _decode(self, index: Index, g: Segment, read_chunks: ReadChunks) -> GroupDecode:

@@ -806,6 +806,7 @@ class Operations(pyfuse3.Operations):
             "bytes_deduped": c.bytes_deduped,
             "pack_reads": c.pack_reads,
             "pack_bytes_read": c.pack_bytes_read,
+            "pack_direct_reads": c.direct_reads,
             "chunks_read": self.files.fetcher.chunks_read,
             "cache_hits": self.files.cache.hits,
             "cache_misses": self.files.cache.misses,

@@ -158,6 +158,7 @@ class StoreCollector(Collector):
         yield _gauge("kvcfs_dedup_ratio", "Chunk bytes written per new byte stored since start", ratio)
         yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)
         yield _counter("kvcfs_pack_read_bytes", "Bytes read from packs", c.pack_bytes_read)
+        yield _counter("kvcfs_pack_direct_reads", "Pack reads that bypassed the page cache (O_DIRECT)", c.direct_reads)
         yield _counter("kvcfs_chunks_read", "Chunks read from disk", self.files.fetcher.chunks_read)
         cache = self.files.cache
         yield _counter("kvcfs_readahead_cache_hits", "Chunk reads served by the read-ahead cache", cache.hits)

@@ -55,8 +55,12 @@ class ChunkReader(Protocol):
         """Where each of ``ids`` the map knows lies (ids it lacks are left out)."""
         ...
 
-    def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
-        """Fill ``out`` from ``pack`` at ``offset``, yielding how many bytes are in place after each read."""
+    def read_run_placed(
+        self, pack: int, offset: int, length: int, room: memoryview, piece: int
+    ) -> Iterator[tuple[memoryview, int]]:
+        """Read ``length`` bytes of ``pack`` at ``offset`` into ``room`` (``direct.SLACK`` bytes
+        larger lets cold bytes be read with O_DIRECT), yielding (the run's bytes, a view of
+        ``room``; how many are in place) after each read."""
         ...
 
     def get_many(self, ids: Sequence[bytes]) -> list[bytes]:

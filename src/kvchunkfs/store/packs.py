@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from kvchunkfs.store import direct
 from kvchunkfs.store.chunkmap import UPSERT_END, ChunkMap, ChunkMissing, Location, os_error
 from kvchunkfs.store.layout import Layout, fsync_dir
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described
@@ -69,6 +70,7 @@ class StoreCounters:
     bytes_deduped: int = 0
     pack_reads: int = 0
     pack_bytes_read: int = 0
+    direct_reads: int = 0  # pack reads that bypassed the page cache (O_DIRECT)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **amounts: int) -> None:
@@ -80,8 +82,15 @@ class StoreCounters:
 class _PackFd:
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.direct: int | None = None  # the pack's O_DIRECT fd, opened at its first cold read
+        self.direct_tried = False
         self.users = 0
         self.retired = False
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct is not None:
+            os.close(self.direct)
 
 
 class PackStore(ChunkMap):
@@ -99,6 +108,7 @@ class PackStore(ChunkMap):
         self._fd_lock = threading.Lock()
         self._fds: OrderedDict[int, _PackFd] = OrderedDict()  # least recently used first
         self.max_fds = max_fds
+        self.direct_reads = True  # cold pack bytes read with O_DIRECT (off once the file system refuses)
         super().__init__(self.layout.db, durable, self.pack_ids)
         self._writer = PackWriter(self.create_pack, pack_size, fsync=durable)  # the pack saves append to
         self._unsynced: set[int] = set()  # packs written since the last sync()
@@ -381,6 +391,11 @@ class PackStore(ChunkMap):
         At most ``max_fds`` are cached: opening one more closes the least recently used fd that
         no reader holds (a store has far more packs than a process may have fds).
         """
+        with self._pack_entry(pack) as entry:
+            yield entry.fd
+
+    @contextlib.contextmanager
+    def _pack_entry(self, pack: int) -> Iterator[_PackFd]:
         with self._fd_lock:
             entry = self._fds.get(pack)
             if entry is None:
@@ -391,18 +406,38 @@ class PackStore(ChunkMap):
             entry.users += 1
             self._evict_idle()
         try:
-            yield entry.fd
+            yield entry
         finally:
             with self._fd_lock:
                 entry.users -= 1
                 if entry.retired and entry.users == 0:
-                    os.close(entry.fd)
+                    entry.close()
+
+    def _direct_fd(self, pack: int, entry: _PackFd) -> int | None:
+        """``entry``'s O_DIRECT fd, opened once; None where direct reads are off or refused."""
+        if not self.direct_reads:
+            return None
+        with self._fd_lock:
+            if entry.direct_tried:
+                return entry.direct
+            entry.direct_tried = True
+        fd = direct.open_direct(self.pack_path(pack))
+        if fd is None:
+            log.info("%s refuses direct reads: reading packs through the page cache", self.packs_dir)
+            self.direct_reads = False
+        with self._fd_lock:
+            if entry.retired or entry.direct is not None:  # closed (or opened) meanwhile
+                if fd is not None:
+                    os.close(fd)
+                return entry.direct if not entry.retired else None
+            entry.direct = fd
+        return fd
 
     def _evict_idle(self) -> None:
         """Under ``_fd_lock``: close idle fds, oldest first, until the cache fits ``max_fds``."""
         excess = len(self._fds) - self.max_fds
         for pack in [p for p, e in self._fds.items() if e.users == 0][: max(0, excess)]:
-            os.close(self._fds.pop(pack).fd)
+            self._fds.pop(pack).close()
 
     def retire_pack(self, pack: int) -> None:
         """Forget the cached fd of a deleted pack; readers holding it finish first."""
@@ -411,7 +446,7 @@ class PackStore(ChunkMap):
             if entry is not None:
                 entry.retired = True
                 if entry.users == 0:
-                    os.close(entry.fd)
+                    entry.close()
 
     def read_run(self, pack: int, offset: int, length: int) -> bytes:
         with self.pack_fd(pack) as fd:
@@ -421,29 +456,66 @@ class PackStore(ChunkMap):
         self.counters.add(pack_reads=1, pack_bytes_read=length)
         return data
 
-    def read_run_into(self, pack: int, offset: int, out: memoryview, piece: int) -> Iterator[int]:
-        """Fill ``out`` with the pack's bytes from ``offset``, ``piece`` bytes a read, yielding how
-        many are in place after each: a reader may use a run's first chunks while the rest is still
-        on its way. No WILLNEED hint: the kernel's own read-ahead of sequential preads streams the
-        disk, and announcing a whole run first made cold reads slower, not faster."""
-        length = len(out)
-        with self.pack_fd(pack) as fd:
-            done = 0
+    def read_run_placed(
+        self, pack: int, offset: int, length: int, room: memoryview, piece: int
+    ) -> Iterator[tuple[memoryview, int]]:
+        """Read the pack's ``length`` bytes from ``offset`` into ``room`` (at least ``length +
+        direct.SLACK`` bytes for a direct read, else ``length``), ``piece`` bytes a read. Yields
+        (the run's bytes: a view of ``room``, how many of them are in place) after each read, so a
+        reader may use a run's first chunks while the rest is still on its way.
+
+        Bytes the page cache does not hold are read with O_DIRECT (``store/direct.py``); the rest
+        with plain preads, whose sequential pattern the kernel's read-ahead keeps streaming. No
+        WILLNEED hint: announcing a whole run first made cold reads slower, not faster."""
+        with self._pack_entry(pack) as entry:
+            fd = entry.fd
+            dfd = self._direct_fd(pack, entry) if length else None
+            at = direct.place(room, offset, length) if dfd is not None else None
+            out, done = (at.run if at is not None else room[:length]), 0
+            if at is not None and dfd is not None and not direct.resident(fd, offset, length):
+                try:
+                    for _, done in self._read_direct(dfd, pack, offset, length, at, piece):
+                        yield out, done
+                    self.counters.add(pack_reads=1, pack_bytes_read=length, direct_reads=1)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    log.warning("direct read of pack %d refused (%s): reading through the page cache", pack, e)
+                    self.direct_reads = False
+            # The rest the usual way, into the same view: readers may hold views of its first bytes.
             if not length:
-                yield 0  # a run of empty chunks is in place at once
+                yield out, 0  # a run of empty chunks is in place at once
             while done < length:
                 n = os.preadv(fd, [out[done : min(length, done + piece)]], offset + done)
                 if n <= 0:
                     raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {done}")
                 done += n
-                yield done
+                yield out, done
         self.counters.add(pack_reads=1, pack_bytes_read=length)
+
+    @staticmethod
+    def _read_direct(
+        fd: int, pack: int, offset: int, length: int, at: direct.Placement, piece: int
+    ) -> Iterator[tuple[memoryview, int]]:
+        """``read_run_placed``'s direct reads: the aligned span, whole blocks ``piece`` (rounded
+        up to a block) at a time; the last read may end short at the pack's end."""
+        step = max(direct.ALIGN, -(-piece // direct.ALIGN) * direct.ALIGN)
+        head = offset - at.start
+        got = 0  # bytes of the span in place
+        while head + length > got:
+            n = os.preadv(fd, [at.span[got : got + step]], at.start + got)
+            if n <= 0:
+                have = max(0, got - head)
+                raise OSError(errno.EIO, f"pack {pack} is short: wanted {length} bytes at {offset}, got {have}")
+            got += n
+            yield at.run, min(length, max(0, got - head))
 
     def close(self) -> None:
         with self.lock:
             self._writer.close()
         with self._fd_lock:
             for entry in self._fds.values():
-                os.close(entry.fd)
+                entry.close()
             self._fds.clear()
         self.close_map()

@@ -1,0 +1,176 @@
+"""Cold pack bytes are read with O_DIRECT (``store/direct.py``): the aligned span around a run lands
+in a buffer with slack, the run is the view at the right place; bytes the page cache holds are read
+the usual way; a file system that refuses direct I/O is read the usual way. Same bytes, same checks."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import stream_store
+
+from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.format.index import Index
+from kvchunkfs.store import direct
+from kvchunkfs.store.packs import ChunkCorrupt, PackStore
+
+SIZES = [300_000, 5_000, 2_500_000, 70_001, 900_000, 1, 4096, 123_457]
+
+
+def _store(root: Path) -> tuple[PackStore, Index, bytes]:
+    return stream_store(root, SIZES)
+
+
+def _read_all(store: PackStore, index: Index) -> bytes:
+    fetcher = _fetcher(store)
+    try:
+        return b"".join(bytes(v) for v in fetcher.stream(index, 0, index.size))
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def _evict(store: PackStore) -> None:
+    """Drop the packs' pages from the page cache (written back first: only clean pages go)."""
+    for path in store.packs_dir.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _fetcher(store: PackStore) -> Fetcher:
+    return Fetcher(store, ChunkCache(64 << 20), workers=4, readahead=0)
+
+
+def test_place_aligns_the_span_and_finds_the_run() -> None:
+    whole = np.empty(3 << 20, np.uint8)
+    for skew in (0, 1, 511, 4095):
+        room = whole.data[skew : skew + (1 << 20) + direct.SLACK]
+        for offset, length in [(0, 1), (1, 4095), (4095, 2), (4096, 4096), (123_457, 1 << 20), (8191, 0)]:
+            p = direct.place(room, offset, length)
+            assert p is not None
+            assert direct.address(p.span) % direct.ALIGN == 0
+            assert p.start % direct.ALIGN == 0 and len(p.span) % direct.ALIGN == 0
+            assert p.start <= offset and offset + length <= p.start + len(p.span)
+            assert len(p.run) == length
+            head = offset - p.start
+            assert direct.address(p.run) - direct.address(p.span) == head if length else True
+    assert direct.place(whole.data[: (1 << 20) + direct.ALIGN], 100, 1 << 20) is None  # no room for the span
+
+
+def test_resident_sees_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not direct.resident(fd, 10_000, 500_000)
+        os.pread(fd, 4096, 400_000)
+        assert direct.resident(fd, 10_000, 500_000)
+        assert not direct.resident(fd, 700_000, 100_000)
+    finally:
+        os.close(fd)
+
+
+def test_cold_runs_are_read_direct_and_give_the_same_bytes(tmp_path: Path) -> None:
+    store, index, whole = _store(tmp_path)
+    _evict(store)
+    fetcher = _fetcher(store)
+    try:
+        ranges = [(0, len(whole)), (1, len(whole) - 1), (299_999, 305_001), (310_000, 2_900_000)]
+        for lo, hi in ranges:
+            _evict(store)
+            got = b"".join(bytes(v) for v in fetcher.stream(index, lo, hi))
+            assert got == whole[lo:hi], (lo, hi)
+        assert store.counters.direct_reads > 0
+        _evict(store)
+        want = [whole[index.start(i) : index.ends[i]] for i in range(len(index))]
+        assert [bytes(b) for b in fetcher.get_many(index.ids)] == want
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def test_cached_pack_bytes_are_read_through_the_page_cache(tmp_path: Path) -> None:
+    store, index, whole = _store(tmp_path)  # just written: in the page cache
+    assert _read_all(store, index) == whole
+    assert store.counters.direct_reads == 0
+    assert store.counters.pack_reads > 0
+
+
+def test_a_changed_byte_fails_a_direct_read(tmp_path: Path) -> None:
+    store, index, whole = _store(tmp_path)
+    loc = store.locate_many([index.ids[2]])[index.ids[2]]
+    with open(store.pack_path(loc.pack), "r+b") as f:
+        f.seek(loc.offset + 1_000_003)
+        f.write(bytes([whole[index.start(2) + 1_000_003] ^ 0x01]))
+    _evict(store)
+    fetcher = _fetcher(store)
+    got = bytearray()
+    try:
+        with pytest.raises(ChunkCorrupt):
+            for view in fetcher.stream(index, 0, len(whole)):
+                got += view
+        assert bytes(got) == whole[: len(got)] and len(got) <= index.start(2)
+        assert store.counters.direct_reads > 0
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def test_no_direct_io_reads_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses O_DIRECT at open, or a device that refuses a direct read
+    (EINVAL), is read the usual way from then on, with the same bytes."""
+    store, index, whole = _store(tmp_path)
+    monkeypatch.setattr(direct, "open_direct", lambda path: None)
+    _evict(store)
+    assert _read_all(store, index) == whole
+    assert store.counters.direct_reads == 0 and not store.direct_reads
+
+    store, index, whole = _store(tmp_path / "b")
+
+    def refuse(*args: object) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(PackStore, "_read_direct", staticmethod(refuse))
+    _evict(store)
+    assert _read_all(store, index) == whole
+    assert store.counters.direct_reads == 0 and not store.direct_reads
+
+
+def test_a_direct_read_refused_midway_goes_on_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks handed out before a direct read was refused keep their bytes: the rest of the run
+    is read the usual way into the same view, not over it at another place."""
+    store, index, whole = _store(tmp_path)
+    real = PackStore._read_direct
+
+    def flaky(*args: object) -> object:
+        it = real(*args)  # type: ignore[arg-type]
+        yield next(it)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(PackStore, "_read_direct", staticmethod(flaky))
+    _evict(store)
+    fetcher = _fetcher(store)
+    try:
+        got = fetcher.get_many(index.ids)
+        assert [bytes(b) for b in got] == [whole[index.start(i) : index.ends[i]] for i in range(len(index))]
+        assert not store.direct_reads
+    finally:
+        fetcher.close()
+        store.close()
+
+
+def test_address_is_the_buffer_start() -> None:
+    a = np.zeros(10_000, np.uint8)
+    assert direct.address(a.data) == a.ctypes.data
+    assert direct.address(a.data[100:]) == a.ctypes.data + 100
+    assert ctypes.sizeof(ctypes.c_char) == 1

@@ -280,6 +280,34 @@ def test_a_group_being_put_back_is_ready_exactly_where_its_bytes_are(count, cell
     assert u.done and bytes(u.data) == src
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 40), st.booleans(), st.integers(0, 2**32))
+def test_the_cells_a_read_waits_for_are_the_ones_it_needs(count, cells, trans, seed):
+    """``cells_for`` (what a waiting reader tells the decode) is exact for plain rows: with that
+    many cells in place the range is ready, with one fewer it is not; transposed rows need all.
+    A reader woken too late would stall a restore, one told too few would be woken for nothing."""
+    width = 8
+    g = ls.Group(count, 16, width, 2 if trans else 0, cells)
+    size = 16 + count * (12 + cells * width)
+    seg = ls.Segment(0, size, 16 + 12 * count, count * width, 0, 0, g)
+    src = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
+    stored = bytes(relayout.to_stream(seg, src))
+    heads, rec = 16 + 12 * count, count * width
+    rng = random.Random(seed)
+    for _ in range(10):
+        off = rng.randrange(size)
+        n = rng.randrange(1, size - off + 1)
+        need = relayout.Unpermute(seg).cells_for(off, n)
+        assert 0 <= need <= cells
+        u = relayout.Unpermute(seg)
+        assert u.feed([memoryview(stored)[: heads + need * rec]])
+        assert u.ready(off, n)
+        if need and not trans:
+            short = relayout.Unpermute(seg)
+            assert short.feed([memoryview(stored)[: heads + (need - 1) * rec]])
+            assert not short.ready(off, n)
+
+
 def test_a_restore_soon_after_reuses_the_groups_put_back(kvfs):
     """Groups put back for one open are kept (by content) for the next: a second restore asks for
     none of its groups' chunks (only the headers, token ids and cell records outside them) and

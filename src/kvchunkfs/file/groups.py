@@ -91,6 +91,10 @@ class GroupDecode:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.finished = False
+        # Cells each waiting reader needs in place: a piece wakes readers only when the fewest
+        # needed are there (a restore's reads of a group's first block all wait for nearly every
+        # record, and waking each of them at every piece cost more than the decode).
+        self._needs: list[int] = []
 
     def run(self, index: Index, reader: ReadChunks) -> None:
         g, u = self.seg, self.unpermute
@@ -102,7 +106,8 @@ class GroupDecode:
                 for piece in stream(index, g.start, g.end):  # type: ignore[misc]
                     fed = u.feed([piece])
                     with self.cond:
-                        self.cond.notify_all()
+                        if self._needs and u.cells >= min(self._needs):
+                            self.cond.notify_all()
                     if not fed:
                         break
             if not fed or not u.done:  # records wider than a chunk: all at once
@@ -120,7 +125,13 @@ class GroupDecode:
         """Group-relative file bytes, once in place (reader threads only: this waits)."""
         u = self.unpermute
         with self.cond:
-            self.cond.wait_for(lambda: u.ready(off, size) or self.finished)
+            if not (u.ready(off, size) or self.finished):
+                need = u.cells_for(off, size)
+                self._needs.append(need)
+                try:
+                    self.cond.wait_for(lambda: u.ready(off, size) or self.finished)
+                finally:
+                    self._needs.remove(need)
         if not u.ready(off, size):
             raise self.error or OSError(errno.EIO, "a stored group could not be put back")
         return u.data[off : off + size]

@@ -175,6 +175,19 @@ class Unpermute:
         self._head = bytearray(self.heads)
         self.cells = self.g.cells
 
+    def cells_for(self, off: int, size: int) -> int:
+        """How many cells must be in place before group-relative ``[off, off + size)`` is (the
+        headers come with the first piece; transposed rows only once every cell is)."""
+        end, need = off + size, 0
+        for _hp, at, h in self.blocks:
+            rows, stop = at + h, at + h + self.body
+            if end <= rows or off >= stop:
+                continue
+            if self.g.el:
+                return self.g.cells
+            need = max(need, -(-(min(end, stop) - rows) // self.g.width))
+        return min(need, self.g.cells)
+
     def ready(self, off: int, size: int) -> bool:
         """Whether group-relative file bytes ``[off, off + size)`` are in place."""
         if self.done:

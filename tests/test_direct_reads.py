@@ -21,7 +21,10 @@ from kvchunkfs.store.packs import ChunkCorrupt, PackStore
 SIZES = [300_000, 5_000, 2_500_000, 70_001, 900_000, 1, 4096, 123_457]
 
 
-def _store(root: Path) -> tuple[PackStore, Index, bytes]:
+def _store(root: Path, direct_wanted: bool = True) -> tuple[PackStore, Index, bytes]:
+    """A store of chunks of ``SIZES``; skips a test about direct reads where they are off."""
+    if direct_wanted and direct.local_disk(root.parent) is None:
+        pytest.skip(f"{root.parent} is not on a local disk's file system: no direct reads there")
     return stream_store(root, SIZES)
 
 
@@ -100,7 +103,7 @@ def test_cold_runs_are_read_direct_and_give_the_same_bytes(tmp_path: Path) -> No
 
 
 def test_cached_pack_bytes_are_read_through_the_page_cache(tmp_path: Path) -> None:
-    store, index, whole = _store(tmp_path)  # just written: in the page cache
+    store, index, whole = _store(tmp_path, direct_wanted=False)  # just written: in the page cache
     assert _read_all(store, index) == whole
     assert store.counters.direct_reads == 0
     assert store.counters.pack_reads > 0
@@ -166,6 +169,17 @@ def test_a_direct_read_refused_midway_goes_on_in_place(tmp_path: Path, monkeypat
         assert not store.direct_reads
     finally:
         fetcher.close()
+        store.close()
+
+
+def test_direct_reads_only_on_a_local_disk(tmp_path: Path) -> None:
+    """Network, FUSE and memory file systems are read the usual way (a direct read there is a
+    round trip, or passed on to a backing file that may refuse it)."""
+    assert direct.local_disk("/proc") is None
+    store = PackStore(tmp_path / "s")
+    try:
+        assert store.direct_reads == (direct.local_disk(tmp_path) is not None)
+    finally:
         store.close()
 
 

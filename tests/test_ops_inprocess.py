@@ -369,3 +369,131 @@ def test_an_o_trunc_open_does_not_read_the_old_snapshot(tmp_path: Path):
         assert os.getxattr(stub, "user.kvcfs.label.k") == b"v"
 
     run(tmp_path, test)
+
+
+# -- a rename that waits in the file system -----------------------------------------------------
+
+
+def test_a_slow_rename_stalls_only_its_own_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A rename waiting in the file system (its journal behind another's fsyncs) runs in a thread:
+    reads and stats of other files are answered meanwhile; a stat, an open and the save of the
+    renamed file itself wait for it and then see the new name, never the old path half-gone."""
+    data, other = rand_bytes(300_000, 21), rand_bytes(300_000, 22)
+    gate = threading.Event()
+    entered = threading.Event()
+
+    async def test(h: Harness) -> None:
+        ino = await h.create("a.tmp", data)
+        ino_b = await h.create("b", other)
+        info_b = await h.ops.open(ino_b, os.O_RDONLY, CTX)
+        assert bytes(await h.ops.read(info_b.fh, 0, MiB)) == other
+        real = h.repo.rename
+
+        def slow_rename(old: str, new: str) -> None:
+            entered.set()
+            assert gate.wait(30), "the test never let the rename go on"
+            real(old, new)
+
+        monkeypatch.setattr(h.repo, "rename", slow_rename)
+        seen: dict[str, object] = {}
+        async with trio.open_nursery() as n:
+            n.start_soon(h.ops.rename, pyfuse3.ROOT_INODE, b"a.tmp", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+            await trio.to_thread.run_sync(entered.wait)
+
+            async def stat_renamed() -> None:
+                seen["size"] = (await h.ops.getattr(ino)).st_size
+
+            async def open_renamed() -> None:
+                fh = (await h.ops.open(ino, os.O_RDONLY, CTX)).fh
+                seen["bytes"] = bytes(await h.ops.read(fh, 0, MiB))
+                await h.ops.release(fh)
+
+            n.start_soon(stat_renamed)
+            n.start_soon(open_renamed)
+            # Meanwhile the loop answers the other file (with the old code the rename blocked it).
+            with trio.fail_after(10):
+                assert bytes(await h.ops.read(info_b.fh, 0, MiB)) == other
+                assert (await h.ops.getattr(ino_b)).st_size == len(other)
+            await trio.sleep(0.05)
+            assert not seen, "a call on the file being renamed did not wait for the rename"
+            gate.set()
+        assert seen == {"size": len(data), "bytes": data}
+        assert h.ops.nodes[ino].path == "a" and h.repo.exists("a") and not h.repo.exists("a.tmp")
+        await h.ops.release(info_b.fh)
+
+    run(tmp_path, test)
+
+
+def test_a_path_gate_orders_changes_and_uses():
+    """``PathGate``: a change waits for the users in flight, users arriving meanwhile wait behind
+    it, and a change cancelled while it waits lets them go on."""
+    from kvchunkfs.fuse.gate import PathGate
+
+    async def hold_use(g: PathGate, log: list[str], name: str, inside: trio.Event, leave: trio.Event) -> None:
+        async with g.use():
+            log.append(f"{name} in")
+            inside.set()
+            await leave.wait()
+            log.append(f"{name} out")
+
+    async def line_up(
+        n: trio.Nursery,
+        g: PathGate,
+        log: list[str],
+        inside: trio.Event,
+        leave: trio.Event,
+        changer: Callable[[], Awaitable[None]],
+        late: Callable[[], Awaitable[None]],
+    ) -> None:
+        """A user holding the path, then a change, then a later user (each a task of ``n``)."""
+        n.start_soon(hold_use, g, log, "u1", inside, leave)
+        await inside.wait()
+        n.start_soon(changer)
+        await trio.sleep(0.01)
+        n.start_soon(late)
+        await trio.sleep(0.01)
+
+    async def ordered() -> None:
+        g, log = PathGate(), []
+        inside, leave = trio.Event(), trio.Event()
+
+        async def change() -> None:
+            async with g.change():
+                log.append("change")
+                await trio.sleep(0.01)
+
+        async def user() -> None:
+            async with g.use():
+                log.append("u2")
+
+        async with trio.open_nursery() as n:
+            await line_up(n, g, log, inside, leave, change, user)
+            assert log == ["u1 in"], log  # the change waits for u1; u2 waits behind the change
+            leave.set()
+        assert log == ["u1 in", "u1 out", "change", "u2"], log
+
+    async def cancelled() -> None:
+        g, log = PathGate(), []
+        inside, leave, passed = trio.Event(), trio.Event(), trio.Event()
+        scope = trio.CancelScope()
+
+        async def doomed_change() -> None:
+            with scope:
+                async with g.change():
+                    raise AssertionError("a change ran while a user held the path")
+
+        async def late_user() -> None:
+            await g.settled()
+            passed.set()
+
+        async with trio.open_nursery() as n:
+            await line_up(n, g, log, inside, leave, doomed_change, late_user)
+            assert not passed.is_set()  # behind the waiting change
+            scope.cancel()
+            with trio.fail_after(5):
+                await passed.wait()  # the cancelled change holds it back no longer
+            leave.set()
+        assert not g.moving and g.waiting == 0 and g.users == 0
+
+    trio.run(ordered)
+    trio.run(cancelled)

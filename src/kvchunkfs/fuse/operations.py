@@ -10,8 +10,9 @@ that another thread holds across I/O (docs/design.md, "Concurrency"). A handle's
 are one call into its ``FileHandle`` (file/handle.py), which makes those hops; names and metadata
 change through ``Repository``, which tells the catalog. A per-node trio lock keeps writes,
 truncates and commits of one file in arrival order. The save protocol itself is
-``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the rename, here, so that it is
-ordered with the renames and unlinks of the same files).
+``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the stub's install, here, once no
+rename of the file is in flight). Creates, unlinks and file renames run in threads (the file
+system's journal may hold them), each node's path gated meanwhile (fuse/gate.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -37,6 +39,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import openers
+from kvchunkfs.fuse.gate import PathGate
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
 
@@ -56,6 +59,7 @@ class Node:
     opens: int = 0
     content: FileContent | None = None
     lock: trio.Lock = field(default_factory=trio.Lock)
+    gate: PathGate = field(default_factory=PathGate)  # its stub renamed in a thread (fuse/gate.py)
     loading: trio.Event | None = None  # set while an open loads the content: later opens wait for it
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
@@ -295,6 +299,9 @@ class Operations(pyfuse3.Operations):
             parent = (node.path or "").rpartition("/")[0]
             return self._attrs(self.by_path.get(parent) or self.by_path[""])
         rel = self._child(parent_inode, name)
+        known = self.by_path.get(rel)
+        if known is not None:  # a revalidation may come in while the name's rename runs
+            await known.gate.settled()
         await self._refresh_from_remote(rel)
         try:
             st = self.repo.lstat(rel)
@@ -320,7 +327,9 @@ class Operations(pyfuse3.Operations):
                 self._maybe_drop(node)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
-        return self._attrs(self._node(inode))
+        node = self._node(inode)
+        await node.gate.settled()
+        return self._attrs(node)
 
     async def setattr(
         self,
@@ -333,6 +342,7 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if fields.update_size:
             await self._truncate(node, attr.st_size)
+        await node.gate.settled()
         rel = node.path
         try:
             if rel is not None and fields.update_mode:
@@ -440,14 +450,17 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent_inode, name)
         node = self.by_path.get(rel)
-        if node is not None and node.content is not None:
-            node.last_stat = self._stat_node(node)
-        try:
-            self.repo.unlink(rel)
-        except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        if node is not None:
-            self._detach(node)
+        async with AsyncExitStack() as stack:
+            if node is not None:
+                await stack.enter_async_context(node.gate.change())
+                if node.content is not None:
+                    node.last_stat = self._stat_node(node)
+            try:
+                await self._thread(self.repo.unlink, rel)  # a journal wait must not stall the loop
+            except OSError as e:
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            if node is not None:
+                self._detach(node)
         await self._sync_dirs(rel)
 
     async def rename(
@@ -462,18 +475,29 @@ class Operations(pyfuse3.Operations):
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
         if flags & ~pyfuse3.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
             raise pyfuse3.FUSEError(errno.EINVAL)
-        target = self.by_path.get(new)
-        try:
-            if flags & pyfuse3.RENAME_NOREPLACE and self.repo.exists(new):
-                raise pyfuse3.FUSEError(errno.EEXIST)
-            if target is not None and target.content is not None:
-                target.last_stat = self._stat_node(target)
-            self.repo.rename(old, new)
-        except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        if target is not None:
-            self._detach(target)
-        self._move(old, new)
+        source, target = self.by_path.get(old), self.by_path.get(new)
+        moved = [n for n in (source, target) if n is not None]
+        # A file's rename runs in a thread (it may wait in the file system's journal), its nodes'
+        # paths gated meanwhile; a directory's stays on this thread: every node under it moves.
+        in_thread = source is not None and not any(n.is_dir for n in moved)
+        async with AsyncExitStack() as stack:
+            if in_thread:
+                for n in sorted(moved, key=lambda n: n.ino):
+                    await stack.enter_async_context(n.gate.change())
+            try:
+                if flags & pyfuse3.RENAME_NOREPLACE and self.repo.exists(new):
+                    raise pyfuse3.FUSEError(errno.EEXIST)
+                if target is not None and target.content is not None:
+                    target.last_stat = self._stat_node(target)
+                if in_thread:
+                    await self._thread(self.repo.rename, old, new)
+                else:
+                    self.repo.rename(old, new)
+            except OSError as e:
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            if target is not None:
+                self._detach(target)
+            self._move(old, new)
         await self._sync_dirs(old, new)
 
     async def _sync_dirs(self, *rels: str) -> None:
@@ -542,7 +566,8 @@ class Operations(pyfuse3.Operations):
                     continue
                 node.loading = loaded = trio.Event()
                 try:
-                    content = await self._load(node, allow_broken)
+                    async with node.gate.use():  # the path read in a thread: no rename meanwhile
+                        content = await self._load(node, allow_broken)
                     node.content = content
                     self.open_files += 1
                     self.idle_gen += 1
@@ -607,7 +632,9 @@ class Operations(pyfuse3.Operations):
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
-            await self._thread(self.repo.note_use, node.path)
+            async with node.gate.use():
+                if node.path is not None:
+                    await self._thread(self.repo.note_use, node.path)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
@@ -615,11 +642,8 @@ class Operations(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
         args = (rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        try:
-            if self.repo.durable:  # the empty stub and its name survive a power cut once create returns
-                await self._thread(self.repo.create, *args)
-            else:
-                self.repo.create(*args)
+        try:  # in a thread: a create may wait in the file system's journal (durable: and its fsyncs)
+            await self._thread(self.repo.create, *args)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, False)
@@ -699,6 +723,7 @@ class Operations(pyfuse3.Operations):
             start = time.monotonic()
             try:
                 pending = await self._thread(self.files.prepare_save, content, node.path, durable)
+                await node.gate.settled()  # no rename of it in flight, and none starts before the install
                 rel = node.path  # read at rename time: a rename of the open file meanwhile is honoured
                 if not self.files.finish_save(pending, rel):
                     return  # unlinked while open: nothing to save

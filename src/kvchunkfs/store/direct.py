@@ -11,6 +11,10 @@ logical block; ``ALIGN`` (4 KiB) covers every common device. A run of chunks sta
 its pack, so it is read as the aligned span around it into a buffer with ``SLACK`` bytes to spare,
 and the run's bytes are the view of that span at the right place (``Placement``).
 
+Only file systems on a local disk are read this way (``local_disk``): on a network or FUSE file
+system a direct read is a round trip per read, and some pass the flag on to a backing file they
+cannot read with it.
+
 Bytes the page cache already holds (a pack just written, dirty or not; one read lately) are read
 the usual way: a direct read of dirty pages would first wait for their writeback. ``resident``
 asks the kernel (``mincore``) whether any page of a range is in memory.
@@ -35,6 +39,25 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PAGE = mmap.PAGESIZE
+
+
+# statfs f_type of file systems on a local block device, where direct reads pay off.
+LOCAL_DISK = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0xF2F52010: "f2fs"}
+
+
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+
+
+_libc.statfs.argtypes = (ctypes.c_char_p, ctypes.POINTER(_Statfs))
+
+
+def local_disk(path: os.PathLike[str] | str) -> str | None:
+    """The name of ``path``'s file system if it lies on a local disk (direct reads pay off), else None."""
+    buf = _Statfs()
+    if _libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        return None
+    return LOCAL_DISK.get(buf.f_type & 0xFFFFFFFF)
 
 
 class Placement(NamedTuple):

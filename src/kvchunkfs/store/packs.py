@@ -108,7 +108,8 @@ class PackStore(ChunkMap):
         self._fd_lock = threading.Lock()
         self._fds: OrderedDict[int, _PackFd] = OrderedDict()  # least recently used first
         self.max_fds = max_fds
-        self.direct_reads = True  # cold pack bytes read with O_DIRECT (off once the file system refuses)
+        # Cold pack bytes read with O_DIRECT on a local disk's file system (off if it refuses).
+        self.direct_reads = direct.local_disk(self.packs_dir) is not None
         super().__init__(self.layout.db, durable, self.pack_ids)
         self._writer = PackWriter(self.create_pack, pack_size, fsync=durable)  # the pack saves append to
         self._unsynced: set[int] = set()  # packs written since the last sync()

@@ -424,6 +424,19 @@ def test_a_slow_rename_stalls_only_its_own_file(tmp_path: Path, monkeypatch: pyt
     run(tmp_path, test)
 
 
+def test_a_rename_onto_itself_returns(tmp_path: Path):
+    """A name renamed onto itself is a no-op (POSIX), not the node detached from its own name, nor
+    a gate changed twice over (the second change would wait for the first forever)."""
+
+    async def test(h: Harness) -> None:
+        ino = await h.create("a", b"x" * 1000)
+        with trio.fail_after(10):
+            await h.ops.rename(pyfuse3.ROOT_INODE, b"a", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+        assert h.repo.exists("a") and (await h.ops.getattr(ino)).st_size == 1000
+
+    run(tmp_path, test)
+
+
 def test_a_path_gate_orders_changes_and_uses():
     """``PathGate``: a change waits for the users in flight, users arriving meanwhile wait behind
     it, and a change cancelled while it waits lets them go on."""

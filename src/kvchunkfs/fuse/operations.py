@@ -475,6 +475,12 @@ class Operations(pyfuse3.Operations):
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
         if flags & ~pyfuse3.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
             raise pyfuse3.FUSEError(errno.EINVAL)
+        if old == new:  # POSIX: the same file, nothing to do (the kernel does not ask; be safe)
+            if not self.repo.exists(old):
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise pyfuse3.FUSEError(errno.EEXIST)  # as Linux answers renameat2 there
+            return
         source, target = self.by_path.get(old), self.by_path.get(new)
         moved = [n for n in (source, target) if n is not None]
         # A file's rename runs in a thread (it may wait in the file system's journal), its nodes'

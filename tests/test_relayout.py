@@ -249,18 +249,24 @@ def test_to_file_from_chunk_views_equals_to_file(count, cells, el, per, seed):
         assert to_file_from(seg, [memoryview(stored)[: heads + 1], memoryview(stored)[heads + 1 :]]) is None
 
 
+def _random_group(count, cells, width, trans, seed):
+    """A group of ``count`` blocks of ``cells`` rows of ``width`` bytes (transposed: 2-byte
+    elements) after a 16-byte lead, random bytes: (its segment, the file bytes, the stored form)."""
+    g = ls.Group(count, 16, width, 2 if trans else 0, cells)
+    size = 16 + count * (12 + cells * width)
+    seg = ls.Segment(0, size, 16 + 12 * count, count * width, 0, 0, g)
+    src = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
+    return seg, src, bytes(relayout.to_stream(seg, src))
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 4), st.integers(2, 40), st.booleans(), st.integers(1, 7), st.integers(0, 2**32))
 def test_a_group_being_put_back_is_ready_exactly_where_its_bytes_are(count, cells, trans, per, seed):
     """A restore reads a group while its chunks still arrive: whatever ``ready`` admits already
     holds the file's bytes; rows of a transposed block only once the whole group is in."""
     width = 8
-    g = ls.Group(count, 16, width, 2 if trans else 0, cells)
-    size = 16 + count * (12 + cells * width)
-    seg = ls.Segment(0, size, 16 + 12 * count, count * width, 0, 0, g)
-    src = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
-    stored = bytes(relayout.to_stream(seg, src))
-    heads, rec = 16 + 12 * count, count * width
+    seg, src, stored = _random_group(count, cells, width, trans, seed)
+    size, heads, rec = len(src), 16 + 12 * count, count * width
     u = relayout.Unpermute(seg)
     rng = random.Random(seed)
     pos = 0
@@ -287,12 +293,8 @@ def test_the_cells_a_read_waits_for_are_the_ones_it_needs(count, cells, trans, s
     many cells in place the range is ready, with one fewer it is not; transposed rows need all.
     A reader woken too late would stall a restore, one told too few would be woken for nothing."""
     width = 8
-    g = ls.Group(count, 16, width, 2 if trans else 0, cells)
-    size = 16 + count * (12 + cells * width)
-    seg = ls.Segment(0, size, 16 + 12 * count, count * width, 0, 0, g)
-    src = np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes()
-    stored = bytes(relayout.to_stream(seg, src))
-    heads, rec = 16 + 12 * count, count * width
+    seg, src, stored = _random_group(count, cells, width, trans, seed)
+    size, heads, rec = len(src), 16 + 12 * count, count * width
     rng = random.Random(seed)
     for _ in range(10):
         off = rng.randrange(size)

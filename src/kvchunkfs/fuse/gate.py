@@ -48,7 +48,8 @@ class PathGate:
             yield
         finally:
             self.users -= 1
-            self._wake()
+            if self.waiting:  # only a change waits for users
+                self._wake()
 
     @asynccontextmanager
     async def change(self) -> AsyncIterator[None]:

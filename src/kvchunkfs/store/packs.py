@@ -427,10 +427,10 @@ class PackStore(ChunkMap):
             log.info("%s refuses direct reads: reading packs through the page cache", self.packs_dir)
             self.direct_reads = False
         with self._fd_lock:
-            if entry.retired or entry.direct is not None:  # closed (or opened) meanwhile
+            if entry.retired:  # closed meanwhile (GC deleted the pack): this read goes on without it
                 if fd is not None:
                     os.close(fd)
-                return entry.direct if not entry.retired else None
+                return None
             entry.direct = fd
         return fd
 

@@ -9,6 +9,7 @@ alternates). Medians of ``--runs``, ratios to plain.
     python3 benchmarks/cold_restore.py                        # synthetic llama-shaped files (below)
     python3 benchmarks/cold_restore.py --files /path/a.bin /path/b.bin
     python3 benchmarks/cold_restore.py --baseline-src /tmp/old/src   # also an older tree, interleaved
+    python3 benchmarks/cold_restore.py --baseline-args "--chunker format"   # other settings, interleaved
 
 Synthetic files (e2e/ggsq.py, a 12-layer model, 4 KV heads x 64): q4_0-like 8 MiB (144-byte rows,
 2,400 tokens), f16 28 MiB (512-byte rows, 2,400 tokens), f16 111 MiB (9,500 tokens); ``--v-trans``
@@ -77,6 +78,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--mount-args", default="")
     ap.add_argument("--baseline-src", type=Path, help="also an older src/ tree, its own store, interleaved")
+    ap.add_argument(
+        "--baseline-args", help="the baseline's mount arguments instead of --mount-args (no --baseline-src: this tree)"
+    )
     ap.add_argument("--warm", action="store_true", help="also warm restores (daemon warm, page cache dropped)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
@@ -92,11 +96,15 @@ def main() -> None:
     (work / "plain").mkdir()
     py = sys.executable
     kinds = {"new": ROOT / "src"}
-    if args.baseline_src:
-        kinds["base"] = args.baseline_src.resolve()
+    if args.baseline_src or args.baseline_args is not None:
+        kinds["base"] = (args.baseline_src or ROOT / "src").resolve()
+    margs = {k: extra for k in kinds}
+    if args.baseline_args is not None:
+        margs["base"] = args.baseline_args.split()
     mounts = {}
     for k, src in kinds.items():
-        argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", str(work / f"store-{k}"), *extra, str(work / f"mnt-{k}")]
+        store, mnt = str(work / f"store-{k}"), str(work / f"mnt-{k}")
+        argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", store, *margs[k], mnt]
         mounts[k] = Mount(argv, work / f"mnt-{k}", work / f"{k}.log", ra, "gc finished", src=src)
     res: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     warm: dict[tuple[str, str], list[float]] = {}

@@ -9,6 +9,10 @@ options, the process tuning, the trio loop with its task counts and signal handl
 save or restore takes here is what pyfuse3 and the kernel cost before any store does work.
 
     python3 benchmarks/nullfs.py [--kernel-readahead-kb 4096] [--writeback-cache] [--keep-data] MOUNTPOINT
+    python3 benchmarks/nullfs.py --backing DIR MOUNTPOINT   # DIR's files, pread from disk per request
+
+``--backing`` is the floor of a restore from disk: each read request is one ``pread`` of the file
+on the FUSE thread, nothing cached by the daemon.
 
 Serves until SIGINT/SIGTERM or ``fusermount3 -u MOUNTPOINT``; always unmounts.
 """
@@ -50,10 +54,11 @@ class File:
     linked: bool = True
     dirty: bool = False
     data: bytearray | None = None  # --keep-data: the file's bytes
+    backing: int | None = None  # --backing: an open descriptor of the file on disk
 
 
 class NullOperations(pyfuse3.Operations):
-    def __init__(self, writeback_cache: bool, keep_data: bool = False) -> None:
+    def __init__(self, writeback_cache: bool, keep_data: bool = False, backing: Path | None = None) -> None:
         super().__init__()
         self.enable_writeback_cache = writeback_cache
         self.keep_data = keep_data
@@ -61,6 +66,19 @@ class NullOperations(pyfuse3.Operations):
         self.files: dict[int, File] = {}  # by inode; the file handle is the inode too
         self._next_ino = pyfuse3.ROOT_INODE + 1
         self._buf = memoryview(b"")  # read replies are slices of this: no work per read
+        if backing is not None:
+            self._add_backing(backing)
+
+    def _add_backing(self, backing: Path) -> None:
+        """Serve the regular files of ``backing`` (opened now, read with ``pread`` per request)."""
+        for p in sorted(backing.iterdir()):
+            st = p.stat()
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            f = File(self._next_ino, st.st_mode, st.st_uid, st.st_gid, size=st.st_size)
+            f.backing = os.open(p, os.O_RDONLY)
+            self._next_ino += 1
+            self.files[f.ino] = self.by_name[os.fsencode(p.name)] = f
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -249,6 +267,8 @@ class NullOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         f = self._file(fh)
         n = max(0, min(size, f.size - off))
+        if f.backing is not None:  # on the FUSE thread, as simple as a pass-through can be
+            return memoryview(os.pread(f.backing, n, off))
         if f.data is not None:
             return memoryview(f.data)[off : off + n]
         return self._read_buffer(n)[:n]
@@ -283,10 +303,12 @@ def mount_options() -> set[str]:
     return same | {"fsname=nullfs", "subtype=nullfs"}
 
 
-def serve(mountpoint: Path, readahead_kb: int, writeback_cache: bool, keep_data: bool = False) -> None:
+def serve(
+    mountpoint: Path, readahead_kb: int, writeback_cache: bool, keep_data: bool = False, backing: Path | None = None
+) -> None:
     daemon.clear_stale_mount(mountpoint)
     daemon.tune_process()
-    ops = NullOperations(writeback_cache, keep_data)
+    ops = NullOperations(writeback_cache, keep_data, backing)
     pyfuse3.init(ops, str(mountpoint), mount_options())
     try:
         # kv-chunk-fs's own loop (signals, bdi tuning, task counts): only the handlers differ.
@@ -301,9 +323,10 @@ def main() -> None:
     p.add_argument("--kernel-readahead-kb", type=int, default=4096, help="the mount's bdi read_ahead_kb")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--keep-data", action="store_true", help="keep written bytes in memory and read them back")
+    p.add_argument("--backing", type=Path, help="also serve this directory's files, read from disk per request")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(Path(args.mountpoint).resolve(), args.kernel_readahead_kb, args.writeback_cache, args.keep_data)
+    serve(Path(args.mountpoint).resolve(), args.kernel_readahead_kb, args.writeback_cache, args.keep_data, args.backing)
 
 
 if __name__ == "__main__":

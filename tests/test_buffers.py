@@ -64,3 +64,19 @@ def test_a_mount_reserves_the_sizes_the_last_one_kept() -> None:
     assert pool.sizes() == [9 * MiB, 7 * MiB]
     a, b = pool.take(6 * MiB), pool.take(5 * MiB)  # the 7 MiB one, then the 9 MiB one
     assert pool.reused == 2 and not np.shares_memory(a, b)
+
+
+def test_a_brief_take_uses_a_bigger_idle_buffer() -> None:
+    """A buffer given back within moments (a save's joined batch, a group re-laid out for storing)
+    may be any idle one big enough: fresh memory would cost more than the copy into it. A take
+    for a group kept for later reads still gets one of at most twice its size."""
+    pool = BufferPool(16 * MiB)
+    pool.reserve()  # 8, 4, 2, 1 and 1 MiB
+    big = pool.take(3 * MiB, brief=True)  # the 4 MiB one
+    bigger = pool.take(3 * MiB, brief=True)  # no idle one of 3-6 MiB left: the 8 MiB one
+    assert pool.reused == 2 and len(big) == len(bigger) == 3 * MiB and not np.shares_memory(big, bigger)
+    del big, bigger
+    gc.collect()
+    kept = pool.take(3 * MiB)  # the 4 MiB one again
+    fresh = pool.take(3 * MiB)  # the 8 MiB one is too big for a kept group: a new one
+    assert pool.reused == 3 and not np.shares_memory(kept, fresh)

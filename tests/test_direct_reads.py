@@ -68,7 +68,10 @@ def test_place_aligns_the_span_and_finds_the_run() -> None:
     assert direct.place(whole.data[: (1 << 20) + direct.ALIGN], 100, 1 << 20) is None  # no room for the span
 
 
-def test_resident_sees_the_page_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cachestat", [True, False], ids=["cachestat", "mincore"])
+def test_resident_sees_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cachestat: bool) -> None:
+    if not cachestat:
+        monkeypatch.setattr(direct, "_cachestat_works", False)  # as on a kernel before 6.5
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDONLY)
@@ -79,6 +82,8 @@ def test_resident_sees_the_page_cache(tmp_path: Path) -> None:
         os.pread(fd, 4096, 400_000)
         assert direct.resident(fd, 10_000, 500_000)
         assert not direct.resident(fd, 700_000, 100_000)
+        if tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5):
+            assert direct._cachestat_works == cachestat  # asked with cachestat (or told it is not there)
     finally:
         os.close(fd)
 

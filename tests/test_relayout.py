@@ -378,3 +378,44 @@ def test_restore_buffers_are_reused_only_when_free(kvfs):
             with ThreadPoolExecutor(3) as pool:
                 list(pool.map(restore, rng.sample(sorted(files), len(files))))
         assert kvfs.stats()["restore_buffers_reused"] > 0
+
+
+def test_a_restore_starting_at_the_last_group_starts_the_first_too(kvfs):
+    """A restore whose first read reaches a later group than the file's first starts putting the
+    first group back too: llama-server's first read of a restore is the file's last block (stdio
+    sizing its buffer at the seek to the end), and the first group must not wait until the last
+    is in place. Then reads in that order (last block, header, the whole file) return the file."""
+    import time
+
+    spec = ggsq.Spec(n_layer=6, row_bytes=512)
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, 5), spec)
+    _write(Path(kvfs.mnt) / "s", data)
+    kvfs.remount()  # empty caches, no group kept
+    mnt = Path(kvfs.mnt)
+    index = stubs.read_index(Path(kvfs.store) / "snapshots" / "s")
+    groups = [g for g in ls.segments(data, GROUP_WIDTH) if g.group and g.end is not None]
+    assert len(groups) == 2 and groups[-1].end == len(data)  # K, then V to the end of the file
+    chunks = [index.find(g.end - 1) - index.find(g.start) + 1 for g in groups]
+
+    def asked() -> int:  # chunks the daemon looked up in its cache (hit or miss)
+        st = kvfs.stats()
+        return st["cache_hits"] + st["cache_misses"]
+
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    before = asked()
+    fd = os.open(mnt / "s", os.O_RDONLY)
+    try:
+        tail = len(data) - 8192
+        assert os.pread(fd, 8192, tail) == data[tail:]
+        deadline = time.monotonic() + 30
+        while asked() - before < sum(chunks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked() - before >= sum(chunks), (asked() - before, chunks)  # no read of the first group yet
+        assert os.pread(fd, 32768, 0) == data[:32768]
+        got = bytearray()
+        while piece := os.read(fd, MiB):
+            got += piece
+        assert bytes(got) == data
+    finally:
+        os.close(fd)

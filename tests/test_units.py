@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 from pathlib import Path
 
@@ -263,3 +264,18 @@ def test_sequential_cached_reads_are_slices_of_the_run(tmp_path: Path):
     content.close()
     files.close()
     repo.close()
+
+
+def test_chunk_ids_on_every_core_are_the_ids_in_order() -> None:
+    """A closing batch's ids hashed in slices on several threads are each piece's SHA-256, in the
+    pieces' order, whatever their count and sizes (one piece, fewer pieces than threads, uneven)."""
+    import hashlib
+
+    from kvchunkfs.file import hashing
+
+    rng = random.Random(3)
+    for sizes in ([64 << 10] * 40, [5 << 20], [1 << 20, 3], [3, 2 << 20, 7, 300 << 10, 1 << 20], []):
+        pieces = [memoryview(rng.randbytes(n)) for n in sizes]
+        want = [hashlib.sha256(p).digest() for p in pieces]
+        assert hashing.chunk_ids(pieces, parallel=True) == want
+        assert hashing.chunk_ids(pieces) == want

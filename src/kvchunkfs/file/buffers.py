@@ -62,19 +62,23 @@ class BufferPool:
                 with self._lock:
                     self._bufs.append(buf)
 
-    def take(self, n: int) -> np.ndarray:
+    def take(self, n: int, brief: bool = False) -> np.ndarray:
         """An uninitialised ``n``-byte array: the smallest pooled buffer nothing else refers to of
-        ``n`` to ``2 * n`` bytes, else a new one, kept if the pool has room once idle ones are
-        dropped or, failing that, the reclaimer let one go (the pool follows the sizes restores
-        really need)."""
+        ``n`` to ``2 * n`` bytes (``brief``: of at least ``n``), else a new one, kept if the pool
+        has room once idle ones are dropped or, failing that, the reclaimer let one go (the pool
+        follows the sizes restores really need).
+
+        ``brief``: the buffer is given back within moments (a save's batch joined, a group re-laid
+        out for storing), so a bigger idle one does: fresh memory costs more than the copy into it."""
         if n < _MIN or n > self.capacity:
             return np.empty(n, np.uint8)
+        top = self.capacity if brief else 2 * n
         for _ in range(RECLAIMS):
             with self._lock:
                 idle = self._idle()
                 # At most twice the size asked: a small group must not hold a big buffer that a
                 # big group will need (a new buffer of the right size is kept instead).
-                fits = [i for i in idle if n <= len(self._bufs[i]) <= 2 * n]
+                fits = [i for i in idle if n <= len(self._bufs[i]) <= top]
                 if fits:
                     self.reused += 1
                     return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
+from kvchunkfs.file.hashing import chunk_ids
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.file.queues import ByteQueue, ChunkPool
 from kvchunkfs.file.reader import ReadChunks
@@ -381,7 +382,8 @@ class FileContent:
 
     @property
     def _alloc(self) -> Callable[[int], np.ndarray] | None:
-        return self.buffers.take if self.buffers is not None else None
+        pool = self.buffers
+        return (lambda n: pool.take(n, brief=True)) if pool is not None else None  # joins: given back at once
 
     def read_ahead_limit(self, end: int) -> int | None:
         """Where read-ahead past ``end`` must stop (see ``FileGroups.read_ahead_limit``)."""
@@ -473,6 +475,7 @@ class FileContent:
                 taken = self.buf.take(keep=keep)
                 self.inflight, self.tail = taken, b""
                 state = self.cut_state
+                closing = self._drain  # a commit waits for this batch: hash it on every core
                 prev = self.index.ids[-1] if len(self.index) else START
         if stop:
             self._step("exit")
@@ -480,7 +483,8 @@ class FileContent:
         self._step("taken")
         # Outside the lock (joins copy megabytes), so FUSE writes can keep queueing meanwhile.
         # ``last`` is tentative: cut again with the next batch, since more bytes may follow.
-        chunks, last, state = cut_batch(self.chunker, state, Pieces(taken, self._alloc), prev, self.successors)
+        batch = Pieces(taken, self._alloc)
+        chunks, last, state = cut_batch(self.chunker, state, batch, prev, self.successors, parallel=closing)
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:
@@ -537,7 +541,7 @@ class FileContent:
             index, tail, state = self.index.copy(), self.tail, self.cut_state
         pieces, _ = self.chunker.cut(state, tail, final=True)  # the stream keeps its tentative tail
         if pieces:
-            chunks = [(chunk_id(p), p) for p in pieces]
+            chunks = list(zip(chunk_ids(pieces, parallel=True), pieces, strict=True))
             self.bytes_new += self.store.put_many(chunks, self)
             for cid, p in chunks:
                 index.append(cid, len(p))

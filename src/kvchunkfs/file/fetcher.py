@@ -211,7 +211,7 @@ class Fetcher:
         # would wait while it checks a piece and hands it over.
         room = max([STREAM_PIECE, *(p[2] for p in plan if p[3] is None)]) + SLACK  # SLACK: direct reads
         whole = (
-            self.buffers.take(room * STREAM_RING)
+            self.buffers.take(room * STREAM_RING, brief=True)
             if self.buffers is not None
             else np.empty(room * STREAM_RING, np.uint8)
         )

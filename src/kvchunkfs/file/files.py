@@ -58,7 +58,8 @@ class Files:
         # put back (chunker relayout), in buffers faulted in once (file/buffers.py).
         self.buffers = BufferPool(s.cache_size // 2)
         self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
-        repo.chunker.alloc = self.buffers.take  # a save's groups are re-laid out there too
+        pool = self.buffers
+        repo.chunker.alloc = lambda n: pool.take(n, brief=True)  # a save's groups are re-laid out there too
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         self.fetcher.buffers = self.buffers

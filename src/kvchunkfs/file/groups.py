@@ -242,8 +242,10 @@ class FileGroups:
         the next one is fetched and put back while this one waits and is served."""
         d = self._decode(index, g, read_chunks)
         if self._reading != g.start:
-            self._reading = g.start
+            first_read, self._reading = self._reading == -1, g.start
             self._decode_next(index, g, read_chunks)
+            if first_read:
+                self._decode_first(index, g, read_chunks)
         return d.wait(off, size)
 
     def _decode(self, index: Index, g: Segment, read_chunks: ReadChunks) -> GroupDecode:
@@ -285,6 +287,16 @@ class FileGroups:
         later = [x for x in self._groups(index, known[1], read_chunks, g.end + 1) if x.start > g.start]
         if later:
             self._decode(index, later[0], read_chunks)
+
+    def _decode_first(self, index: Index, g: Segment, read_chunks: ReadChunks) -> None:
+        """A restore's first read reached ``g``, a later group than the file's first: start the
+        first too. llama-server's restore first reads the file's last block (stdio sizing its
+        buffer at the seek to the end), then the header: without this, the first group would be
+        fetched only once the last one is in place, one after the other instead of side by side."""
+        known = self._layout
+        if known is None or known[0] is not index or not known[2] or known[2][0].start >= g.start:
+            return
+        self._decode(index, known[2][0], read_chunks)
 
     def plain_range(self, index: Index, offset: int, size: int) -> bool:
         """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group

@@ -24,6 +24,7 @@ from itertools import accumulate, islice
 
 import numpy as np
 
+from kvchunkfs.file.hashing import chunk_ids
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 
@@ -124,12 +125,14 @@ def cut_batch(
     prev: bytes,
     successors: Successors | None,
     window: int = WINDOW,
+    parallel: bool = False,
 ) -> tuple[Chunks, bytes, CutState]:
     """Cut a batch exactly as ``cutter.cut(state, batch, final=False)`` would, accepting predicted
     chunks where the cut is plain FastCDC; returns (chunks with ids, tentative tail, its state).
 
     ``prev`` is the id of the chunk before the batch (START at the file's start). Chunks the cutter
-    itself ends at a content-defined cut are learned as successors.
+    itself ends at a content-defined cut are learned as successors. ``parallel``: hash on every
+    core (a batch a ``close()`` waits for, file/hashing.py).
     """
     out: Chunks = []
     learned: list[tuple[bytes, Guess]] = []
@@ -150,7 +153,7 @@ def cut_batch(
         size = rest if whole else min(rest, max(window, 4 * cutter.max))
         data = memoryview(batch.span(pos, size))
         pieces, after = cutter.cut(state, data, final=False)
-        done = _take_cut(pieces, data, state.pos, after, prev, out, learned)
+        done = _take_cut(pieces, data, state.pos, after, prev, out, learned, parallel)
         prev = out[-1][0] if pieces else prev
         pos, state = pos + done, after
         if size == rest:
@@ -199,6 +202,7 @@ def _take_cut(
     prev: bytes,
     out: Chunks,
     learned: list[tuple[bytes, Guess]],
+    parallel: bool = False,
 ) -> int:
     """Hash the cutter's chunks (of ``data``, which starts at file offset ``base``) into ``out``;
     learn those that ended at a content-defined cut: chunks of a cut with more bytes to come that
@@ -206,8 +210,7 @@ def _take_cut(
     content-defined), with the byte after them. Returns the bytes taken."""
     cdc_from = after.segments[0].start if after.plain_cdc else None
     off = 0
-    for p in pieces:
-        cid = chunk_id(p)
+    for p, cid in zip(pieces, chunk_ids(pieces, parallel), strict=True):
         out.append((cid, p))
         off += len(p)
         if cdc_from is not None and base + off - len(p) >= cdc_from and off < len(data):

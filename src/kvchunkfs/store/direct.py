@@ -29,6 +29,7 @@ import ctypes.util
 import errno
 import mmap
 import os
+import sys
 from typing import NamedTuple
 
 ALIGN = 4096
@@ -42,7 +43,7 @@ _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PAGE = mmap.PAGESIZE
 _libc.syscall.restype = ctypes.c_long
-_NR_CACHESTAT = 451  # the same number on every architecture (the unified syscall table)
+_NR_CACHESTAT = 451  # x86-64 and the generic table (arm64, riscv64) alike
 
 
 class _CachestatRange(ctypes.Structure):
@@ -59,7 +60,7 @@ class _Cachestat(ctypes.Structure):
     ]
 
 
-_cachestat_works = hasattr(os, "O_DIRECT")  # until the kernel says it has no cachestat
+_cachestat_works = sys.platform.startswith("linux")  # until the kernel says it has no cachestat
 
 
 # statfs f_type of file systems on a local block device, where direct reads pay off.

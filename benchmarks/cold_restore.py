@@ -10,6 +10,7 @@ alternates). Medians of ``--runs``, ratios to plain.
     python3 benchmarks/cold_restore.py --files /path/a.bin /path/b.bin
     python3 benchmarks/cold_restore.py --baseline-src /tmp/old/src   # also an older tree, interleaved
     python3 benchmarks/cold_restore.py --baseline-args "--chunker format"   # other settings, interleaved
+    python3 benchmarks/cold_restore.py --llama --files ...    # llama-server's own read pattern, split up
 
 Synthetic files (e2e/ggsq.py, a 12-layer model, 4 KV heads x 64): q4_0-like 8 MiB (144-byte rows,
 2,400 tokens), f16 28 MiB (512-byte rows, 2,400 tokens), f16 111 MiB (9,500 tokens); ``--v-trans``
@@ -41,6 +42,33 @@ SHAPES = {  # name: (row bytes, tokens)
     "f16-28M": (512, 2400),
     "f16-111M": (512, 9500),
 }
+
+
+def llama_read(path: Path) -> tuple[float, ...]:
+    """llama-server's restore, split up in seconds: (open, the last 8 KiB, the first 32 KiB, close
+    and open again, the first 1 MiB, the rest). Its stdio sizes a buffer by reading the end before
+    the header, then reads the file again from a second descriptor."""
+    t = [time.perf_counter()]
+    fd = os.open(path, os.O_RDONLY)
+    t.append(time.perf_counter())
+    try:
+        os.pread(fd, 8192, max(0, os.fstat(fd).st_size - 8192))
+        t.append(time.perf_counter())
+        os.pread(fd, 32768, 0)
+        t.append(time.perf_counter())
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t.append(time.perf_counter())
+        os.read(fd, PIECE)
+        t.append(time.perf_counter())
+        while os.read(fd, PIECE):
+            pass
+        t.append(time.perf_counter())
+    finally:
+        os.close(fd)
+    return tuple(b - a for a, b in zip(t, t[1:], strict=False))
 
 
 def timed_read(path: Path) -> tuple[float, float, float]:
@@ -82,6 +110,7 @@ def main() -> None:
         "--baseline-args", help="the baseline's mount arguments instead of --mount-args (no --baseline-src: this tree)"
     )
     ap.add_argument("--warm", action="store_true", help="also warm restores (daemon warm, page cache dropped)")
+    ap.add_argument("--llama", action="store_true", help="read as llama-server does (end, header, reopen)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
 
@@ -106,7 +135,8 @@ def main() -> None:
         store, mnt = str(work / f"store-{k}"), str(work / f"mnt-{k}")
         argv = [py, "-m", "kvchunkfs.cli", "mount", "--store", store, *margs[k], mnt]
         mounts[k] = Mount(argv, work / f"mnt-{k}", work / f"{k}.log", ra, "gc finished", src=src)
-    res: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    res: dict[tuple[str, str], list[tuple[float, ...]]] = {}
+    read = llama_read if args.llama else timed_read
     warm: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}  # daemon CPU seconds of each cold restore
     try:
@@ -130,18 +160,19 @@ def main() -> None:
                         path = work / f"mnt-{k}" / n
                     drop_caches()
                     c0 = cpu_seconds(mounts[k].pid) if k != "plain" else 0.0
-                    res.setdefault((n, k), []).append(timed_read(path))
+                    res.setdefault((n, k), []).append(read(path))
                     cpu.setdefault((n, k), []).append(cpu_seconds(mounts[k].pid) - c0 if k != "plain" else 0.0)
                     if args.warm:
                         drop_caches()
                         t = time.perf_counter()
-                        timed_read(path)
+                        read(path)
                         warm.setdefault((n, k), []).append(time.perf_counter() - t)
                     if run == 0 and path.read_bytes() != data:
                         raise SystemExit(f"{k} {n}: restored bytes differ")
                     if k != "plain":
                         mounts[k].stop()
-        cols = ("open", "4KiB", "rest", "total", "x plain", "cpu")
+        phases = ("open", "end8K", "head32K", "reopen", "1MiB", "rest") if args.llama else ("open", "4KiB", "rest")
+        cols = (*phases, "total", "x plain", "cpu")
         print(
             f"{'file':10s} {'target':6s} "
             + " ".join(f"{c:>7s}" for c in cols)
@@ -154,9 +185,9 @@ def main() -> None:
             for k in ["plain", *kinds]:
                 s = res[(n, k)]
                 total = [sum(x) for x in s]
+                split = " ".join(fmt([x[i] for x in s]) for i in range(len(phases)))
                 line = (
-                    f"{n:10s} {k:6s} {fmt([x[0] for x in s])} {fmt([x[1] for x in s])} "
-                    f"{fmt([x[2] for x in s])} {fmt(total)} {statistics.median(total) / plain_total:7.2f}"
+                    f"{n:10s} {k:6s} {split} {fmt(total)} {statistics.median(total) / plain_total:7.2f}"
                     f"{fmt(cpu[(n, k)])[1:]}"
                 )
                 if args.warm:

@@ -623,4 +623,5 @@ class FileContent:
             self._kick()
             self.cond.notify_all()
             self._close_staging(final=True)
+        self.groups.close()
         self.store.unpin(self)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 
 LOOKAHEAD = 1 << 20  # a read parses this far past itself to know where the next group starts
+FEW_ROWS = 1 << 20  # a read whose rows' records are at most this many bytes needs no decode
 
 
 def _parsed_to(st: State | None, until: int) -> bool:
@@ -40,6 +41,7 @@ class DecodedGroups:
         self.capacity = capacity
         self._lru: OrderedDict[bytes, GroupDecode] = OrderedDict()
         self._size = 0
+        self._running: dict[bytes, GroupDecode] = {}  # being put back: a second open waits for it
         self._lock = threading.Lock()
 
     @staticmethod
@@ -50,11 +52,32 @@ class DecodedGroups:
         return hashlib.sha256(b"".join([shape, *index.ids[first : last + 1]])).digest()
 
     def get(self, key: bytes) -> GroupDecode | None:
+        """A group put back lately or being put back now."""
         with self._lock:
             d = self._lru.get(key)
             if d is not None:
                 self._lru.move_to_end(key)
+                return d
+            return self._running.get(key)
+
+    def claim(self, key: bytes, d: GroupDecode) -> GroupDecode:
+        """The group kept or being put back under ``key``, else ``d``, now registered as putting
+        it back: opens of the same snapshot meanwhile share it (llama-server opens a snapshot twice
+        in a restore) instead of fetching the group a second time."""
+        with self._lock:
+            known = self._lru.get(key) or self._running.get(key)
+            if known is not None:
+                return known
+            self._running[key] = d
             return d
+
+    def finished(self, key: bytes, d: GroupDecode) -> None:
+        """``d`` is done: kept if it put the whole group back, else forgotten."""
+        with self._lock:
+            if self._running.get(key) is d:
+                del self._running[key]
+        if d.error is None and d.unpermute.done:
+            self.put(key, d)
 
     def put(self, key: bytes, d: GroupDecode) -> None:
         n = len(d.unpermute.data)
@@ -162,6 +185,7 @@ class FileGroups:
         self._decodes: tuple[Index, dict[int, GroupDecode]] | None = None
         self._decode_lock = threading.Lock()
         self._reading = -1  # start of the group a reader asked for last
+        self._few: set[int] = set()  # groups a read was answered from a few records of, without a decode
 
     def read_file(
         self, index: Index, offset: int, size: int, read_chunks: ReadChunks, isize: int | None = None
@@ -235,18 +259,55 @@ class FileGroups:
                 self._layout = (index, isize, found, st)
             return found
 
-    def _group_bytes(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> memoryview:
-        """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode has put them in
-        place (a thread per group). When reads reach ``g``, the next group's decode starts too: a
-        group is served only once all of it is in place (its first block needs every record), so
-        the next one is fetched and put back while this one waits and is served."""
+    def _group_bytes(
+        self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int
+    ) -> bytes | memoryview:
+        """Group-relative file bytes ``[off, off + size)`` of ``g``, once its decode (a thread per
+        group) has put them in place. When reads reach ``g``, the next group's decode starts too:
+        a group is served only once all of it is in place (its first block needs every record),
+        and the FUSE thread holds the interpreter lock while it hands a reply to the kernel, so
+        fetching the next group while this one is served would be slow. A read of a few rows of a
+        group that nobody is putting back is answered from their records alone."""
+        d = self._started(index, g)
+        first_read = self._reading == -1
+        if d is None and g.start not in self._few:
+            rows = self._few_rows(index, g, read_chunks, off, size)
+            if rows is not None:
+                self._few.add(g.start)  # once: a reader that comes back to the group reads on
+                if first_read:
+                    self._decode_first(index, g, read_chunks)
+                return rows
         d = self._decode(index, g, read_chunks)
         if self._reading != g.start:
-            first_read, self._reading = self._reading == -1, g.start
+            self._reading = g.start
             self._decode_next(index, g, read_chunks)
             if first_read:
                 self._decode_first(index, g, read_chunks)
         return d.wait(off, size)
+
+    def _few_rows(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> bytes | None:
+        """The bytes from the records of just the rows they lie in, if those are at most
+        ``FEW_ROWS`` stored bytes; else None. llama-server's restore reads the file's last few KiB
+        first: without this, it would wait for the whole last group."""
+        assert g.group is not None
+        where = relayout.rows_of(g.group, off, size)
+        if where is None:
+            return None
+        at, n = where.stored(g.group)
+        if n > FEW_ROWS:
+            return None
+        records = read_chunks(index, g.start + at, n, g.start + at + n)  # no read-ahead past them
+        if len(records) != n:
+            raise OSError(errno.EIO, f"a stored group is {len(records)} bytes short of its records")
+        return relayout.cut_rows(g.group, where, records, size)
+
+    def _started(self, index: Index, g: Segment) -> GroupDecode | None:
+        """The decode of ``g`` if one is running or was kept (no new one)."""
+        known = self._decodes
+        d = known[1].get(g.start) if known is not None and known[0] is index else None
+        if d is None and self.decoded_groups is not None:
+            d = self.decoded_groups.get(DecodedGroups.key(index, g))
+        return d
 
     def _decode(self, index: Index, g: Segment, read_chunks: ReadChunks) -> GroupDecode:
         """The decode of ``g``, started if needed. Groups before the one before it are dropped (a
@@ -255,12 +316,15 @@ class FileGroups:
             known = self._decodes
             decodes = dict(known[1]) if known is not None and known[0] is index else {}
             d = decodes.get(g.start)
-            fresh = d is None
+            fresh = False
             if d is None:
                 key = DecodedGroups.key(index, g) if self.decoded_groups is not None else b""
-                done = self.decoded_groups.get(key) if self.decoded_groups is not None else None
-                d = decodes[g.start] = done if done is not None else GroupDecode(g, self.buffers)
-                fresh = done is None
+                d = self.decoded_groups.get(key) if self.decoded_groups is not None else None
+                if d is None:  # a new decode, unless another open started one meanwhile
+                    new = GroupDecode(g, self.buffers)
+                    d = self.decoded_groups.claim(key, new) if self.decoded_groups is not None else new
+                    fresh = d is new
+                decodes[g.start] = d
                 earlier = sorted(start for start in decodes if start < g.start)
                 for start in earlier[:-1]:
                     del decodes[start]
@@ -274,14 +338,13 @@ class FileGroups:
 
     def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks, key: bytes) -> None:
         d.run(index, reader)
-        if self.decoded_groups is not None and d.error is None and d.unpermute.done:
-            self.decoded_groups.put(key, d)
-        if self._reading == d.seg.start and not self._stopped():
-            self._decode_next(index, d.seg, reader)
+        if self.decoded_groups is not None:
+            self.decoded_groups.finished(key, d)
 
     def _decode_next(self, index: Index, g: Segment, read_chunks: ReadChunks) -> None:
+        """Start the decode of the group after ``g``, if reads are still at ``g``."""
         known = self._layout
-        if known is None or known[0] is not index:
+        if known is None or known[0] is not index or self._reading != g.start or self._stopped():
             return
         assert g.end is not None
         later = [x for x in self._groups(index, known[1], read_chunks, g.end + 1) if x.start > g.start]
@@ -290,13 +353,19 @@ class FileGroups:
 
     def _decode_first(self, index: Index, g: Segment, read_chunks: ReadChunks) -> None:
         """A restore's first read reached ``g``, a later group than the file's first: start the
-        first too. llama-server's restore first reads the file's last block (stdio sizing its
-        buffer at the seek to the end), then the header: without this, the first group would be
-        fetched only once the last one is in place, one after the other instead of side by side."""
+        first's decode. llama-server's restore first reads the file's last few KiB (stdio sizing
+        its buffer at the seek to the end), then the header and the rest in order."""
         known = self._layout
         if known is None or known[0] is not index or not known[2] or known[2][0].start >= g.start:
             return
         self._decode(index, known[2][0], read_chunks)
+
+    def close(self) -> None:
+        """The file's last handle is gone: let go of its groups at once (the file and this refer
+        to each other, so it is freed only by a cycle collection, and the buffers of its groups
+        must be free for the next restore as soon as kept groups are let go of)."""
+        with self._decode_lock:
+            self._decodes = None
 
     def plain_range(self, index: Index, offset: int, size: int) -> bool:
         """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group

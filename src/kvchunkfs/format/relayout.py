@@ -16,6 +16,7 @@ in both), so ``groups`` finds the permuted ranges of a stub's stream from the st
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,6 +120,42 @@ def to_stream(seg: Segment, src: Buffer, out: np.ndarray | None = None) -> memor
 def to_file(seg: Segment, src: Buffer) -> memoryview:
     """The file bytes of a group from its stored form (the inverse of ``to_stream``)."""
     return _permute(seg, src, back=True)
+
+
+class Rows(NamedTuple):
+    """Where the stored form holds a range of one block's rows (``rows_of``)."""
+
+    block: int  # which block of the group
+    first: int  # the range's cells: [first, last)
+    last: int
+    skip: int  # bytes of the rows of ``first`` before the range starts
+
+    def stored(self, g: Group) -> tuple[int, int]:
+        """(offset, length) in the group's stored form of the records holding the range."""
+        heads, _ = _parts(g)
+        rec = g.count * g.width
+        return heads + self.first * rec, (self.last - self.first) * rec
+
+
+def rows_of(g: Group, off: int, size: int) -> Rows | None:
+    """The records that hold group-relative file bytes ``[off, off + size)``, if the range lies in
+    one block's rows and the rows are not transposed (a transposed run spans every cell); None
+    otherwise. A read of a few rows needs only their records: ``cut_rows`` takes the rows out."""
+    if g.el or size <= 0:
+        return None
+    for i, (_hp, at, h) in enumerate(_heads(g)):
+        rows = at + h
+        if rows <= off and off + size <= rows + g.cells * g.width:
+            first, last = (off - rows) // g.width, -(-(off + size - rows) // g.width)
+            return Rows(i, first, last, off - rows - first * g.width)
+    return None
+
+
+def cut_rows(g: Group, where: Rows, records: Buffer, size: int) -> bytes:
+    """``size`` file bytes of ``where`` from its records (``Rows.stored``'s bytes)."""
+    rec = np.frombuffer(records, np.uint8).reshape(where.last - where.first, g.count * g.width)
+    rows = rec[:, where.block * g.width : (where.block + 1) * g.width].tobytes()
+    return rows[where.skip : where.skip + size]
 
 
 class Unpermute:

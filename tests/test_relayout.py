@@ -485,7 +485,11 @@ def test_a_reopen_shares_the_groups_the_first_open_is_putting_back(kvfs):
         before = kvfs.stats()["chunks_read"]
         if together:
             got: list[bytes] = []
-            threads = [threading.Thread(target=lambda: got.append(read_all())) for _ in range(2)]
+
+            def restore(out: list[bytes] = got) -> None:
+                out.append(read_all())
+
+            threads = [threading.Thread(target=restore) for _ in range(2)]
             for t in threads:
                 t.start()
             for t in threads:

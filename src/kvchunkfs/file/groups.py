@@ -41,7 +41,7 @@ class DecodedGroups:
         self.capacity = capacity
         self._lru: OrderedDict[bytes, GroupDecode] = OrderedDict()
         self._size = 0
-        self._running: dict[bytes, GroupDecode] = {}  # being put back: a second open waits for it
+        self._running: dict[bytes, GroupDecode] = {}  # being put back: another open shares it
         self._lock = threading.Lock()
 
     @staticmethod
@@ -268,9 +268,8 @@ class FileGroups:
         and the FUSE thread holds the interpreter lock while it hands a reply to the kernel, so
         fetching the next group while this one is served would be slow. A read of a few rows of a
         group that nobody is putting back is answered from their records alone."""
-        d = self._started(index, g)
         first_read = self._reading == -1
-        if d is None and g.start not in self._few:
+        if g.start not in self._few and self._started(index, g) is None:
             rows = self._few_rows(index, g, read_chunks, off, size)
             if rows is not None:
                 self._few.add(g.start)  # once: a reader that comes back to the group reads on

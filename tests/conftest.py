@@ -19,6 +19,7 @@ TESTS = Path(__file__).resolve().parent
 # (tests/jitter_daemon.py) and a process keeps one core busy for the whole session.
 BUSY = os.environ.get("KVCFS_TEST_BUSY") == "1"
 MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it serves
+CATALOG_LOADED = "kvchunkfs.service.live: catalog: "  # ... once its snapshot catalog is read
 
 # Test tiers (pytest markers, see pyproject.toml). Modules here need neither root nor FUSE; every other
 # module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
@@ -79,12 +80,14 @@ class Mount:
         self.extra = extra or []
         self.jitter = jitter
         self.proc: subprocess.Popen[bytes] | None = None
+        self._catalogs_before = 0
         mnt.mkdir(parents=True, exist_ok=True)
 
     def start(self, extra: list[str] | None = None) -> None:
         if extra is not None:
             self.extra = extra
         mounts_before = self.log().count(MOUNTED)
+        self._catalogs_before = self.log().count(CATALOG_LOADED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
         cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
@@ -133,6 +136,15 @@ class Mount:
     def remount(self, extra: list[str] | None = None) -> None:
         self.stop()
         self.start(extra)
+
+    def catalog_loaded(self, timeout: float = 30) -> None:
+        """Wait until this daemon's snapshot catalog has been read. Loading it reads the first
+        chunks of every snapshot (their token prefixes) from the packs, so a test that counts pack
+        reads waits for it first, or the count depends on when the load thread ran."""
+        deadline = time.monotonic() + timeout
+        while self.log().count(CATALOG_LOADED) <= self._catalogs_before:
+            assert time.monotonic() < deadline, f"no catalog load after mount: {self.log()[-3000:]}"
+            time.sleep(0.02)
 
     def stats(self) -> dict[str, int]:
         return json.loads(os.getxattr(self.mnt, "user.kvcfs.stats"))

@@ -279,3 +279,39 @@ def test_chunk_ids_on_every_core_are_the_ids_in_order() -> None:
         want = [hashlib.sha256(p).digest() for p in pieces]
         assert hashing.chunk_ids(pieces, parallel=True) == want
         assert hashing.chunk_ids(pieces) == want
+
+
+def test_chunk_ids_turn_to_every_core_once_a_commit_waits() -> None:
+    """A batch hashed while the file is still being written asks between steps whether a commit now
+    waits for it; from the first yes the rest is hashed on the helper threads too, and the ids are
+    still each piece's SHA-256 in order."""
+    import hashlib
+    import threading
+
+    from kvchunkfs.file import hashing
+
+    rng = random.Random(4)
+    pieces = [memoryview(rng.randbytes(64 << 10)) for _ in range(96)]  # 6 MiB: six steps
+    want = [hashlib.sha256(p).digest() for p in pieces]
+    asked: list[int] = []
+    threads: set[str] = set()
+    real = hashing.chunk_id
+
+    def spy(p: hashing.Buffer) -> bytes:
+        threads.add(threading.current_thread().name)
+        return real(p)
+
+    def hurry() -> bool:
+        asked.append(len(asked))
+        return len(asked) > 2  # a commit starts waiting after two steps
+
+    hashing.chunk_id = spy  # type: ignore[assignment]
+    try:
+        assert hashing.chunk_ids(pieces, parallel=lambda: False) == want
+        assert len(threads) == 1, "not hurried: every piece on the asking thread"
+        asked.clear()
+        assert hashing.chunk_ids(pieces, parallel=hurry) == want
+    finally:
+        hashing.chunk_id = real  # type: ignore[assignment]
+    assert len(asked) == 3, "asked before each step until the answer was yes"
+    assert any(t.startswith("hash") for t in threads), "the rest went to the helper threads"

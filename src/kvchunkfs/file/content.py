@@ -443,6 +443,9 @@ class FileContent:
             self._kick()
             self.cond.notify_all()
 
+    def _draining(self) -> bool:
+        return self._drain  # read without ``cond``: a stale answer costs one more step on one core
+
     def _work_ready(self) -> bool:
         if self._stop or (self._drain and bool(self.buf)):
             return True
@@ -475,7 +478,6 @@ class FileContent:
                 taken = self.buf.take(keep=keep)
                 self.inflight, self.tail = taken, b""
                 state = self.cut_state
-                closing = self._drain  # a commit waits for this batch: hash it on every core
                 prev = self.index.ids[-1] if len(self.index) else START
         if stop:
             self._step("exit")
@@ -484,7 +486,8 @@ class FileContent:
         # Outside the lock (joins copy megabytes), so FUSE writes can keep queueing meanwhile.
         # ``last`` is tentative: cut again with the next batch, since more bytes may follow.
         batch = Pieces(taken, self._alloc)
-        chunks, last, state = cut_batch(self.chunker, state, batch, prev, self.successors, parallel=closing)
+        # Hashed on every core once a commit waits for this batch (it may start waiting meanwhile).
+        chunks, last, state = cut_batch(self.chunker, state, batch, prev, self.successors, parallel=self._draining)
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:

@@ -4,14 +4,16 @@ SHA-256 (the chunk id) is the largest cost of storing a batch, and a save's last
 after the last byte arrived, while ``close()`` waits. ``hashlib`` lets go of the GIL while it
 hashes more than a few KiB, so slices of the batch hashed on other threads run side by side. Batches
 cut while the writer is still writing are hashed on their own thread: there the FUSE thread and the
-writer need the other core.
+writer need the other core. A batch taken just before the ``close()`` (a relayout group is cut once
+its last byte is in, which is often the file's last byte) asks between steps whether a commit now
+waits for it, and hashes the rest on every core from then on.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvchunkfs.format.chunker import chunk_id
@@ -19,6 +21,9 @@ from kvchunkfs.format.chunker import chunk_id
 Buffer = bytes | memoryview
 
 PARALLEL_MIN = 1 << 20  # smaller batches: the hand-off costs about what the other core would save
+STEP = 1 << 20  # bytes hashed between two looks at ``hurry``
+
+Hurry = Callable[[], bool]  # True once a commit waits for the batch being hashed
 
 HELPERS = max(1, (os.cpu_count() or 2) - 1)  # threads beside the one that asks
 _lock = threading.Lock()
@@ -37,9 +42,12 @@ def _ids(pieces: Sequence[Buffer]) -> list[bytes]:
     return [chunk_id(p) for p in pieces]
 
 
-def chunk_ids(pieces: Sequence[Buffer], parallel: bool = False) -> list[bytes]:
+def chunk_ids(pieces: Sequence[Buffer], parallel: bool | Hurry = False) -> list[bytes]:
     """The ids of ``pieces`` in order; with ``parallel``, slices of about equal bytes are hashed on
-    the pool's threads and this one at once."""
+    the pool's threads and this one at once. ``parallel`` may be a ``Hurry``: pieces are hashed on
+    this thread, ``STEP`` bytes at a time, until it returns True; the rest then on every core."""
+    if callable(parallel):
+        return _ids_until_hurried(pieces, parallel)
     total = sum(len(p) for p in pieces)
     if not parallel or len(pieces) < 2 or total < PARALLEL_MIN:
         return _ids(pieces)
@@ -57,4 +65,18 @@ def chunk_ids(pieces: Sequence[Buffer], parallel: bool = False) -> list[bytes]:
     out = _ids(slices[0])
     for f in futures:
         out.extend(f.result())
+    return out
+
+
+def _ids_until_hurried(pieces: Sequence[Buffer], hurry: Hurry) -> list[bytes]:
+    out: list[bytes] = []
+    i = 0
+    while i < len(pieces):
+        if hurry():
+            return out + chunk_ids(pieces[i:], parallel=True)
+        step = 0
+        while i < len(pieces) and step < STEP:
+            out.append(chunk_id(pieces[i]))
+            step += len(pieces[i])
+            i += 1
     return out

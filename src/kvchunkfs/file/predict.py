@@ -24,7 +24,7 @@ from itertools import accumulate, islice
 
 import numpy as np
 
-from kvchunkfs.file.hashing import chunk_ids
+from kvchunkfs.file.hashing import Hurry, chunk_ids
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
 
@@ -125,14 +125,14 @@ def cut_batch(
     prev: bytes,
     successors: Successors | None,
     window: int = WINDOW,
-    parallel: bool = False,
+    parallel: bool | Hurry = False,
 ) -> tuple[Chunks, bytes, CutState]:
     """Cut a batch exactly as ``cutter.cut(state, batch, final=False)`` would, accepting predicted
     chunks where the cut is plain FastCDC; returns (chunks with ids, tentative tail, its state).
 
     ``prev`` is the id of the chunk before the batch (START at the file's start). Chunks the cutter
     itself ends at a content-defined cut are learned as successors. ``parallel``: hash on every
-    core (a batch a ``close()`` waits for, file/hashing.py).
+    core (a batch a ``close()`` waits for), or from when it says so (file/hashing.py).
     """
     out: Chunks = []
     learned: list[tuple[bytes, Guess]] = []
@@ -202,7 +202,7 @@ def _take_cut(
     prev: bytes,
     out: Chunks,
     learned: list[tuple[bytes, Guess]],
-    parallel: bool = False,
+    parallel: bool | Hurry = False,
 ) -> int:
     """Hash the cutter's chunks (of ``data``, which starts at file offset ``base``) into ``out``;
     learn those that ended at a content-defined cut: chunks of a cut with more bytes to come that

@@ -127,15 +127,22 @@ def test_a_changed_byte_fails_a_direct_read(tmp_path: Path) -> None:
     with open(store.pack_path(loc.pack), "r+b") as f:
         f.seek(loc.offset + 1_000_003)
         f.write(bytes([whole[index.start(2) + 1_000_003] ^ 0x01]))
-    _evict(store)
     fetcher = _fetcher(store)
-    got = bytearray()
     try:
-        with pytest.raises(ChunkCorrupt):
-            for view in fetcher.stream(index, 0, len(whole)):
-                got += view
-        assert bytes(got) == whole[: len(got)] and len(got) <= index.start(2)
-        assert store.counters.direct_reads > 0
+        # The pages evicted, the read is direct; on a loaded machine a page the kernel still held
+        # in a per-CPU batch may make a try read through the page cache: that try proves nothing
+        # about direct reads, so the read is tried again, evicted again.
+        for _ in range(5):
+            _evict(store)
+            direct_before = store.counters.direct_reads
+            got = bytearray()
+            with pytest.raises(ChunkCorrupt):
+                for view in fetcher.stream(index, 0, len(whole)):
+                    got += view
+            assert bytes(got) == whole[: len(got)] and len(got) <= index.start(2)
+            if store.counters.direct_reads > direct_before:
+                break
+        assert store.counters.direct_reads > 0, "no try read the packs directly"
     finally:
         fetcher.close()
         store.close()

@@ -122,6 +122,8 @@ class FileContent:
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
+        # The stub's bytes and the map's drop generation it was loaded from; None once changed.
+        self.loaded_from: tuple[bytes, int] | None = None
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
         self.gen = 0  # bumped by every change; a commit clears ``dirty`` only if unchanged
@@ -163,6 +165,7 @@ class FileContent:
     def _changed(self) -> None:
         self.gen += 1
         self.dirty = True
+        self.loaded_from = None  # no longer the stub's content, even once saved
 
     # -- writing ----------------------------------------------------------------------------
 

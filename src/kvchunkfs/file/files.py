@@ -170,12 +170,25 @@ class Files:
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found = self._checked_index(rel)
+            index, found, loaded_from = self._checked_index(rel)
             content = self.content(index)
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
+        content.loaded_from = loaded_from
         return content
 
-    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location]]:
+    def still_current(self, rel: str, content: FileContent) -> bool:
+        """Whether ``content``, closed since and unchanged, is still the snapshot at ``rel``: its
+        stub holds the bytes it was loaded from and no chunk has left the map since (blocking).
+        Its pins were kept, so GC has not taken its chunks meanwhile."""
+        if content.loaded_from is None:
+            return False
+        try:
+            data, size = stubs.read_stub(self.repo.path(rel))
+        except OSError:
+            return False
+        return (data, self.repo.store.drop_gen) == content.loaded_from and size in (None, content.index.size)
+
+    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], tuple[bytes, int]]:
         """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
         checked against the map; remembered while the stub's bytes stay the same, if the map had
         every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
@@ -185,7 +198,7 @@ class Files:
         hit = self._loaded.get(rel)
         if hit is not None and hit[0] == data and hit[1] == gen and size in (None, hit[2].size):
             self._loaded.move_to_end(rel)
-            return hit[2].copy(), hit[3]
+            return hit[2].copy(), hit[3], (data, gen)
         index = stubs.decode_stub(data, size, path)
         found = self.repo.store.locate_many(index.ids)
         bad = self.repo.store.length_mismatch(index, found)
@@ -196,7 +209,7 @@ class Files:
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
-        return index, found
+        return index, found, (data, gen)
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).

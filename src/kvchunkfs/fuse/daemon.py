@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 import resource
 import signal
@@ -18,7 +19,7 @@ import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
-from kvchunkfs.fuse.operations import Operations
+from kvchunkfs.fuse.operations import LINGER, Operations
 from kvchunkfs.fuse.sdnotify import notify
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,17 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     ops = Operations(files)
+    ops.linger = LINGER
     ops.mountpoint = str(mountpoint.resolve())
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
-        tasks: list[BackgroundTask] = [partial(trim_when_idle, above=trim_above), checkpoints, *(background or [])]
+        tasks: list[BackgroundTask] = [
+            partial(trim_when_idle, above=trim_above),
+            checkpoints,
+            close_lingering,
+            *(background or []),
+        ]
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
     finally:
         pyfuse3.close(unmount=True)
@@ -181,6 +188,17 @@ async def trim_when_idle(ops: Operations, delay: float = IDLE_TRIM_DELAY, above:
             ops.idle_checks += 1
 
 
+async def close_lingering(ops: Operations) -> None:
+    """Close each lingering content once its ``linger`` seconds are up."""
+    while True:
+        await ops.lingered.wait()
+        ops.lingered = trio.Event()
+        while (wait := await ops.close_lingered()) is not None:
+            with trio.move_on_after(wait):
+                await ops.lingered.wait()  # a new one may be due sooner: look again
+            ops.lingered = trio.Event()
+
+
 async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_on_signals)
@@ -190,6 +208,7 @@ async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background
             nursery.start_soon(task, ops)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
+    await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
 
 
 async def _on_signals() -> None:

@@ -3,6 +3,10 @@
 Inode numbers are ours, not the stubs': a save replaces a stub by rename, which gives it a new
 host inode, while the file the kernel knows must keep its identity. ``Node`` maps an inode to its
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
+An unchanged content stays loaded for ``linger`` seconds after its last close: llama-server opens a
+snapshot twice per restore (it reads the end and the header, closes, and opens it again), and the
+second open takes the first one's content, read-ahead and decodes under way, if the stub still
+holds the bytes it was loaded from.
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
 copies, pinning, writing stubs) goes to worker threads, and the trio thread never waits on a lock
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0
+LINGER = 1.0  # seconds a closed, unchanged snapshot stays loaded for a reopen (the daemon's value)
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
 
 
@@ -61,6 +66,7 @@ class Node:
     lock: trio.Lock = field(default_factory=trio.Lock)
     gate: PathGate = field(default_factory=PathGate)  # its stub renamed in a thread (fuse/gate.py)
     loading: trio.Event | None = None  # set while an open loads the content: later opens wait for it
+    lingering: FileContent | None = None  # closed but kept, pins and all, for a reopen (``linger``)
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
     # Times set (utimensat/futimens) on the open file, with the content's generation then: the
@@ -152,7 +158,11 @@ class Operations(pyfuse3.Operations):
         self.observer: Observer | None = None
         self.write_requests = 0
         self.write_bytes = 0
-        self.open_files = 0  # nodes with a content; kept as a number so other threads can read it
+        self.open_files = 0  # contents loaded (open or lingering); a number other threads can read
+        self.linger = 0.0  # seconds an unchanged content stays loaded after its last close (daemon: LINGER)
+        self.lingering: dict[Node, float] = {}  # node -> when its lingering content is closed
+        self.lingered = trio.Event()  # set when a content starts lingering (daemon.close_lingering)
+        self.reopens = 0  # opens that took a lingering content
         self.went_idle = trio.Event()  # set when the last open file is released (see daemon.trim_when_idle)
         self.idle_gen = 0  # bumped by every first open and every last release: "still the same idle spell?"
         self.memory_trims = 0
@@ -195,7 +205,7 @@ class Operations(pyfuse3.Operations):
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
-        if node.nlookup <= 0 and node.opens == 0 and node.ino != pyfuse3.ROOT_INODE:
+        if node.nlookup <= 0 and node.opens == 0 and node.lingering is None and node.ino != pyfuse3.ROOT_INODE:
             self.nodes.pop(node.ino, None)
             if node.path is not None and self.by_path.get(node.path) is node:
                 del self.by_path[node.path]
@@ -461,6 +471,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
             if node is not None:
                 self._detach(node)
+                await self.drop_lingering(node)
         await self._sync_dirs(rel)
 
     async def rename(
@@ -504,6 +515,8 @@ class Operations(pyfuse3.Operations):
             if target is not None:
                 self._detach(target)
             self._move(old, new)
+        if target is not None:
+            await self.drop_lingering(target)
         await self._sync_dirs(old, new)
 
     async def _sync_dirs(self, *rels: str) -> None:
@@ -573,9 +586,11 @@ class Operations(pyfuse3.Operations):
                 node.loading = loaded = trio.Event()
                 try:
                     async with node.gate.use():  # the path read in a thread: no rename meanwhile
-                        content = await self._load(node, allow_broken)
+                        content = await self._revive(node, allow_broken)
+                        if content is None:
+                            content = await self._load(node, allow_broken)
+                            self.open_files += 1
                     node.content = content
-                    self.open_files += 1
                     self.idle_gen += 1
                 finally:
                     node.loading = None
@@ -586,7 +601,8 @@ class Operations(pyfuse3.Operations):
             raise
 
     async def _drop_open(self, node: Node, commit: bool = True) -> None:
-        """One open fewer; the last one saves the content if it changed, then closes it."""
+        """One open fewer; the last one saves the content if it changed, then closes it, or keeps
+        it loaded for ``linger`` seconds if it is the stub's content unchanged."""
         node.opens -= 1
         content = node.content
         if node.opens == 0 and content is not None:
@@ -600,12 +616,56 @@ class Operations(pyfuse3.Operations):
             finally:
                 if node.opens == 0 and node.content is content:
                     node.content = None
-                    await self._thread(content.close)  # unpins: takes store.lock
-                    self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
-                    if self.open_files == 0:
-                        self.idle_gen += 1
-                        self.went_idle.set()
+                    if self.linger > 0 and node.path is not None and content.loaded_from is not None:
+                        node.lingering = content
+                        self.lingering[node] = trio.current_time() + self.linger
+                        self.lingered.set()
+                    else:
+                        await self._close_content(content)
         self._maybe_drop(node)
+
+    async def _close_content(self, content: FileContent) -> None:
+        await self._thread(content.close)  # unpins: takes store.lock
+        self.open_files -= 1  # after the unpin: a test waiting for 0 may collect them
+        if self.open_files == 0:
+            self.idle_gen += 1
+            self.went_idle.set()
+
+    async def _revive(self, node: Node, allow_broken: bool) -> FileContent | None:
+        """The node's lingering content for this open if the stub still holds the bytes it was
+        loaded from (then nothing is read or pinned again); else it is closed, and None."""
+        kept = node.lingering
+        if kept is None:
+            return None
+        node.lingering = None
+        self.lingering.pop(node, None)
+        # Here, not in a thread: a small file read moments ago (as lookup's lstat, no lock, no
+        # journal), and a hop to a worker costs more while the first open's decodes run.
+        if not allow_broken and node.path is not None and self.files.still_current(node.path, kept):
+            self.reopens += 1
+            return kept
+        await self._close_content(kept)
+        return None
+
+    async def drop_lingering(self, node: Node) -> None:
+        """Close the node's lingering content now (at its time, or its name is gone: GC may take
+        its chunks once it is unpinned)."""
+        kept = node.lingering
+        if kept is not None:
+            node.lingering = None
+            self.lingering.pop(node, None)
+            await self._close_content(kept)
+        self._maybe_drop(node)
+
+    async def close_lingered(self, now: float | None = None) -> float | None:
+        """Close the lingering contents whose time is up (all of them with ``now`` = inf); the
+        seconds until the next one is due, or None if none lingers."""
+        now = trio.current_time() if now is None else now
+        for node in [n for n, due in self.lingering.items() if due <= now]:
+            await self.drop_lingering(node)
+        if not self.lingering:
+            return None
+        return max(0.0, min(self.lingering.values()) - trio.current_time())
 
     async def _new_handle(self, node: Node, flags: int, ctx: pyfuse3.RequestContext) -> int:
         """A handle for an open already counted by ``_acquire``."""
@@ -847,6 +907,8 @@ class Operations(pyfuse3.Operations):
             "write_requests": self.write_requests,
             "write_request_bytes": self.write_bytes,
             "open_files": self.open_files,
+            "lingering_files": len(self.lingering),
+            "reopens": self.reopens,
             "memory_trims": self.memory_trims,
             "idle_checks": self.idle_checks,
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,

@@ -1,6 +1,7 @@
-"""A closed, unchanged snapshot stays loaded for a moment (``Operations.linger``): llama-server opens
-a snapshot twice per restore. A reopen takes the loaded content only while the stub still holds the
-bytes it was loaded from; anything else loads afresh."""
+"""A closed, unchanged snapshot stays loaded for a moment (``reopen_linger``): llama-server opens a
+snapshot twice per restore. A reopen takes the loaded content only while the stub still holds the
+bytes it was loaded from; anything else loads afresh. The daemons here keep it 30 s (a loaded
+machine must not let it expire between a test's steps), except where the expiry is the point."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import time
 
 from helpers import rand_bytes, read_direct, wait_closed, write_in_pieces
 
-from kvchunkfs.fuse.operations import LINGER
-
 MiB = 1 << 20
+LONG = ["--reopen-linger", "30"]
 
 
 def _wait_stat(kvfs, key: str, value: int, timeout: float = 10) -> None:
@@ -22,6 +22,7 @@ def _wait_stat(kvfs, key: str, value: int, timeout: float = 10) -> None:
 
 
 def test_a_reopen_right_after_the_last_close_takes_the_loaded_content(kvfs) -> None:
+    kvfs.remount(LONG)
     data = rand_bytes(3 * MiB + 5, 1)
     write_in_pieces(kvfs.path("s"), data, MiB)
     wait_closed(kvfs)
@@ -32,14 +33,27 @@ def test_a_reopen_right_after_the_last_close_takes_the_loaded_content(kvfs) -> N
     after = kvfs.stats()
     assert after["reopens"] - before["reopens"] == 1
     assert after["restores"] - before["restores"] == 1, "still a use of the snapshot"
-    # Then it is closed for good, its pins and buffers let go.
-    _wait_stat(kvfs, "lingering_files", 0, timeout=LINGER + 10)
+
+
+def test_a_lingering_content_is_closed_when_its_time_is_up(kvfs) -> None:
+    kvfs.remount(["--reopen-linger", "1"])
+    data = rand_bytes(MiB, 10)
+    write_in_pieces(kvfs.path("s"), data, MiB)
     wait_closed(kvfs)
+    assert read_direct(kvfs.path("s")) == data
+    _wait_stat(kvfs, "lingering_files", 1)
+    _wait_stat(kvfs, "lingering_files", 0, timeout=20)  # its pins and buffers let go
+    wait_closed(kvfs)
+    kvfs.remount(["--reopen-linger", "0"])
+    assert read_direct(kvfs.path("s")) == data
+    wait_closed(kvfs)
+    assert kvfs.stats()["lingering_files"] == 0, "0: closed at the last release, as without it"
 
 
 def test_a_stub_changed_behind_the_loaded_content_is_loaded_again(kvfs) -> None:
     """The stub replaced without this node knowing (as a fetch from the shared tier installs one):
     the lingering content is not the snapshot any more, and the reopen reads the new one."""
+    kvfs.remount(LONG)
     old, new = rand_bytes(2 * MiB, 2), rand_bytes(2 * MiB, 3)
     write_in_pieces(kvfs.path("a"), old, MiB)
     write_in_pieces(kvfs.path("b"), new, MiB)
@@ -54,6 +68,7 @@ def test_a_stub_changed_behind_the_loaded_content_is_loaded_again(kvfs) -> None:
 
 
 def test_a_content_written_after_its_reopen_does_not_linger_as_the_old_snapshot(kvfs) -> None:
+    kvfs.remount(LONG)
     data = rand_bytes(2 * MiB, 4)
     write_in_pieces(kvfs.path("s"), data, MiB)
     wait_closed(kvfs)
@@ -63,14 +78,14 @@ def test_a_content_written_after_its_reopen_does_not_linger_as_the_old_snapshot(
         f.seek(MiB)
         f.write(b"x" * 4096)
     changed = data[:MiB] + b"x" * 4096 + data[MiB + 4096 :]
-    wait_closed(kvfs)  # saved and closed: a changed content does not linger
-    assert kvfs.stats()["lingering_files"] == 0
+    wait_closed(kvfs, timeout=10)  # saved and closed: a changed content does not linger (30 s)
     assert read_direct(kvfs.path("s")) == changed
     kvfs.remount()
     assert read_direct(kvfs.path("s")) == changed
 
 
 def test_a_truncating_open_replaces_a_lingering_content(kvfs) -> None:
+    kvfs.remount(LONG)
     data, nxt = rand_bytes(2 * MiB, 5), rand_bytes(MiB + 77, 6)
     write_in_pieces(kvfs.path("s"), data, MiB)
     wait_closed(kvfs)
@@ -85,6 +100,7 @@ def test_a_truncating_open_replaces_a_lingering_content(kvfs) -> None:
 
 
 def test_an_unlinked_or_replaced_snapshot_lets_go_of_its_lingering_content_at_once(kvfs) -> None:
+    kvfs.remount(LONG)
     for name, seed in (("gone", 7), ("over", 8), ("new", 9)):
         write_in_pieces(kvfs.path(name), rand_bytes(MiB, seed), MiB)
     wait_closed(kvfs)

@@ -231,6 +231,14 @@ SETTINGS: dict[str, Setting] = {
             hi=1 << 50,
         ),
         Setting("kernel_readahead_kb", "int", 4096, "kernel read-ahead of the mount (0 = leave)", lo=0),
+        Setting(
+            "reopen_linger",
+            "duration",
+            1,
+            "seconds a snapshot closed unchanged stays loaded for the next open (0 = none)",
+            lo=0,
+            hi=3600,
+        ),
         Setting("verify_reads", "bool", True, "check chunk hashes on read"),
         Setting(
             "predict_chunks",
@@ -365,6 +373,7 @@ class Config:
     chunk_workers: int = SETTINGS["chunk_workers"].default
     max_file_size: int = SETTINGS["max_file_size"].default
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
+    reopen_linger: int = SETTINGS["reopen_linger"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
     predict_chunks: bool = SETTINGS["predict_chunks"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default

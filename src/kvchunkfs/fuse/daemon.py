@@ -19,7 +19,7 @@ import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
-from kvchunkfs.fuse.operations import LINGER, Operations
+from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.sdnotify import notify
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     ops = Operations(files)
-    ops.linger = LINGER
+    ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())
     pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
     log.info("mounted %s on %s", files.repo.root, mountpoint)

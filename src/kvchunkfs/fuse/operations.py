@@ -3,7 +3,7 @@
 Inode numbers are ours, not the stubs': a save replaces a stub by rename, which gives it a new
 host inode, while the file the kernel knows must keep its identity. ``Node`` maps an inode to its
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
-An unchanged content stays loaded for ``linger`` seconds after its last close: llama-server opens a
+An unchanged content stays loaded for ``linger`` seconds (``reopen_linger``) after its last close: llama-server opens a
 snapshot twice per restore (it reads the end and the header, closes, and opens it again), and the
 second open takes the first one's content, read-ahead and decodes under way, if the stub still
 holds the bytes it was loaded from.
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0
-LINGER = 1.0  # seconds a closed, unchanged snapshot stays loaded for a reopen (the daemon's value)
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
 
 
@@ -159,7 +158,7 @@ class Operations(pyfuse3.Operations):
         self.write_requests = 0
         self.write_bytes = 0
         self.open_files = 0  # contents loaded (open or lingering); a number other threads can read
-        self.linger = 0.0  # seconds an unchanged content stays loaded after its last close (daemon: LINGER)
+        self.linger = 0.0  # seconds an unchanged content stays loaded after its last close (daemon: reopen_linger)
         self.lingering: dict[Node, float] = {}  # node -> when its lingering content is closed
         self.lingered = trio.Event()  # set when a content starts lingering (daemon.close_lingering)
         self.reopens = 0  # opens that took a lingering content

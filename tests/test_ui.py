@@ -326,6 +326,26 @@ def test_tree_shows_the_shared_prefix(env: Env) -> None:
     env.shot("tree")
 
 
+def test_a_change_elsewhere_keeps_the_tree_as_expanded(env: Env) -> None:
+    """A restore (or a GC run) changes the dashboard's live counters, not the prefix tree: the tree
+    stays as the user expanded it, the same nodes under the pointer."""
+    env.open("tree")
+    rows = wait(env.driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#tree > .tnode > .tkids > .tnode > .trow"))
+    node = next(r for r in rows if int(r.get_attribute("data-shared")) == 4)
+    node.find_element(By.CSS_SELECTOR, ".toggle").click()
+    wait(env.driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#tree .tkids .tkids .trow"), what="expanded")
+    env.js("document.querySelector('#tree').firstElementChild.dataset.mark = 'kept'")
+    seen = env.js("return lastChange")
+    (env.mnt / "chat" / "conv1-t0").read_bytes()  # a restore: the counters move
+    wait(env.driver, lambda d: env.js("return lastChange") != seen, what="the change seen by a poll")
+    status = "return document.querySelector('#status').textContent"
+    shown = env.js(status)
+    wait(env.driver, lambda d: env.js(status) != shown, what="the next poll")
+    assert env.js("return document.querySelector('#tree').firstElementChild.dataset.mark") == "kept", "tree redrawn"
+    assert env.driver.find_elements(By.CSS_SELECTOR, "#tree .tkids .tkids .trow"), "collapsed by the redraw"
+    node.find_element(By.CSS_SELECTOR, ".tlabel").click()  # the same element: not stale
+
+
 def test_charts_and_logs_pages(env: Env) -> None:
     env.open("charts")
     wait(env.driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#page-charts canvas")) == 3, what="3 charts")

@@ -425,7 +425,9 @@ pages.tree = {
   async load() {
     if (!$("#tree").childElementCount) $("#tree").textContent = "reading the snapshots' token prefixes…";
     const t = await api("GET", "/prefix-tree");
-    const key = JSON.stringify([t.snapshots, lastChange]);
+    // Redrawn only when the tree itself changed: a GC run or a restore elsewhere must not collapse
+    // what the user expanded (nor swap the nodes under a click).
+    const key = JSON.stringify([t.snapshots, t.tree]);
     if (key === treeKey && $("#tree").childElementCount) return;  // keep what is expanded
     treeKey = key;
     const root = t.tree;

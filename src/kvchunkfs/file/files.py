@@ -186,7 +186,14 @@ class Files:
             data, size = stubs.read_stub(self.repo.path(rel))
         except OSError:
             return False
-        return (data, self.repo.store.drop_gen) == content.loaded_from and size in (None, content.index.size)
+        return self._same_load((data, self.repo.store.drop_gen), size, content.loaded_from, content.index)
+
+    @staticmethod
+    def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int], index: Index) -> bool:
+        """Whether a stub read ``now`` (its bytes, the map's drop generation) with size xattr ``size``
+        is still what ``index`` was loaded from ``then``: the bytes compared whole (stubs are
+        replaced, never edited, but an inode number can be reused)."""
+        return now == then and size in (None, index.size)
 
     def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], tuple[bytes, int]]:
         """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
@@ -196,7 +203,7 @@ class Files:
         data, size = stubs.read_stub(path)
         gen = self.repo.store.drop_gen
         hit = self._loaded.get(rel)
-        if hit is not None and hit[0] == data and hit[1] == gen and size in (None, hit[2].size):
+        if hit is not None and self._same_load((data, gen), size, (hit[0], hit[1]), hit[2]):
             self._loaded.move_to_end(rel)
             return hit[2].copy(), hit[3], (data, gen)
         index = stubs.decode_stub(data, size, path)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvchunkfs.file.files import Files
 from kvchunkfs.format import index as idx
 from kvchunkfs.format.chunker import Chunker, chunk_id
-from kvchunkfs.format.cutter import Cutter
+from kvchunkfs.format.cutter import GROUP_WIDTH, Cutter
 from kvchunkfs.store.packformat import BATCH_HEADER_SIZE, ENTRY_SIZE, PACK_HEADER_SIZE
 from kvchunkfs.store.repository import Repository, StoreSettings
 
@@ -315,3 +315,124 @@ def test_chunk_ids_turn_to_every_core_once_a_commit_waits() -> None:
         hashing.chunk_id = real  # type: ignore[assignment]
     assert len(asked) == 3, "asked before each step until the answer was yes"
     assert any(t.startswith("hash") for t in threads), "the rest went to the helper threads"
+
+
+def _relayout_file() -> tuple[bytes, bytes, idx.Index, list]:
+    """A llama-shaped state file (two stored groups), its stored stream, index and groups."""
+    from e2e import ggsq
+    from kvchunkfs.format import llama_state as ls
+
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, 5), ggsq.Spec(n_layer=6, row_bytes=512))
+    cutter = Cutter(16 << 10, 64 << 10, 256 << 10, "relayout")
+    chunks, _ = cutter.cut(cutter.initial(), data, final=True)
+    index = idx.Index(16 << 10, 64 << 10, 256 << 10)
+    for c in chunks:
+        index.append(chunk_id(c), len(c))
+    groups = [g for g in ls.segments(data, GROUP_WIDTH) if g.group is not None and g.end is not None]
+    return data, b"".join(bytes(c) for c in chunks), index, groups
+
+
+def test_a_read_of_the_end_starts_the_first_group_before_parsing_the_headers_after_it() -> None:
+    """llama-server's restore reads the file's last KiB first. The first group's decode is handed to
+    the decoders as soon as its own header is parsed, before the headers up to the end are read
+    (each a small disk read); the end is still answered from its rows' records alone."""
+    from concurrent.futures import Executor, Future
+
+    from kvchunkfs.file.groups import FileGroups
+
+    data, stored, index, groups = _relayout_file()
+    assert len(groups) == 2 and groups[1].end == len(data)
+    events: list[tuple[str, int]] = []
+
+    def read_chunks(ix: idx.Index, offset: int, size: int, ahead: int | None = None) -> bytes:
+        events.append(("read", offset))
+        return stored[offset : offset + size]
+
+    class Inline(Executor):  # runs a decode at once, noting which group it puts back
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            events.append(("decode", args[1].seg.start))
+            done: Future[None] = Future()
+            done.set_result(fn(*args, **kwargs))
+            return done
+
+    fg = FileGroups(GROUP_WIDTH, None, lambda: False, None, Inline())
+    tail = len(data) - 8192
+    assert fg.read_file(index, tail, 8192, read_chunks) == data[tail:]
+    decode_k = events.index(("decode", groups[0].start))
+    after_k = [i for i, (kind, off) in enumerate(events) if kind == "read" and off >= groups[1].start]
+    assert after_k and decode_k < after_k[0], events[: after_k[0] + 1]
+    assert ("decode", groups[1].start) not in events  # the last group: only its rows' records read
+    assert bytes(fg.read_file(index, 0, len(data), read_chunks)) == data
+
+
+def test_prestart_starts_the_threads_at_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvchunkfs.file.queues import prestart
+
+    pool = ThreadPoolExecutor(5, thread_name_prefix="prestart-test")
+    try:
+        prestart(pool, 3)
+        assert sum(t.name.startswith("prestart-test") for t in threading.enumerate()) == 3
+    finally:
+        pool.shutdown()
+
+
+MAPS = """\
+55d0c0000000-55d0c0021000 r--p 00000000 fd:01 12 /usr/bin/python3.11
+7f00a0000000-7f00a0010000 r--p 00000000 fd:01 34 /usr/lib/x86_64-linux-gnu/libsqlite3.so.0.8.6
+7f00a0010000-7f00a0100000 r-xp 00010000 fd:01 34 /usr/lib/x86_64-linux-gnu/libsqlite3.so.0.8.6
+7f00a0100000-7f00a0101000 ---p 00100000 fd:01 34 /usr/lib/x86_64-linux-gnu/libsqlite3.so.0.8.6
+7f00a0200000-7f00a0300000 r-xp 00000000 fd:01 56 /venv/site-packages/numpy.libs/libscipy_openblas64_.so
+7f00a0400000-7f00a0500000 r--s 00000000 fd:01 78 /store/packs/0001.pack
+7f00a0600000-7f00a0601000 r-xp 00000000 fd:01 90 /venv/site-packages/xxhash/_xxhash.cpython-311-x86_64-linux-gnu.so
+7f00a0700000-7f00a0800000 rw-p 00000000 00:00 0 [heap]
+7f00a0900000-7f00a0901000 r--p 00000000 fd:01 91 /opt/lib/libweird.so (deleted)
+"""
+
+
+def test_prefault_covers_the_shared_libraries_only() -> None:
+    """Code pages of shared libraries, never a data file the daemon maps, nor numpy's BLAS."""
+    from kvchunkfs.fuse.prefault import library_ranges
+
+    assert library_ranges(MAPS.splitlines(keepends=True)) == [
+        (0x7F00A0000000, 0x7F00A0010000),
+        (0x7F00A0010000, 0x7F00A0100000),
+        (0x7F00A0600000, 0x7F00A0601000),
+    ]
+
+
+PREFAULT_CHECK = """
+import sqlite3, sys
+from kvchunkfs.fuse.prefault import prefault_libraries
+
+def resident():
+    rss = size = 0
+    lib = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            lib = fields[-1].startswith("/") and "libsqlite3" in fields[-1] and fields[1].startswith("r")
+        elif lib and fields[0] == "Size:":
+            size += int(fields[1])
+        elif lib and fields[0] == "Rss:":
+            rss += int(fields[1])
+    return rss, size
+
+before, size = resident()
+done = prefault_libraries()
+after, _ = resident()
+print(before, after, size, done)
+"""
+
+
+def test_prefault_maps_every_page_of_a_library() -> None:
+    """A library the process has barely run (SQLite, just imported) is resident whole afterwards:
+    the cache dropping that stands for a cold boot leaves mapped pages in place."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PREFAULT_CHECK], capture_output=True, text=True, check=True)
+    before, after, size, done = (int(x) for x in out.stdout.split())
+    assert size > 0 and done > size * 1024
+    assert before < size and after == size, (before, after, size)

@@ -29,6 +29,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,6 +104,7 @@ class FileContent:
         successors: Successors | None = None,
         decoded_groups: DecodedGroups | None = None,
         buffers: BufferPool | None = None,
+        decoders: Executor | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -117,7 +119,7 @@ class FileContent:
         self.max_size = max_size
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
-        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers)
+        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers, decoders)
         self.buffers = buffers  # large joins of a save's batch go there (reused once unreferenced)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).

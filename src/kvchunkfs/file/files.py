@@ -12,6 +12,7 @@ import logging
 import os
 import sqlite3
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool
+from kvchunkfs.file.queues import ChunkPool, prestart
 from kvchunkfs.format import relayout
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
@@ -31,6 +32,7 @@ from kvchunkfs.store.stubs import StubError
 
 log = logging.getLogger(__name__)
 
+DECODERS = 8  # threads putting groups back, for all open files (more decodes wait for one)
 BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
 
@@ -63,6 +65,7 @@ class Files:
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         self.fetcher.buffers = self.buffers
+        prestart(self.fetcher.pool, s.prefetch_workers)
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
         # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
         # for locations looked up at open. Only touched under store.lock, in load.
@@ -76,6 +79,10 @@ class Files:
         # They live in the pool's buffers: the pool forgets the oldest when it needs a buffer.
         self.decoded_groups = DecodedGroups(self.buffers.capacity)
         self.buffers.reclaim = self.decoded_groups.drop_oldest
+        # The threads that put groups back: started at mount and kept (a new thread per group cost
+        # its start, waited for by the read that needed the group).
+        self.decoders = ThreadPoolExecutor(DECODERS, thread_name_prefix="group")
+        prestart(self.decoders, 2)
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -128,6 +135,7 @@ class Files:
             successors=self.successors,
             decoded_groups=self.decoded_groups,
             buffers=self.buffers,
+            decoders=self.decoders,
         )
 
     def replacement(self, rel: str) -> FileContent:
@@ -261,3 +269,4 @@ class Files:
     def close(self) -> None:
         self.pool.close()
         self.fetcher.close()
+        self.decoders.shutdown(wait=False)

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Executor
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.reader import HandleReader, ReadChunks
@@ -171,8 +172,10 @@ class FileGroups:
         decoded_groups: DecodedGroups | None,
         stopped: Callable[[], bool],
         buffers: BufferPool | None = None,
+        decoders: Executor | None = None,
     ) -> None:
         self.group_w = group_w
+        self.decoders = decoders  # where decodes run; None: a thread each
         self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
         self.buffers = buffers  # where groups are put back (shared, reused once unreferenced)
         self._stopped = stopped  # the file's last handle is gone: decode no further ahead
@@ -194,6 +197,8 @@ class FileGroups:
         ``isize`` bytes: the worker may be appending to it), stored groups put back in file order."""
         isize = index.size if isize is None else isize
         end = offset + size
+        if self._reading == -1 and offset > 0:
+            self._fetch_first_early(index, isize, read_chunks, offset)
         found = self._groups(index, isize, read_chunks, min(isize, end + LOOKAHEAD) if self.group_w else end)
         hit = [g for g in found if g.start < end and offset < (g.end or 0)]
         ahead = self._next_group(found, end)
@@ -212,6 +217,20 @@ class FileGroups:
         if pos < end:
             parts.append(read_chunks(index, pos, end - pos, ahead))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _fetch_first_early(self, index: Index, isize: int, read_chunks: ReadChunks, offset: int) -> None:
+        """A restore's first read past the file's first group (llama-server reads the end first):
+        start putting the first group back as soon as its own header is parsed. The headers up to
+        the read are parsed one after the other, each a small read of the disk; the first group's
+        fetch need not wait for them."""
+        if not self.group_w:
+            return
+        until, early = 1, self._groups(index, isize, read_chunks, 1)  # one section's headers
+        while not early and (known := self._layout) is not None and known[3] is not None and known[3].pos < offset:
+            until = known[3].pos + 1
+            early = self._groups(index, isize, read_chunks, until)
+        if early and early[0].end is not None and early[0].end <= offset:
+            self._decode(index, early[0], read_chunks)
 
     def _next_group(self, found: list[Segment], end: int) -> int | None:
         """Where read-ahead past ``end`` must stop: the next stored group's start (its decode reads
@@ -332,7 +351,10 @@ class FileGroups:
             # A handle's reader: a cursor of its own, so the handle's read-ahead stays where it was.
             reader = read_chunks.detached() if isinstance(read_chunks, HandleReader) else read_chunks
             args = (index, d, reader, key)
-            threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
+            if self.decoders is not None:
+                self.decoders.submit(self._run_decode, *args)
+            else:
+                threading.Thread(target=self._run_decode, args=args, name="group", daemon=True).start()
         return d
 
     def _run_decode(self, index: Index, d: GroupDecode, reader: ReadChunks, key: bytes) -> None:

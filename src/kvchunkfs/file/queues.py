@@ -1,9 +1,11 @@
-"""The write path's queues: ``ChunkPool`` (the threads that run file workers' turns) and ``ByteQueue``
-(a file's bytes waiting for the chunker)."""
+"""The data path's threads and queues: ``ChunkPool`` (the threads that run file workers' turns),
+``prestart`` (a pool's threads started before they are needed) and ``ByteQueue`` (a file's bytes
+waiting for the chunker)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +22,15 @@ class ChunkPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def prestart(executor: ThreadPoolExecutor, n: int) -> None:
+    """Start ``n`` of the executor's threads now. It starts them only as work comes, and a read
+    waiting for the work would wait for the start too (a fresh thread's stack is faulted in)."""
+    barrier = threading.Barrier(n + 1)  # each task holds its thread until all n run: n threads
+    for _ in range(n):
+        executor.submit(barrier.wait)
+    barrier.wait()
 
 
 class ByteQueue:

@@ -20,6 +20,7 @@ import trio
 
 from kvchunkfs.file.files import Files
 from kvchunkfs.fuse.operations import Operations
+from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ def serve(
     """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts."""
     clear_stale_mount(mountpoint)
     tune_process()
+    log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())

@@ -50,6 +50,7 @@ from kvchunkfs.store.remote import RemoteTier
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+OnPath = Callable[[str], None]  # run on a snapshot's path in a worker thread
 ATTR_TIMEOUT = 1.0
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
 
@@ -557,12 +558,12 @@ class Operations(pyfuse3.Operations):
 
     # -- files: open, create, release -------------------------------------------------------
 
-    async def _load(self, node: Node, allow_broken: bool = False) -> FileContent:
+    async def _load(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
         assert node.path is not None
         try:
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
                 return await self._thread(self.files.replacement, node.path)
-            return await self._thread(self.files.load, node.path)
+            return await self._thread(_and_then, self.files.load, node.path, then)
         except (IndexFormatError, OSError) as e:  # OSError: a stub that is not a snapshot too (StubError)
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
@@ -570,11 +571,13 @@ class Operations(pyfuse3.Operations):
             log.error("cannot open snapshot %s: %s", node.path, e)
             raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
-    async def _acquire(self, node: Node, allow_broken: bool = False) -> FileContent:
+    async def _acquire(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
         """The node's shared content, loaded by the first of concurrent opens; counts one open.
 
         The open is counted before any await, so a release meanwhile does not close the content,
         and a second open waits for the first one's load instead of loading (and pinning) again.
+        ``then`` runs on the snapshot's path in the thread that loads it or checks a lingering
+        content, if this open does either (a restore's use count: one thread hop, not two).
         """
         node.opens += 1
         try:
@@ -585,9 +588,9 @@ class Operations(pyfuse3.Operations):
                 node.loading = loaded = trio.Event()
                 try:
                     async with node.gate.use():  # the path read in a thread: no rename meanwhile
-                        content = await self._revive(node, allow_broken)
+                        content = await self._revive(node, allow_broken, then)
                         if content is None:
-                            content = await self._load(node, allow_broken)
+                            content = await self._load(node, allow_broken, then)
                             self.open_files += 1
                     node.content = content
                     self.idle_gen += 1
@@ -630,17 +633,25 @@ class Operations(pyfuse3.Operations):
             self.idle_gen += 1
             self.went_idle.set()
 
-    async def _revive(self, node: Node, allow_broken: bool) -> FileContent | None:
+    async def _revive(self, node: Node, allow_broken: bool, then: OnPath | None = None) -> FileContent | None:
         """The node's lingering content for this open if the stub still holds the bytes it was
-        loaded from (then nothing is read or pinned again); else it is closed, and None."""
+        loaded from (then nothing is read or pinned again); else it is closed, and None. ``then``
+        runs in the checking thread if the content is taken."""
         kept = node.lingering
         if kept is None:
             return None
         node.lingering = None
         self.lingering.pop(node, None)
-        # Here, not in a thread: a small file read moments ago (as lookup's lstat, no lock, no
-        # journal), and a hop to a worker costs more while the first open's decodes run.
-        if not allow_broken and node.path is not None and self.files.still_current(node.path, kept):
+        # Without ``then``, here, not in a thread: a small file read moments ago (as lookup's
+        # lstat, no lock, no journal), and a hop to a worker costs more while the first open's
+        # decodes run. With it, in the thread ``then`` needs anyway.
+        if allow_broken or node.path is None:
+            current = False
+        elif then is None:
+            current = self.files.still_current(node.path, kept)
+        else:
+            current = await self._thread(_and_then, lambda rel: self.files.still_current(rel, kept), node.path, then)
+        if current:
             self.reopens += 1
             return kept
         await self._close_content(kept)
@@ -684,7 +695,15 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         truncating = bool(flags & os.O_TRUNC)
-        content = await self._acquire(node, allow_broken=truncating)
+        noted = False
+
+        def note_use(rel: str) -> None:  # in the thread of the load or the reopen's check
+            nonlocal noted
+            self.repo.note_use(rel)
+            noted = True
+
+        reading = flags & os.O_ACCMODE == os.O_RDONLY and node.writers == 0
+        content = await self._acquire(node, allow_broken=truncating, then=note_use if reading else None)
         if truncating:  # before the handle exists: if it fails, the kernel never sends a release
             try:
                 async with node.lock:
@@ -697,9 +716,10 @@ class Operations(pyfuse3.Operations):
             # A restore: a read-only open of a complete file (none being written through another handle).
             self.restores += 1
             self.handles[fh].restore_start = time.monotonic()
-            async with node.gate.use():
-                if node.path is not None:
-                    await self._thread(self.repo.note_use, node.path)
+            if not noted:  # the content was loaded already: no thread ran for this open
+                async with node.gate.use():
+                    if node.path is not None:
+                        await self._thread(self.repo.note_use, node.path)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
@@ -912,6 +932,14 @@ class Operations(pyfuse3.Operations):
             "idle_checks": self.idle_checks,
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
+
+
+def _and_then(fn: Callable[[str], T], rel: str, then: OnPath | None) -> T:
+    """``fn(rel)``, then ``then(rel)`` if given and ``fn`` did not return False (one thread)."""
+    out = fn(rel)
+    if then is not None and out is not False:
+        then(rel)
+    return out
 
 
 def _invalidate_entry(parent_ino: int, name: bytes) -> None:

@@ -436,3 +436,32 @@ def test_prefault_maps_every_page_of_a_library() -> None:
     before, after, size, done = (int(x) for x in out.stdout.split())
     assert size > 0 and done > size * 1024
     assert before < size and after == size, (before, after, size)
+
+
+def test_a_wait_for_a_group_is_called_back_once_when_it_may_be_read() -> None:
+    """The event loop waits for a group being put back without a worker thread: the decode calls
+    back once (when the range's cells are in, or at its end, error or not); a range already in
+    place, or a decode that ended, calls nothing back and says so."""
+    from kvchunkfs.file.groups import GroupDecode
+
+    data, stored, index, groups = _relayout_file()
+    k = groups[0]
+    assert k.end is not None
+    calls: list[str] = []
+    decode = GroupDecode(k)
+    assert decode.when_ready(0, 4096, lambda: calls.append("first"))
+    assert decode.when_ready(k.end - k.start - 4096, 4096, lambda: calls.append("last"))
+    assert calls == []
+    decode.run(index, lambda ix, off, n, ahead=None: stored[off : off + n])
+    assert sorted(calls) == ["first", "last"]
+    assert bytes(decode.wait(0, k.end - k.start)) == data[k.start : k.end]
+    assert not decode.when_ready(0, 4096, lambda: calls.append("again")) and len(calls) == 2
+
+    failing = GroupDecode(k)
+    assert failing.when_ready(0, 4096, lambda: calls.append("failed"))
+
+    def broken(ix: idx.Index, off: int, n: int, ahead: int | None = None) -> bytes:
+        raise OSError(5, "a pack read failed")
+
+    failing.run(index, broken)
+    assert calls[-1] == "failed" and isinstance(failing.error, OSError)

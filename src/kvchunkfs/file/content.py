@@ -394,6 +394,10 @@ class FileContent:
         """Where read-ahead past ``end`` must stop (see ``FileGroups.read_ahead_limit``)."""
         return self.groups.read_ahead_limit(self.index, end)
 
+    def when_ready(self, offset: int, size: int, callback: Callable[[], None]) -> bool:
+        """``FileGroups.when_ready`` for this file's chunks (the event loop calls it)."""
+        return self.groups.when_ready(self.index, offset, size, callback)
+
     def decoded(self, offset: int, size: int) -> memoryview | None:
         """The bytes if a group being put back holds all of them in place already (no wait, no
         lock: the event loop calls it)."""

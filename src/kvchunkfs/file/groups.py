@@ -119,6 +119,25 @@ class GroupDecode:
         # needed are there (a restore's reads of a group's first block all wait for nearly every
         # record, and waking each of them at every piece cost more than the decode).
         self._needs: list[int] = []
+        self._callbacks: list[tuple[int, Callable[[], None]]] = []  # (cells needed, call when in place)
+
+    def when_ready(self, off: int, size: int, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called (on the decode's thread, once) when group-relative
+        ``[off, off + size)`` may be in place or the decode ends; False if it is already either:
+        then nothing is called. The caller checks again: a call means "look", not "ready"."""
+        with self.cond:
+            if self.finished or self.unpermute.ready(off, size):
+                return False
+            self._callbacks.append((self.unpermute.cells_for(off, size), callback))
+            return True
+
+    def _due(self, everything: bool) -> list[Callable[[], None]]:
+        """Call under ``cond``: take the callbacks whose cells are in (all of them at the end)."""
+        cells = self.unpermute.cells
+        due = [cb for need, cb in self._callbacks if everything or need <= cells]
+        if due:
+            self._callbacks = [(need, cb) for need, cb in self._callbacks if not (everything or need <= cells)]
+        return due
 
     def run(self, index: Index, reader: ReadChunks) -> None:
         g, u = self.seg, self.unpermute
@@ -132,6 +151,9 @@ class GroupDecode:
                     with self.cond:
                         if self._needs and u.cells >= min(self._needs):
                             self.cond.notify_all()
+                        due = self._due(False) if self._callbacks else []
+                    for callback in due:
+                        callback()
                     if not fed:
                         break
             if not fed or not u.done:  # records wider than a chunk: all at once
@@ -144,6 +166,9 @@ class GroupDecode:
             with self.cond:
                 self.finished = True
                 self.cond.notify_all()
+                due = self._due(True)
+            for callback in due:
+                callback()
 
     def wait(self, off: int, size: int) -> memoryview:
         """Group-relative file bytes, once in place (reader threads only: this waits)."""
@@ -400,6 +425,19 @@ class FileGroups:
         if not _parsed_to(known[3], end):
             return False  # not parsed that far yet
         return not any(g.start < end and offset < (g.end or 0) for g in known[2])
+
+    def when_ready(self, index: Index, offset: int, size: int, callback: Callable[[], None]) -> bool:
+        """``GroupDecode.when_ready`` of the group being put back that holds the range, if reads
+        are at that group already (a first read of a group starts the next one's decode: it goes
+        the usual way); False if there is none, or it holds the bytes already, or it ended."""
+        known = self._decodes
+        if known is None or known[0] is not index:
+            return False
+        for d in known[1].values():
+            start, end = d.seg.start, d.seg.end or 0
+            if start <= offset and offset + size <= end and self._reading == start:
+                return d.when_ready(offset - start, size, callback)
+        return False
 
     def decoded(self, index: Index, offset: int, size: int) -> memoryview | None:
         """The bytes if a group being put back holds all of them in place already (no wait, no

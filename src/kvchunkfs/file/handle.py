@@ -10,6 +10,7 @@ for a lock another thread holds across I/O: the content's ``cond`` is never held
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -80,6 +81,24 @@ class FileHandle:
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         data = self.read_ready(offset, size)
+        if data is None and self.content.mode is Mode.CLEAN:
+            data = await self._group_bytes(offset, size)
         if data is not None:
             return data
         return await _thread(self.content.read, offset, size, self.reader)
+
+    async def _group_bytes(self, offset: int, size: int) -> bytes | memoryview | None:
+        """A read of a group being put back: waited for on the event loop, woken by the decode,
+        instead of in a worker thread (the hop there and back cost more than the wait itself);
+        None if the bytes are not there when woken (the usual read then says why)."""
+        token = trio.lowlevel.current_trio_token()
+        woken = trio.Event()
+
+        def wake() -> None:  # on the decode's thread
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(woken.set)
+
+        if not self.content.when_ready(offset, size, wake):
+            return self.read_ready(offset, size)
+        await woken.wait()
+        return self.read_ready(offset, size)

@@ -65,7 +65,8 @@ class Files:
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         self.fetcher.buffers = self.buffers
-        prestart(self.fetcher.pool, s.prefetch_workers)
+        # Not its workers started at mount: a pool whose every thread takes turns at the reads
+        # spreads the run buffers over more malloc arenas (tests/test_soak.py: RSS grew twice as much).
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
         # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
         # for locations looked up at open. Only touched under store.lock, in load.

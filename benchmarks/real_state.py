@@ -14,7 +14,9 @@ name, so the very same slot state is saved into every target: (a) a plain direct
 do-nothing pyfuse3 filesystem (benchmarks/nullfs.py, "floor"; restores read a second nullfs that
 keeps the bytes, ``--keep-data``, because llama-server parses what it reads), (c) kv-chunk-fs with
 default settings (plus (d), ``--compare-src``). Saves follow the proxy's pattern: ``NAME.tmp``,
-then renamed over ``NAME``.
+then renamed over ``NAME``. Restores are also read through (e) "pass-through", a nullfs serving the
+plain files from disk (``--backing``, one ``pread`` per read request, restarted with the kv-chunk-fs
+daemons): the least any daemon of this binding that reads the disk costs a restore.
 
 Each config's conversation (random prompt tokens, the config's size) is prefilled once and kept in
 ``--states`` (CPU flash attention is quadratic in the context: a 100 MiB f16 context takes ~15
@@ -93,7 +95,7 @@ CONFIGS = {
 TURN_TOKENS = 200
 N_PREDICT = 4
 VOCAB = (300, 32000)  # random prompt tokens: skip control and byte tokens
-PLAIN, FLOOR, FS, FS2 = "plain", "floor", "kv-chunk-fs", "compare"
+PLAIN, FLOOR, PASS, FS, FS2 = "plain", "floor", "pass-through", "kv-chunk-fs", "compare"
 FIRST, NEXT, COLD, WARM = "first save", "next-turn save", "cold restore", "warm restore"
 OPS = (FIRST, NEXT, COLD, WARM)
 TARGETS_MET = {  # the issue's targets: (op, against, at most)
@@ -126,6 +128,7 @@ class Bed:
     compare_src: Path | None
     targets: list[Target] = field(default_factory=list)
     keep: bench.Mount | None = None  # the nullfs that keeps bytes: the floor's restores
+    passthrough: Target | None = None  # restores only: a nullfs serving the plain files from disk
     store_no: int = 0
 
     def fs_mounts(self) -> list[bench.Mount]:
@@ -133,7 +136,8 @@ class Bed:
 
     def mounts(self) -> list[bench.Mount]:
         ms = [t.mount for t in self.targets if t.mount is not None]
-        return ms + ([self.keep] if self.keep else [])
+        more = [self.keep, self.passthrough.mount if self.passthrough else None]
+        return ms + [m for m in more if m is not None]
 
     def fs_argv(self, name: str) -> list[str]:
         store = self.work / f"store-{name}-{self.store_no}"
@@ -148,6 +152,9 @@ class Bed:
         w = self.work
         (w / PLAIN).mkdir()
         self.keep = bench.Mount([*null, "--keep-data", str(w / "keep")], w / "keep", w / "keep.log", ra, None)
+        passthrough = bench.Mount([*null, "--backing", str(w / PLAIN), str(w / "pass")], w / "pass",
+                                  w / "pass.log", ra, None)  # fmt: skip
+        self.passthrough = Target(PASS, w / PLAIN, w / "pass", passthrough)  # started by restart_fs
         self.targets = [
             Target(PLAIN, w / PLAIN, w / PLAIN),
             Target(FLOOR, w / "null", w / "keep", bench.Mount([*null, str(w / "null")], w / "null",
@@ -173,21 +180,26 @@ class Bed:
     def restart_fs(self) -> None:
         for m in self.fs_mounts():
             m.restart()  # a fresh daemon: nothing cached, as after a restart
+        if self.passthrough is not None and self.passthrough.mount is not None:
+            self.passthrough.mount.restart()  # it opens the plain files as they are now
         time.sleep(SETTLE)  # the daemons' start-up work done before the first restore is timed
 
     def teardown(self) -> None:
         for m in self.mounts():
             m.stop()
 
-    def order(self, run_no: int) -> list[Target]:
+    def order(self, run_no: int, restores: bool = False) -> list[Target]:
         """The targets in this run's order. The kv-chunk-fs trees go one right after the other,
-        which one first alternating each run, and that pair, plain and the floor rotate: over six
-        runs every target holds every place equally (with the trees simply rotated among four
-        places, the same tree in both slots differed by ~10%: one was restored first more often)."""
+        which one first alternating each run, and that pair, plain and the floor (and, for
+        restores, the pass-through) rotate: over a multiple of their count of runs every target
+        holds every place equally (with the trees simply rotated among four places, the same tree
+        in both slots differed by ~10%: one was restored first more often)."""
         plain, floor, *trees = self.targets
         if len(trees) == 2 and run_no % 2:
             trees.reverse()
         units: list[list[Target]] = [[plain], [floor], trees]
+        if restores and self.passthrough is not None:
+            units.insert(2, [self.passthrough])
         k = run_no % len(units)
         return [t for unit in units[k:] + units[:k] for t in unit]
 
@@ -332,10 +344,10 @@ def saves(bed: Bed, res: Results, config: str, op: str, run_no: int, save: Calla
 
 def restores(bed: Bed, res: Results, config: str, run_no: int, restore: Callable[[Target], float]) -> None:
     bed.restart_fs()
-    for t in bed.order(run_no):
+    for t in bed.order(run_no, restores=True):
         bench.drop_caches()
         res.add(config, COLD, t.name, measured_restore(bed, t, restore, cold=True))
-    for t in bed.order(run_no):
+    for t in bed.order(run_no, restores=True):
         res.add(config, WARM, t.name, measured_restore(bed, t, restore, cold=False))
 
 
@@ -544,6 +556,8 @@ def summarize(res: Results, cache_size: int) -> dict:
                     e[f"{fs}/plain"] = e[fs]["ms"]["median"] / e[PLAIN]["ms"]["median"]
                     e[f"{fs}/floor"] = e[fs]["ms"]["median"] / e[FLOOR]["ms"]["median"]
             e["floor/plain"] = e[FLOOR]["ms"]["median"] / e[PLAIN]["ms"]["median"]
+            if PASS in e:
+                e["pass/plain"] = e[PASS]["ms"]["median"] / e[PLAIN]["ms"]["median"]
             c["ops"][op] = e
         out["configs"][config] = c
     return out
@@ -564,8 +578,9 @@ def report(s: dict) -> str:
     fss = [fs for fs in (FS, FS2) if any(fs in op for c in s["configs"].values() for op in c["ops"].values())]
     lines = []
     name = {fs: s.get("labels", {}).get(fs, fs) for fs in fss}
-    head = ["config", "op", "plain ms", "floor ms", *[f"{name[fs]} ms" for fs in fss],
-            *[f"{name[fs]} vs target" for fs in fss], "floor/plain", *[f"{name[fs]} CPU ms" for fs in fss]]  # fmt: skip
+    head = ["config", "op", "plain ms", "floor ms", "pass-through ms", *[f"{name[fs]} ms" for fs in fss],
+            *[f"{name[fs]} vs target" for fs in fss], "floor/plain", "pass-through/plain",
+            *[f"{name[fs]} CPU ms" for fs in fss]]  # fmt: skip
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for config, c in s["configs"].items():
@@ -575,12 +590,14 @@ def report(s: dict) -> str:
             if e is None:
                 continue
             cpu = [f"{e[fs]['cpu_ms']['median']:.0f}" if "cpu_ms" in e[fs] else "" for fs in fss]
-            cells = [label, op, _cell(e, PLAIN), _cell(e, FLOOR), *[_cell(e, fs) for fs in fss],
-                     *[_verdict(op, e, fs) for fs in fss], f"{e['floor/plain']:.2f}x", *cpu]  # fmt: skip
+            passed = (_cell(e, PASS), f"{e['pass/plain']:.2f}x") if PASS in e else ("", "")
+            cells = [label, op, _cell(e, PLAIN), _cell(e, FLOOR), passed[0], *[_cell(e, fs) for fs in fss],
+                     *[_verdict(op, e, fs) for fs in fss], f"{e['floor/plain']:.2f}x", passed[1], *cpu]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
             label = ""
     lines.append("")
-    lines.append("medians (min–max) over runs, ms; plain/floor/kv-chunk-fs interleaved, order balanced over runs")
+    lines.append("medians (min–max) over runs, ms; plain/floor/kv-chunk-fs interleaved, order balanced over runs;")
+    lines.append("pass-through: restores only, the plain files served from disk by pyfuse3, one pread per read")
     limit = s["cache_size"] + 64 * MiB
     for config, c in s["configs"].items():
         cold = c["ops"].get(COLD, {})

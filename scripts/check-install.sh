@@ -48,10 +48,10 @@ mkdir "$tmp/mnt"
 head -c 3000000 /dev/urandom >"$tmp/data"
 
 mount_store() { # starts the daemon, returns once the mount is up
-    local i
+    local _
     "$exe" mount --store "$tmp/store" "$tmp/mnt" >>"$tmp/daemon.log" 2>&1 &
     pid=$!
-    for i in $(seq 600); do
+    for _ in $(seq 600); do
         mountpoint -q "$tmp/mnt" && return
         kill -0 "$pid" 2>/dev/null || fail "the daemon exited: $(cat "$tmp/daemon.log")"
         sleep 0.1

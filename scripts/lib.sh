@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034 # the names set here are used by the scripts that source it
 # Shared by scripts/setup.sh (install for running) and scripts/setup-dev.sh (tests and development):
 # the system packages, the choice of Python, the virtual environment. Sourced, not run.
 
@@ -65,20 +66,21 @@ debian_python() {
 
 # The system packages the interpreter $1 lacks to make a virtual environment (Debian splits ensurepip
 # into python3.X-venv) and, while BUILD_PKGS is not empty, to build a C extension (python3.X-dev).
-# Printed one a line; dies when the interpreter is not Debian's and lacks them.
+# Printed on one line; dies when the interpreter is not Debian's and lacks them.
 python_packages() {
-    local py=$1 deb
+    local py=$1 deb need=()
     deb=$(debian_python "$py")
     if ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
         [ -n "$deb" ] || die "$py cannot make a virtual environment (no ensurepip module): use a Python" \
             "built with it, or PYTHON=/usr/bin/python3"
-        echo "$deb-venv"
+        need+=("$deb-venv")
     fi
     if [ ${#BUILD_PKGS[@]} -gt 0 ] && ! "$py" -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
         [ -n "$deb" ] || die "$py has no C headers (Python.h), which building pyfuse3 needs"
-        echo "$deb-dev"
+        need+=("$deb-dev")
     fi
+    echo "${need[*]}"
 }
 
 missing_packages() {

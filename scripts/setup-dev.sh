@@ -11,9 +11,9 @@ cd "$(dirname "$0")/.."
 
 venv=$PWD/.venv
 py=$(find_python)
-pypkgs=$(python_packages "$py")
-# shellcheck disable=SC2206 # one package name a line
-ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" "${TEST_PKGS[@]}" $pypkgs
+pyneed=$(python_packages "$py")
+read -ra pypkgs <<<"$pyneed"
+ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" "${TEST_PKGS[@]}" "${pypkgs[@]}"
 make_venv "$venv" "$py"
 # The pins first, then the package without resolving its dependencies again.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements.lock

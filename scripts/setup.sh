@@ -18,11 +18,11 @@ umask 022 # the venv readable by the users who run the command, writable by its 
 
 install_places
 py=$(find_python)
-pypkgs=$(python_packages "$py")
-# shellcheck disable=SC2206 # one package name a line
-ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" $pypkgs
-if ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
-    die "$py still cannot make a virtual environment (no ensurepip module)"
+pyneed=$(python_packages "$py")
+read -ra pypkgs <<<"$pyneed"
+ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" "${pypkgs[@]}"
+if ! err=$("$py" -c 'import ensurepip, venv' 2>&1); then
+    die "$py still cannot make a virtual environment: ${err##*$'\n'}"
 fi
 make_venv "$venv" "$py"
 
@@ -33,6 +33,7 @@ src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
 tar -c --exclude=__pycache__ --exclude='*.egg-info' pyproject.toml README.md LICENSE src | tar -x -C "$src"
 spec=$src${KVCFS_EXTRAS:+[$KVCFS_EXTRAS]}
+[ -x "$venv/bin/kv-chunk-fs" ] && upgrade=1 || upgrade=
 say "installing kv-chunk-fs and its pinned dependencies into $venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -c requirements.lock "$spec"
 
@@ -46,8 +47,11 @@ ln -sfn "$venv/bin/kv-chunk-fs" "$link"
 
 version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("kv-chunk-fs"))')
 say "installed kv-chunk-fs $version in $venv (Python $(py_version "$venv/bin/python")); the command: $link"
+if [ -n "$upgrade" ]; then
+    say "a daemon already running still runs the version before: restart it (systemctl restart kv-chunk-fs)"
+fi
 found=$(command -v kv-chunk-fs || true)
-if [ -z "$found" ]; then
+if [[ ":$PATH:" != *":$bindir:"* ]]; then
     say "note: $bindir is not on PATH: add it, or run $link"
 elif [ "$(readlink -f "$found")" != "$(readlink -f "$link")" ]; then
     say "note: another kv-chunk-fs comes first on PATH: $found"

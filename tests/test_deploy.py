@@ -219,9 +219,8 @@ def test_setup_for_tests_adds_the_test_only_packages(tmp_path: Path) -> None:
 
 def test_setup_names_a_python_too_old(tmp_path: Path) -> None:
     old = tmp_path / "python3.10"  # this interpreter, saying it is 3.10
-    _stub(old, f"""[ "$1" = -c ] || exit 2
-exec {sys.executable} -c 'import sys; sys.version_info = (3, 10, 13, "final", 0); exec(sys.argv[1])' "$2"
-""")
+    pretend = 'import sys; sys.version_info = (3, 10, 13, "final", 0); exec(sys.argv[1])'
+    _stub(old, f'[ "$1" = -c ] || exit 2\nexec {sys.executable} -c \'{pretend}\' "$2"\n')
     env = dict(_setup_env(tmp_path), PYTHON=str(old))
     r = subprocess.run(["bash", str(ROOT / "scripts/setup.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1

@@ -1,26 +1,30 @@
 # Developer targets; CI runs scripts/test.sh, which is `make full` on a fresh machine (setup included).
-PYTEST = python3 -m pytest -q -p no:cacheprovider
+# The interpreter: the checkout's .venv (scripts/setup-dev.sh) when there is one, else python3 on PATH;
+# `make PYTHON=...` names another. (The environment's PYTHON, which picks setup's interpreter, is not used.)
+PYTHON = $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lock lint format unit slow fuse busy full
 
-setup:
-	bash scripts/setup.sh
+setup:  # the test-only system packages and .venv (scripts/setup.sh installs for running)
+	bash scripts/setup-dev.sh
 
-# requirements.lock: every runtime, test and dev dependency pinned, resolved from pyproject.toml (what
-# setup installs). Run after changing the dependencies there; existing pins are kept where they still
-# fit: `make lock LOCK_FLAGS=--upgrade` moves every pin to the newest release.
+# requirements.lock: every runtime, test and dev dependency pinned, resolved from pyproject.toml.
+# setup-dev installs every pin; setup installs the runtime ones only (pip's constraint mode, -c). Run
+# after changing the dependencies there; existing pins are kept where they still fit:
+# `make lock LOCK_FLAGS=--upgrade` moves every pin to the newest release.
 lock:
-	python3 -m piptools compile -q --extra test --extra dev --strip-extras --no-emit-index-url \
+	$(PYTHON) -m piptools compile -q --extra test --extra dev --strip-extras --no-emit-index-url \
 		--no-emit-find-links $(LOCK_FLAGS) -o requirements.lock pyproject.toml
 
 lint:
-	ruff check src tests benchmarks e2e
-	ruff format --check src tests benchmarks e2e
-	python3 -m mypy
+	$(PYTHON) -m ruff check src tests benchmarks e2e
+	$(PYTHON) -m ruff format --check src tests benchmarks e2e
+	$(PYTHON) -m mypy
 
 format:
-	ruff format src tests benchmarks e2e
-	ruff check --fix src tests benchmarks e2e
+	$(PYTHON) -m ruff format src tests benchmarks e2e
+	$(PYTHON) -m ruff check --fix src tests benchmarks e2e
 
 unit:  # no root, no FUSE: about a minute
 	$(PYTEST) -m "unit and not slow"

@@ -1,4 +1,5 @@
-"""Deployment: systemd readiness (sd_notify) against a real mount, the unit files, the Grafana dashboard.
+"""Deployment: systemd readiness (sd_notify) against a real mount, the unit files, the Grafana dashboard,
+the setup scripts (what they ask apt for, with apt stubbed).
 
 There is no running systemd here (PID 1 is not systemd in CI containers), so the readiness test plays
 systemd's part: it binds the unix datagram socket named by NOTIFY_SOCKET and checks that READY=1
@@ -117,6 +118,24 @@ def test_committed_unit_files_are_what_install_writes(tmp_path: Path) -> None:
     assert (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text() == "[Service]\n# mine\n"  # kept
 
 
+def test_install_systemd_names_the_command_that_runs(tmp_path: Path) -> None:
+    """ExecStart is the kv-chunk-fs that was run (the /usr/local/bin symlink setup.sh makes), even with
+    another kv-chunk-fs first on PATH."""
+    bindir, decoy = tmp_path / "bin", tmp_path / "decoy"
+    bindir.mkdir()
+    decoy.mkdir()
+    exe = bindir / "kv-chunk-fs"  # what pip writes for the console script
+    exe.write_text(f"#!{sys.executable}\nimport sys\nfrom kvchunkfs.cli.main import main\nsys.exit(main())\n")
+    (decoy / "kv-chunk-fs").write_text("#!/bin/sh\nexit 1\n")
+    for path in (exe, decoy / "kv-chunk-fs"):
+        path.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(SRC), PATH=f"{decoy}:{os.environ['PATH']}")
+    subprocess.run([str(exe), "install-systemd", "--unit-dir", str(tmp_path / "units")], env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    unit = (tmp_path / "units" / "kv-chunk-fs.service").read_text()
+    assert f"\nExecStart={exe} mount ${{KVCFS_MOUNTPOINT}}\n" in unit
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     systemd.install(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")
@@ -146,3 +165,61 @@ def test_every_grafana_metric_exists_in_metrics(kvfs: Mount) -> None:
     samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     missing = sorted(dashboard_metrics() - samples)
     assert not missing, f"the Grafana dashboard queries metrics /metrics does not have: {missing}"
+
+
+# -- setup scripts -----------------------------------------------------------------------------------
+
+TEST_ONLY = {"chromium", "chromium-driver", "casync", "attr", "make"}
+
+
+def _stub(path: Path, text: str) -> None:
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(0o755)
+
+
+def _setup_env(tmp_path: Path) -> dict[str, str]:
+    """Where dpkg reports every package missing and apt-get records what it is asked to install and then
+    fails, which stops a setup script there: nothing gets installed."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    _stub(stubs / "dpkg-query", "exit 1\n")
+    _stub(stubs / "dpkg", "exit 1\n")
+    _stub(stubs / "apt-get", f'echo "$@" >> {tmp_path / "apt.log"}\ncase "$*" in *install*) exit 1;; esac\n')
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", KVCFS_VENV=str(tmp_path / "venv"),
+               KVCFS_BINDIR=str(tmp_path / "bin"))  # fmt: skip
+    env.pop("PYTHON", None)
+    return env
+
+
+def _setup_asks_for(tmp_path: Path, script: str) -> set[str]:
+    """The system packages a setup script asks apt-get for (this module runs as root)."""
+    env = _setup_env(tmp_path)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stderr  # stopped by the failing apt-get install
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "bin").exists()
+    log = (tmp_path / "apt.log").read_text()
+    installs = [line.split() for line in log.splitlines() if line.split()[0] == "install"]
+    assert len(installs) == 1, log
+    return {w for w in installs[0][1:] if not w.startswith("-")}
+
+
+def test_setup_for_running_installs_nothing_test_only(tmp_path: Path) -> None:
+    asked = _setup_asks_for(tmp_path, "setup.sh")
+    assert "fuse3" in asked
+    assert not asked & TEST_ONLY, asked
+
+
+def test_setup_for_tests_adds_the_test_only_packages(tmp_path: Path) -> None:
+    asked = _setup_asks_for(tmp_path, "setup-dev.sh")
+    assert {"fuse3"} | TEST_ONLY <= asked, asked
+
+
+def test_setup_names_a_python_too_old(tmp_path: Path) -> None:
+    old = tmp_path / "python3.10"  # this interpreter, saying it is 3.10
+    pretend = 'import sys; sys.version_info = (3, 10, 13, "final", 0); exec(sys.argv[1])'
+    _stub(old, f'[ "$1" = -c ] || exit 2\nexec {sys.executable} -c \'{pretend}\' "$2"\n')
+    env = dict(_setup_env(tmp_path), PYTHON=str(old))
+    r = subprocess.run(["bash", str(ROOT / "scripts/setup.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"PYTHON={old} is 3.10; kv-chunk-fs needs Python 3.11 or newer" in r.stderr, r.stderr
+    assert not (tmp_path / "apt.log").exists() and not (tmp_path / "venv").exists()  # stopped before anything

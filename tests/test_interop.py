@@ -14,7 +14,7 @@ from e2e import ggsq
 MiB = 1 << 20
 
 
-@pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup.sh installs it)")
+@pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup-dev.sh installs it)")
 def test_casync_extracts_exported_store(kvfs, tmp_path):
     shared = rand_bytes(6 * MiB, 30)
     files = {"one": shared + rand_bytes(MiB + 17, 31), "two": shared + b"\0" * (2 * MiB) + b"end"}

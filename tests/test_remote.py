@@ -350,7 +350,7 @@ def test_unlink_and_rename_reach_the_bucket(hosts: Hosts) -> None:
     assert read_direct(b.path("dir2/y")) == data[::-1]
 
 
-@pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup.sh installs it)")
+@pytest.mark.skipif(shutil.which("casync") is None, reason="casync not installed (scripts/setup-dev.sh installs it)")
 def test_casync_extracts_after_a_plain_download(hosts: Hosts, tmp_path: Path) -> None:
     a = hosts.new("a", "--remote-pack-size", "0")  # the loose layout: desync/casync-compatible
     data = rand_bytes(3 * MiB, 90) + b"\0" * MiB + b"tail"

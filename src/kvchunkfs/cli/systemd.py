@@ -9,6 +9,7 @@ mount-time recovery repairs what the crash left.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -70,6 +71,12 @@ def render_dropin(mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
 
 
 def default_exe() -> str:
+    """The command that is running, as it was called (/usr/local/bin/kv-chunk-fs, the symlink setup.sh
+    makes, stays valid when the virtual environment behind it is made again); else the one on PATH;
+    else this interpreter with the module."""
+    running = os.path.abspath(sys.argv[0])
+    if os.path.basename(running) == "kv-chunk-fs" and os.access(running, os.X_OK):
+        return running
     return shutil.which("kv-chunk-fs") or f"{sys.executable} -m kvchunkfs.cli"
 
 
@@ -92,4 +99,4 @@ def install(unit_dir: Path, exe: str, mountpoint: str) -> list[Path]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-dir", default="/etc/systemd/system", help="where to write the unit (default %(default)s)")
     p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="llama-server's --slot-save-path (%(default)s)")
-    p.add_argument("--exe", default=None, help="the kv-chunk-fs command for ExecStart (default: found on PATH)")
+    p.add_argument("--exe", default=None, help="the kv-chunk-fs command for ExecStart (default: this one)")

@@ -88,6 +88,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 cfg.kernel_readahead_kb,
                 [lambda _ops: collector.periodic(), api.task],
                 cfg.memory_trim_above,
+                cfg.stop_timeout,
             )
         finally:
             api.close()

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import resource
-import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -22,10 +21,12 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
+from kvchunkfs.fuse.stop import stop_on_signals
 
 log = logging.getLogger(__name__)
 
 BackgroundTask = Callable[[Operations], Awaitable[None]]
+STOP_TIMEOUT = 60.0  # seconds a signal waits for the saves in flight (setting stop_timeout)
 
 
 def clear_stale_mount(mountpoint: Path) -> None:
@@ -126,8 +127,10 @@ def serve(
     kernel_readahead_kb: int = 4096,
     background: list[BackgroundTask] | None = None,
     trim_above: int = TRIM_ABOVE_RSS,
+    stop_timeout: float = STOP_TIMEOUT,
 ) -> Operations:
-    """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts."""
+    """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts. A signal lets
+    the saves in flight finish first, for up to ``stop_timeout`` seconds (fuse/stop.py)."""
     clear_stale_mount(mountpoint)
     tune_process()
     log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
@@ -143,6 +146,7 @@ def serve(
             close_lingering,
             *(background or []),
         ]
+        tasks.append(partial(stop_on_signals, terminate=pyfuse3.terminate, bound=stop_timeout))
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
     finally:
         pyfuse3.close(unmount=True)
@@ -203,7 +207,6 @@ async def close_lingering(ops: Operations) -> None:
 
 async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_on_signals)
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
         for task in background:
@@ -211,15 +214,6 @@ async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
     await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
-
-
-async def _on_signals() -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            notify("STOPPING=1")
-            pyfuse3.terminate()
-            return
 
 
 async def _ready(mountpoint: Path) -> None:

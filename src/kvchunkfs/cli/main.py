@@ -343,7 +343,8 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.cli import systemd
 
     try:
-        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint,
+                                  cfg.stop_timeout)  # fmt: skip
     except OSError as e:
         print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
         return 1

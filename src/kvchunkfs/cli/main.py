@@ -188,8 +188,9 @@ def _mark_clean(repo: Repository) -> None:
 
 
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    """Through the daemon's API if it holds the store, else right here."""
-    from kvchunkfs.maint.gc import format_summary, run_gc
+    """Through the daemon's API if it holds the store, else right here. ``--dry-run``: what a run
+    would free, deleting nothing (offline without recovery's repairs either: they change the store)."""
+    from kvchunkfs.maint.gc import format_summary, plan_gc, run_gc
     from kvchunkfs.maint.recovery import prepare_map_file, recover
 
     if args.collect_remote:
@@ -201,7 +202,16 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     lock_fd = try_lock_store(root)
     try:
         if lock_fd is None:
-            result = _through_daemon(root, "POST", "/gc", {"walk": "1"} if args.walk else None)
+            params = {"walk": "1"} if args.walk else {}
+            if args.dry_run:
+                params["dry_run"] = "1"
+            result = _through_daemon(root, "POST", "/gc", params or None)
+        elif args.dry_run:
+            repo = open_repo(cfg)
+            try:
+                result = plan_gc(repo, cfg.gc_compact_threshold).to_dict()
+            finally:
+                repo.close()
         else:
             moved_aside = prepare_map_file(root)  # an unreadable chunks.db is rebuilt from the packs
             repo = open_repo(cfg)
@@ -424,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="s3://BUCKET/PREFIX",
         help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)",
     )
-    p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")
+    p.add_argument("--dry-run", action="store_true", help="report what would be freed, delete nothing (locally, "
+                   "or in the bucket with --remote)")  # fmt: skip
     p.add_argument("--convert", action="store_true",
                    help="with --remote: put loose chunks into packs, then collect the loose copies (once every "
                    "host runs a version that reads packs)")  # fmt: skip

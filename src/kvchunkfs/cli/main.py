@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -48,8 +49,12 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     problem = daemon.check_mountpoint(mountpoint, args.nonempty)
     if problem is not None:
         print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
-        return 1
-    Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
+        return 2
+    try:
+        Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
+    except OSError as e:
+        print(f"kv-chunk-fs: cannot mount: cannot create the store {cfg.store}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:
@@ -452,6 +457,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STORELESS = {"config", "install-systemd", "file-order"}  # commands that never open the store
+
+
+def store_problem(store: Path) -> str | None:
+    """Why ``store`` cannot be the store directory (a file, or a path through one), or None; a
+    missing one is for each command to create or report."""
+    try:
+        mode = os.stat(store).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot use the store {store}: {e.strerror or e}"
+    return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -464,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    problem = None if args.command in STORELESS else store_problem(Path(cfg.store))
+    if problem is not None:
+        print(f"kv-chunk-fs: {problem}", file=sys.stderr)
+        return 2
     if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
     return args.func(cfg, args)

@@ -18,6 +18,7 @@ import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.fuse import mounts
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
@@ -41,14 +42,19 @@ def clear_stale_mount(mountpoint: Path) -> None:
 
 def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> str | None:
     """Why ``mountpoint`` should not be mounted on, or None. A dead mount of a killed daemon is cleared
-    first. A non-empty directory is refused unless ``nonempty``: its files would vanish under the
-    mount, and they are usually full, undeduplicated saves llama-server made while nothing was mounted."""
+    first. A live FUSE mount (or a directory in one) is refused, naming what serves it: a second
+    mount would hide the first. A non-empty directory is refused unless ``nonempty``: its files would
+    vanish under the mount, and they are usually full, undeduplicated saves llama-server made while
+    nothing was mounted."""
     clear_stale_mount(mountpoint)
     try:
+        live = mounts.fuse_mount_of(mountpoint)
         with os.scandir(mountpoint) as it:
             first = next(it, None)
     except OSError as e:
         return f"cannot use {mountpoint} as the mountpoint: {e.strerror or e}"
+    if live is not None:
+        return mounts.describe(live, mountpoint)
     if first is not None and not nonempty:
         return (f"{mountpoint} is not empty (it holds {first.name!r}, among others perhaps); the mount would hide "
                 "its files. Move them away, or mount over them with --nonempty")  # fmt: skip
@@ -114,8 +120,10 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def mount_options(allow_other: bool) -> set[str]:
-    opts = set(pyfuse3.default_options) | {"fsname=kv-chunk-fs", "subtype=kv-chunk-fs"}
+def mount_options(allow_other: bool, store: Path | None = None) -> set[str]:
+    """``store``: named in the mount table (fuse/mounts.py)."""
+    name = mounts.fsname(store) if store is not None else mounts.FSNAME
+    opts = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=kv-chunk-fs"}
     if allow_other:
         opts.add("allow_other")  # llama-server may run as another user than the daemon
     return opts
@@ -137,7 +145,7 @@ def serve(
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())
-    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
+    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
         tasks: list[BackgroundTask] = [

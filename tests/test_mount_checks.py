@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import SRC, Mount
+from conftest import SRC, TESTS, Mount, is_mounted
 from helpers import rand_bytes
 
 
@@ -71,6 +72,26 @@ def test_a_directory_inside_a_live_mount_is_refused(kvfs: Mount, tmp_path: Path)
     err = refused_mount(tmp_path / "second", kvfs.path("sub"))
     assert f"{kvfs.path('sub')} is inside the kv-chunk-fs mount at {kvfs.mnt}" in err, err
     assert mounts_at(kvfs.path("sub")) == []
+
+
+def test_another_fuse_file_system_is_refused(tmp_path: Path) -> None:
+    """Any live FUSE mount, not only ours: here the tests' power-loss layer (tests/powerfs.py)."""
+    (tmp_path / "backing").mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with open(tmp_path / "powerfs.log", "wb") as log:
+        other = subprocess.Popen([sys.executable, str(TESTS / "powerfs.py"), str(tmp_path / "backing"), str(mnt), "1"],
+                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not is_mounted(mnt):
+            assert other.poll() is None and time.monotonic() < deadline, (tmp_path / "powerfs.log").read_text()
+            time.sleep(0.02)
+        err = refused_mount(tmp_path / "store", mnt)
+        assert f"{mnt} is already a fuse mount (powerfs) at {mnt}; unmount it first" in err, err
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        other.wait(timeout=60)
 
 
 def test_a_store_path_that_is_a_file_is_one_line(tmp_path: Path) -> None:

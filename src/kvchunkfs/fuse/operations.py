@@ -184,7 +184,7 @@ class Operations(pyfuse3.Operations):
         return self.writing
 
     def open_for_writing(self) -> list[str]:
-        return sorted({str(h.node.path) for h in self.handles.values() if h.writer})
+        return sorted({h.node.path or "(unlinked)" for h in self.handles.values() if h.writer})
 
     def _write_ended(self) -> None:
         self.last_write_end = trio.current_time()

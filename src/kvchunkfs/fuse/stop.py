@@ -38,12 +38,14 @@ class Writes(Protocol):
     """What a stop needs of the operations (``fuse.operations.Operations``)."""
 
     stopping: bool  # set: new writes are refused
-    last_write_end: float  # trio time a file open for writing was last released (or a save ended)
+    last_write_end: float  # trio time a write last ended
 
     @property
-    def write_activity(self) -> trio.Event: ...  # set when a writer is released or a save ends
+    def write_activity(self) -> trio.Event: ...  # set when a write ends
 
-    def writes_in_flight(self) -> int: ...  # handles open for writing plus saves running
+    # Writes under way: handles open for writing (from their open request until their release has
+    # saved) and truncates by path (until saved).
+    def writes_in_flight(self) -> int: ...
 
     def open_for_writing(self) -> list[str]: ...  # the names of the files open for writing
 

@@ -98,7 +98,7 @@ def test_a_signal_lets_the_save_in_flight_finish(tmp_path: Path, cpu_hog_beside:
 
 
 def test_past_the_bound_the_previous_version_stays(tmp_path: Path) -> None:
-    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--stop-timeout", "2"])
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--stop-timeout", "5"])
     first, other = rand_bytes(4 * MiB, 1), rand_bytes(2 * MiB, 2)
     m.start()
     fds: list[int] = []

@@ -125,6 +125,28 @@ class Mount:
         self.proc = None
         assert not is_mounted(self.mnt), "mount left behind"
 
+    def signal_stop(self, signum: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Stop the daemon as systemd does (a signal), wait for it to exit; its exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for a daemon that was told to stop; its exit status. The mount must be gone."""
+        assert self.proc is not None
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # leave nothing behind; the test fails
+            self.proc.wait(timeout=30)
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False, capture_output=True)
+            rc = None
+        self._log.close()
+        self.proc = None
+        assert rc is not None, f"daemon did not exit within {timeout} s: {self.log()[-3000:]}"
+        assert not is_mounted(self.mnt), "mount left behind"
+        return rc
+
     def kill(self) -> None:
         """kill -9 the daemon (a crash), leaving the dead mount for the next start to clear."""
         assert self.proc is not None

@@ -136,6 +136,24 @@ def test_install_systemd_names_the_command_that_runs(tmp_path: Path) -> None:
     assert f"\nExecStart={exe} mount ${{KVCFS_MOUNTPOINT}}\n" in unit
 
 
+def _timeout_stop(unit: str) -> int:
+    (line,) = [x for x in unit.splitlines() if x.startswith("TimeoutStopSec=")]
+    value = line.partition("=")[2]
+    return int(value[:-3]) * 60 if value.endswith("min") else int(value.rstrip("s"))
+
+
+def test_systemd_waits_longer_than_the_stop(tmp_path: Path) -> None:
+    """systemd kills the daemon at TimeoutStopSec: it must outlast the wait for the saves in flight
+    (``stop_timeout``) with time left to unmount and close the store, the default and a longer one."""
+    assert _timeout_stop(systemd.render_unit("kv-chunk-fs")) >= systemd.DEFAULT_STOP_TIMEOUT + 60
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    cmd = [sys.executable, "-m", "kvchunkfs.cli", "install-systemd", "--unit-dir", str(tmp_path), "--exe", "kvcfs",
+           "--stop-timeout", "15m"]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    assert _timeout_stop((tmp_path / "kv-chunk-fs.service").read_text()) >= 15 * 60 + 60
+    assert "KV_CHUNK_FS_STOP_TIMEOUT=900" in (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text()
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     systemd.install(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")

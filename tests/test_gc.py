@@ -103,6 +103,51 @@ def test_gc_of_an_unmounted_store_runs_directly(kvfs) -> None:
     assert kvfs.path("a").read_bytes() == a
 
 
+def pack_files(store: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (store / "packs").glob("*.pack")}
+
+
+@pytest.mark.parametrize("mounted", [True, False], ids=["through-the-daemon", "offline"])
+def test_gc_dry_run_deletes_nothing_and_says_what_a_run_frees(tmp_path: Path, mounted: bool) -> None:
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--pack-size", "1MiB"])
+    m.start()
+    try:
+        settled(m)
+        a = rand_bytes(4 * MiB, 11)
+        b = a[: 2 * MiB] + rand_bytes(3 * MiB, 12)  # shares a prefix with a
+        write_in_pieces(m.path("a"), a, MiB)
+        write_in_pieces(m.path("b"), b, MiB)
+        live, doomed = chunk_sizes(m.store / "snapshots" / "a"), chunk_sizes(m.store / "snapshots" / "b")
+        dead = {cid: n for cid, n in doomed.items() if cid not in live}
+        m.path("b").unlink()
+        if not mounted:
+            m.stop()
+        before = pack_files(m.store)
+
+        r = kv_cli("gc", "--store", str(m.store), "--dry-run", "--json")
+        assert r.returncode == 0, r.stderr
+        assert pack_files(m.store) == before, "the dry run deleted"
+        dry = json.loads(r.stdout)
+        assert dry["dry_run"] and dry["chunks_freed"] == len(dead) and dry["bytes_freed"] == sum(dead.values())
+        assert dry["packs_deleted"] >= 1 and dry["disk_bytes_freed"] > 0 and dry["live_chunks"] == len(live)
+        text = kv_cli("gc", "--store", str(m.store), "--dry-run")
+        assert text.stdout.startswith(f"gc dry run, nothing deleted: would free {len(dead)} chunks"), text.stdout
+        assert pack_files(m.store) == before  # not a byte deleted, twice
+
+        r = kv_cli("gc", "--store", str(m.store), "--walk", "--json")  # the real run frees what it said
+        assert r.returncode == 0, r.stderr
+        real = json.loads(r.stdout)
+        for key in ("chunks_freed", "bytes_freed", "packs_deleted", "packs_compacted", "disk_bytes_freed"):
+            assert real[key] == dry[key], (key, real, dry)
+        assert not real["dry_run"]
+        assert sum(pack_files(m.store).values()) == sum(before.values()) - dry["disk_bytes_freed"]
+        if not mounted:
+            m.start()
+        assert m.path("a").read_bytes() == a
+    finally:
+        m.stop()
+
+
 def read_direct(fd: int, offset: int, size: int) -> bytes:
     """O_DIRECT read: the daemon answers, not the kernel's page cache."""
     buf = mmap.mmap(-1, size)

@@ -254,6 +254,15 @@ SETTINGS: dict[str, Setting] = {
             "when idle, give free heap memory back to the system if the daemon's RSS is above this (0 = always)",
             lo=0,
         ),
+        Setting(
+            "stop_timeout",
+            "duration",
+            60,
+            "on SIGTERM/SIGINT, seconds to wait for files open for writing to be closed and saved before "
+            "unmounting anyway (keep it below the unit's TimeoutStopSec; 0 = do not wait)",
+            lo=0,
+            hi=86400,
+        ),
         Setting("gc_interval", "duration", 3600, "seconds between GC runs (0 = no periodic GC)", lo=0),
         Setting(
             "gc_walk_interval",
@@ -378,6 +387,7 @@ class Config:
     predict_chunks: bool = SETTINGS["predict_chunks"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
+    stop_timeout: int = SETTINGS["stop_timeout"].default
     gc_interval: int = SETTINGS["gc_interval"].default
     gc_walk_interval: int = SETTINGS["gc_walk_interval"].default
     gc_compact_threshold: float = SETTINGS["gc_compact_threshold"].default

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -48,8 +49,12 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     problem = daemon.check_mountpoint(mountpoint, args.nonempty)
     if problem is not None:
         print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
-        return 1
-    Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
+        return 2
+    try:
+        Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
+    except OSError as e:
+        print(f"kv-chunk-fs: cannot mount: cannot create the store {cfg.store}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:
@@ -88,6 +93,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 cfg.kernel_readahead_kb,
                 [lambda _ops: collector.periodic(), api.task],
                 cfg.memory_trim_above,
+                cfg.stop_timeout,
             )
         finally:
             api.close()
@@ -187,8 +193,9 @@ def _mark_clean(repo: Repository) -> None:
 
 
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    """Through the daemon's API if it holds the store, else right here."""
-    from kvchunkfs.maint.gc import format_summary, run_gc
+    """Through the daemon's API if it holds the store, else right here. ``--dry-run``: what a run
+    would free, deleting nothing (offline without recovery's repairs either: they change the store)."""
+    from kvchunkfs.maint.gc import format_summary, plan_gc, run_gc
     from kvchunkfs.maint.recovery import prepare_map_file, recover
 
     if args.collect_remote:
@@ -200,7 +207,16 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     lock_fd = try_lock_store(root)
     try:
         if lock_fd is None:
-            result = _through_daemon(root, "POST", "/gc", {"walk": "1"} if args.walk else None)
+            params = {"walk": "1"} if args.walk else {}
+            if args.dry_run:
+                params["dry_run"] = "1"
+            result = _through_daemon(root, "POST", "/gc", params or None)
+        elif args.dry_run:
+            repo = open_repo(cfg)
+            try:
+                result = plan_gc(repo, cfg.gc_compact_threshold).to_dict()
+            finally:
+                repo.close()
         else:
             moved_aside = prepare_map_file(root)  # an unreadable chunks.db is rebuilt from the packs
             repo = open_repo(cfg)
@@ -342,7 +358,8 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.cli import systemd
 
     try:
-        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint,
+                                  cfg.stop_timeout)  # fmt: skip
     except OSError as e:
         print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
         return 1
@@ -422,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="s3://BUCKET/PREFIX",
         help="collect the bucket's chunks instead (unnamed by any index and older than remote_grace)",
     )
-    p.add_argument("--dry-run", action="store_true", help="with --remote: report, delete nothing")
+    p.add_argument("--dry-run", action="store_true", help="report what would be freed, delete nothing (locally, "
+                   "or in the bucket with --remote)")  # fmt: skip
     p.add_argument("--convert", action="store_true",
                    help="with --remote: put loose chunks into packs, then collect the loose copies (once every "
                    "host runs a version that reads packs)")  # fmt: skip
@@ -439,6 +457,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STORELESS = {"config", "install-systemd", "file-order"}  # commands that never open the store
+
+
+def store_problem(store: Path) -> str | None:
+    """Why ``store`` cannot be the store directory (a file, or a path through one), or None; a
+    missing one is for each command to create or report."""
+    try:
+        mode = os.stat(store).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot use the store {store}: {e.strerror or e}"
+    return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -451,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    problem = None if args.command in STORELESS else store_problem(Path(cfg.store))
+    if problem is not None:
+        print(f"kv-chunk-fs: {problem}", file=sys.stderr)
+        return 2
     if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
     return args.func(cfg, args)

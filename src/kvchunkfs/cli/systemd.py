@@ -1,9 +1,11 @@
 """The systemd unit and its settings drop-in (``kv-chunk-fs install-systemd``; ``deploy/systemd/``).
 
 ``Type=notify``: the daemon sends ``READY=1`` once the mount answers (``fuse.sdnotify``), so units
-ordered after it (llama-server) start on a working directory. Stop is SIGTERM, on which the daemon
-finishes the saves in flight and unmounts; ``Restart=on-failure`` brings a crashed daemon back, and
-mount-time recovery repairs what the crash left.
+ordered after it (llama-server) start on a working directory. Stop (and restart) is SIGTERM, on which
+the daemon refuses new writes, waits up to ``stop_timeout`` for the files open for writing to be
+closed and saved, then unmounts and closes the store; ``TimeoutStopSec`` is that bound plus
+``CLOSE_MARGIN``, so systemd's SIGKILL never cuts the wait short. ``Restart=on-failure`` brings a
+crashed daemon back, and mount-time recovery repairs what the crash left.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from kvchunkfs.config import SETTINGS
+
 UNIT_NAME = "kv-chunk-fs.service"
 DROPIN_NAME = "settings.conf"
 DEFAULT_MOUNTPOINT = "/srv/kv-slots"
+# After the wait for saves: the unmount, then closing the store (a GC walk or compaction under way
+# stops, the upload and eviction threads are joined: up to a minute each).
+CLOSE_MARGIN = 240
 
 UNIT = """\
 # kv-chunk-fs: deduplicating FUSE filesystem for llama-server's --slot-save-path.
@@ -34,11 +41,12 @@ Environment=KVCFS_MOUNTPOINT={mountpoint}
 # "-": after a crash the mountpoint is a dead FUSE mount that mkdir cannot stat; the daemon clears it.
 ExecStartPre=-/bin/mkdir -p ${{KVCFS_MOUNTPOINT}}
 ExecStart={exe} mount ${{KVCFS_MOUNTPOINT}}
-# SIGTERM: finish the saves in flight, then unmount (what `fusermount3 -u` would do).
+# SIGTERM: refuse new writes, let the files open for writing be closed and saved (up to
+# stop_timeout, {stop_timeout}), then unmount. TimeoutStopSec must stay longer than stop_timeout.
 KillSignal=SIGTERM
 KillMode=mixed
 TimeoutStartSec=15min
-TimeoutStopSec=5min
+TimeoutStopSec={timeout_stop}
 Restart=on-failure
 RestartSec=2s
 LimitNOFILE=1048576
@@ -59,15 +67,28 @@ Environment=KVCFS_MOUNTPOINT={mountpoint}
 #Environment=KV_CHUNK_FS_GC_INTERVAL=3600
 #Environment=KV_CHUNK_FS_API_ADDRESS=127.0.0.1:9464
 #Environment=KV_CHUNK_FS_API_TOKEN_FILE=/etc/kv-chunk-fs/api-token
+# How long a stop waits for the saves in flight; a longer one needs TimeoutStopSec = it + {margin}:
+#Environment=KV_CHUNK_FS_STOP_TIMEOUT={stop_timeout}
+#TimeoutStopSec={timeout_stop}
 """
 
 
-def render_unit(exe: str, mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
-    return UNIT.format(exe=exe, mountpoint=mountpoint, unit=UNIT_NAME, dropin=DROPIN_NAME)
+DEFAULT_STOP_TIMEOUT: int = SETTINGS["stop_timeout"].default
 
 
-def render_dropin(mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
-    return DROPIN.format(mountpoint=mountpoint)
+def _span(seconds: int) -> str:
+    """A systemd time span: ``5min`` rather than ``300``."""
+    return f"{seconds // 60}min" if seconds % 60 == 0 else f"{seconds}s"
+
+
+def render_unit(exe: str, mountpoint: str = DEFAULT_MOUNTPOINT, stop_timeout: int = DEFAULT_STOP_TIMEOUT) -> str:
+    return UNIT.format(exe=exe, mountpoint=mountpoint, unit=UNIT_NAME, dropin=DROPIN_NAME,
+                       stop_timeout=_span(stop_timeout), timeout_stop=_span(stop_timeout + CLOSE_MARGIN))  # fmt: skip
+
+
+def render_dropin(mountpoint: str = DEFAULT_MOUNTPOINT, stop_timeout: int = DEFAULT_STOP_TIMEOUT) -> str:
+    return DROPIN.format(mountpoint=mountpoint, margin=_span(CLOSE_MARGIN), stop_timeout=stop_timeout,
+                         timeout_stop=_span(stop_timeout + CLOSE_MARGIN))  # fmt: skip
 
 
 def default_exe() -> str:
@@ -80,18 +101,18 @@ def default_exe() -> str:
     return shutil.which("kv-chunk-fs") or f"{sys.executable} -m kvchunkfs.cli"
 
 
-def install(unit_dir: Path, exe: str, mountpoint: str) -> list[Path]:
-    """Write the unit (replacing an older one) and the drop-in (kept if it exists: it is the
-    operator's). Returns the files written."""
+def install(unit_dir: Path, exe: str, mountpoint: str, stop_timeout: int = DEFAULT_STOP_TIMEOUT) -> list[Path]:
+    """Write the unit (replacing an older one; ``TimeoutStopSec`` from ``stop_timeout``) and the
+    drop-in (kept if it exists: it is the operator's). Returns the files written."""
     written = []
     unit_dir.mkdir(parents=True, exist_ok=True)
     unit = unit_dir / UNIT_NAME
-    unit.write_text(render_unit(exe, mountpoint))
+    unit.write_text(render_unit(exe, mountpoint, stop_timeout))
     written.append(unit)
     dropin = unit_dir / f"{UNIT_NAME}.d" / DROPIN_NAME
     if not dropin.exists():
         dropin.parent.mkdir(exist_ok=True)
-        dropin.write_text(render_dropin(mountpoint))
+        dropin.write_text(render_dropin(mountpoint, stop_timeout))
         written.append(dropin)
     return written
 

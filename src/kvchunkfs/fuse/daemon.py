@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import resource
-import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,13 +18,16 @@ import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.fuse import mounts
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
+from kvchunkfs.fuse.stop import stop_on_signals
 
 log = logging.getLogger(__name__)
 
 BackgroundTask = Callable[[Operations], Awaitable[None]]
+STOP_TIMEOUT = 60.0  # seconds a signal waits for the saves in flight (setting stop_timeout)
 
 
 def clear_stale_mount(mountpoint: Path) -> None:
@@ -40,14 +42,19 @@ def clear_stale_mount(mountpoint: Path) -> None:
 
 def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> str | None:
     """Why ``mountpoint`` should not be mounted on, or None. A dead mount of a killed daemon is cleared
-    first. A non-empty directory is refused unless ``nonempty``: its files would vanish under the
-    mount, and they are usually full, undeduplicated saves llama-server made while nothing was mounted."""
+    first. A live FUSE mount (or a directory in one) is refused, naming what serves it: a second
+    mount would hide the first. A non-empty directory is refused unless ``nonempty``: its files would
+    vanish under the mount, and they are usually full, undeduplicated saves llama-server made while
+    nothing was mounted."""
     clear_stale_mount(mountpoint)
     try:
+        live = mounts.fuse_mount_of(mountpoint)
         with os.scandir(mountpoint) as it:
             first = next(it, None)
     except OSError as e:
         return f"cannot use {mountpoint} as the mountpoint: {e.strerror or e}"
+    if live is not None:
+        return mounts.describe(live, mountpoint)
     if first is not None and not nonempty:
         return (f"{mountpoint} is not empty (it holds {first.name!r}, among others perhaps); the mount would hide "
                 "its files. Move them away, or mount over them with --nonempty")  # fmt: skip
@@ -113,8 +120,10 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def mount_options(allow_other: bool) -> set[str]:
-    opts = set(pyfuse3.default_options) | {"fsname=kv-chunk-fs", "subtype=kv-chunk-fs"}
+def mount_options(allow_other: bool, store: Path | None = None) -> set[str]:
+    """``store``: named in the mount table (fuse/mounts.py)."""
+    name = mounts.fsname(store) if store is not None else mounts.FSNAME
+    opts = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=kv-chunk-fs"}
     if allow_other:
         opts.add("allow_other")  # llama-server may run as another user than the daemon
     return opts
@@ -126,15 +135,17 @@ def serve(
     kernel_readahead_kb: int = 4096,
     background: list[BackgroundTask] | None = None,
     trim_above: int = TRIM_ABOVE_RSS,
+    stop_timeout: float = STOP_TIMEOUT,
 ) -> Operations:
-    """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts."""
+    """Mount and serve until SIGINT/SIGTERM or an external unmount; always unmounts. A signal lets
+    the saves in flight finish first, for up to ``stop_timeout`` seconds (fuse/stop.py)."""
     clear_stale_mount(mountpoint)
     tune_process()
     log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())
-    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
+    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
         tasks: list[BackgroundTask] = [
@@ -143,6 +154,7 @@ def serve(
             close_lingering,
             *(background or []),
         ]
+        tasks.append(partial(stop_on_signals, terminate=pyfuse3.terminate, bound=stop_timeout))
         trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
     finally:
         pyfuse3.close(unmount=True)
@@ -203,7 +215,6 @@ async def close_lingering(ops: Operations) -> None:
 
 async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_on_signals)
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
         for task in background:
@@ -211,15 +222,6 @@ async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
     await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
-
-
-async def _on_signals() -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            notify("STOPPING=1")
-            pyfuse3.terminate()
-            return
 
 
 async def _ready(mountpoint: Path) -> None:

@@ -34,7 +34,7 @@ def task_group(tid: int) -> int:
     return tid
 
 
-def _unescape(field: str) -> str:
+def unescape(field: str) -> str:
     return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
@@ -45,7 +45,7 @@ def mount_device(mountpoint: str, pid: int | str = "self") -> str | None:
         with open(f"/proc/{pid}/mountinfo") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) > 4 and _unescape(fields[4]) == mountpoint:
+                if len(fields) > 4 and unescape(fields[4]) == mountpoint:
                     found = fields[2]
     except OSError:
         return None

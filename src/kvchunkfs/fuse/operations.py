@@ -26,11 +26,12 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -169,6 +170,46 @@ class Operations(pyfuse3.Operations):
         self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
         self.mountpoint: str | None = None  # set by the daemon: which FLUSH is the writer's own close
         self._device: str | None = None  # the mount's major:minor, looked up at the first such FLUSH
+        # A graceful stop (fuse/stop.py) refuses new writes and waits for these to end.
+        self.stopping = False
+        # Writes under way: handles open for writing until their release has saved, and truncates by
+        # path (no handle) until theirs has.
+        self.writing = 0
+        self.last_write_end = -math.inf  # trio time the last of them ended
+        self.write_activity = trio.Event()  # set (and replaced) whenever one ends
+
+    # -- a graceful stop (fuse/stop.py) -----------------------------------------------------
+
+    def writes_in_flight(self) -> int:
+        return self.writing
+
+    def open_for_writing(self) -> list[str]:
+        return sorted({h.node.path or "(unlinked)" for h in self.handles.values() if h.writer})
+
+    def _write_ended(self) -> None:
+        self.last_write_end = trio.current_time()
+        self.write_activity.set()
+        self.write_activity = trio.Event()
+
+    def _refuse_writes_if_stopping(self, what: str) -> None:
+        """While stopping, no new write starts: the stop waits only for those under way."""
+        if self.stopping:
+            log.info("stopping: %s refused (read-only until the next mount)", what)
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def _start_write(self, what: str, flags: int, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """An open or create that may write: refused while stopping; a writer is counted from the
+        request on (its release uncounts it), so a stop that begins meanwhile waits for it too."""
+        self._refuse_writes_if_stopping(what)
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        self.writing += writer
+        try:
+            return await call(*args)
+        except BaseException:
+            if writer:  # no handle: the kernel sends no release
+                self.writing -= 1
+                self._write_ended()
+            raise
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -351,6 +392,7 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         node = self._node(inode)
         if fields.update_size:
+            self._refuse_writes_if_stopping(f"truncate of {node.path}")
             await self._truncate(node, attr.st_size)
         await node.gate.settled()
         rel = node.path
@@ -383,12 +425,17 @@ class Operations(pyfuse3.Operations):
                 await self._apply_truncate(node.content, size)
             return
         # No handle open: as an open, truncate, close (it shares the content with an open meanwhile).
-        content = await self._acquire(node, allow_broken=size == 0)
+        self.writing += 1
         try:
-            async with node.lock:
-                await self._apply_truncate(content, size)
+            content = await self._acquire(node, allow_broken=size == 0)
+            try:
+                async with node.lock:
+                    await self._apply_truncate(content, size)
+            finally:
+                await self._drop_open(node)
         finally:
-            await self._drop_open(node)
+            self.writing -= 1
+            self._write_ended()
 
     async def _apply_truncate(self, content: FileContent, size: int) -> None:
         try:
@@ -691,6 +738,12 @@ class Operations(pyfuse3.Operations):
         return fh
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY:
+            what = f"open of {self._node(inode).path} for writing"
+            return await self._start_write(what, flags, self._open, inode, flags, ctx)
+        return await self._open(inode, flags, ctx)
+
+    async def _open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
@@ -723,6 +776,12 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        what = f"create of {self._child(parent_inode, name)}"
+        return await self._start_write(what, flags, self._create, parent_inode, name, mode, flags, ctx)
+
+    async def _create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent_inode, name)
@@ -781,7 +840,12 @@ class Operations(pyfuse3.Operations):
         node.writers -= handle.writer
         if handle.restore_start is not None and node.content is not None:
             self._observe("on_restore", time.monotonic() - handle.restore_start, node.content.size)
-        await self._drop_open(node)
+        try:
+            await self._drop_open(node)
+        finally:
+            if handle.writer:  # counted until its save is done: a stop waits for it
+                self.writing -= 1
+                self._write_ended()
 
     async def _forget_unsaved(self, node: Node) -> None:
         """A save failed: the kernel still caches the unsaved pages and, with the writeback cache, owns

@@ -92,6 +92,7 @@ class GCReport:
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    dry_run: bool = False  # ``plan_gc``: the figures are what a run would free; nothing was deleted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +104,8 @@ class GCReport:
 def format_summary(r: dict[str, Any]) -> str:
     """One line for a report (also for the JSON a daemon sends back)."""
     where = f" in {r['snapshots']} snapshots" if r.get("mode", "walk") == "walk" else ""
+    if r.get("dry_run"):
+        return _dry_run_summary(r, where)
     text = (
         f"gc finished: freed {r['chunks_freed']} chunks ({r['bytes_freed']} bytes), "
         f"deleted {r['packs_deleted']} "
@@ -122,6 +125,20 @@ def format_summary(r: dict[str, Any]) -> str:
     return text
 
 
+def _dry_run_summary(r: dict[str, Any], where: str) -> str:
+    text = (
+        f"gc dry run, nothing deleted: would free {r['chunks_freed']} chunks ({r['bytes_freed']} bytes), "
+        f"delete {r['packs_deleted']} packs, compact {r['packs_compacted']} ({r['bytes_moved']} bytes to move), "
+        f"reclaiming {r['disk_bytes_freed']} bytes of disk; {r['live_chunks']} live chunks{where}; "
+        f"{r['duration_s']:.2f}s"
+    )
+    if r.get("missing_chunks"):
+        text += f"; {r['missing_chunks']} chunks missing (run fsck)"
+    if r.get("errors"):
+        text += f"; {len(r['errors'])} errors: " + "; ".join(r["errors"])
+    return text
+
+
 def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = None) -> GCReport:
     """One collection. Raises (before deleting anything) if the snapshots cannot be walked."""
     start = time.monotonic()
@@ -132,6 +149,57 @@ def run_gc(repo: Repository, threshold: float, stop: threading.Event | None = No
     repo.store.revisit(reclaim_packs(repo, threshold, report, stop))
     report.duration_s = time.monotonic() - start
     return report
+
+
+def plan_gc(repo: Repository, threshold: float) -> GCReport:
+    """What ``run_gc`` would reclaim now, deleting and changing nothing (``gc --dry-run``): the same
+    walk, the chunks it would free, and what their packs would then give back. An estimate: saves,
+    renames and deletions meanwhile change it, and no recovery runs first (a crash's unmapped
+    leftovers, which recovery maps and the run then frees, count as dead pack bytes)."""
+    start = time.monotonic()
+    report = GCReport(dry_run=True)
+    store = repo.store
+    named = named_ids(repo, report) | kept_ids(repo)
+    candidates = _candidates(repo, named, report)
+    dead: dict[bytes, int] = {}
+    if report.unreadable:  # as ``_sweep``: what they name is unknown
+        report.errors += [f"{what}; no chunk would be freed" for what in report.unreadable]
+    else:
+        pinned = store.pinned()
+        dead = {cid: n for cid, n in candidates.items() if cid not in pinned}
+    report.chunks_freed = len(dead)
+    report.bytes_freed = sum(dead.values())
+    report.live_chunks = store.stats()[0] - len(dead)
+    for pack in store.pack_ids():
+        _plan_pack(repo, pack, dead, threshold, report)
+    report.duration_s = time.monotonic() - start
+    return report
+
+
+def _plan_pack(repo: Repository, pack: int, dead: dict[bytes, int], threshold: float, report: GCReport) -> None:
+    """``reclaim_packs``' decision for one pack, as if ``dead`` were gone, counted in ``report``."""
+    store = repo.store
+    size = file_size(store.pack_path(pack))
+    rows = [(off, n) for cid, off, n in store.chunks_in_pack(pack) if cid not in dead]
+    live = sum(n for _, n in rows)
+    if rows and not size:  # the pack is missing (fsck's business): nothing to reclaim
+        return
+    if pack == store.open_pack and not _worth_reclaiming(store, pack, size, live, threshold):
+        return
+    if not rows:
+        if store.pack_state(pack)[1]:  # a pack the map does not know is never deleted (``remove_pack``)
+            report.packs_deleted += 1
+            report.disk_bytes_freed += size
+        return
+    end = max(off + n for off, n in rows)
+    if size > end:  # ``trim_pack``: dead chunks at the end are cut off
+        report.disk_bytes_freed += size - end
+        size = end
+    if live / size < threshold and _dead_bytes(store, pack, size, live) > 0:
+        report.packs_compacted += 1
+        report.chunks_moved += len(rows)
+        report.bytes_moved += live
+        report.disk_bytes_freed += size - live
 
 
 # -- mark -----------------------------------------------------------------------------------------
@@ -598,6 +666,13 @@ class GarbageCollector:
         log.log(logging.ERROR if report.errors else logging.INFO, "%s", report.summary())
         for observe in self.observers:
             observe(report)
+        return report
+
+    def plan(self) -> GCReport:
+        """What a run would free now, deleting nothing (``plan_gc``); not counted as a run."""
+        with self._lock:  # not beside a run: its deletions would blur the figures
+            report = plan_gc(self.repo, self.threshold)
+        log.info("%s", report.summary())
         return report
 
     def _evict_locked(self) -> None:

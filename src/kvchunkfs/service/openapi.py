@@ -273,6 +273,10 @@ _PATHS: dict[str, Any] = {
     "/gc": {
         "post": {
             "summary": "Run garbage collection now and return its report",
+            "parameters": [
+                _query("walk", "true: read every stub (default: what changed since the last run)", {"type": "boolean"}),
+                _query("dry_run", "true: report what a walk would free, delete nothing", {"type": "boolean"}),
+            ],
             "responses": {
                 "200": _json(
                     {
@@ -286,6 +290,7 @@ _PATHS: dict[str, Any] = {
                             "packs_compacted": {"type": "integer"},
                             "errors": {"type": "array", "items": {"type": "string"}},
                             "duration_s": {"type": "number"},
+                            "dry_run": {"type": "boolean", "description": "true: figures of a run, nothing deleted"},
                         },
                     }
                 ),

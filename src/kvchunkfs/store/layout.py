@@ -202,6 +202,18 @@ def lock_store(root: Path) -> int:
     return fd
 
 
+def lock_holder(root: Path) -> int | None:
+    """The pid the store's lock file names if that process still runs (the daemon serving it, or an
+    offline tool); None if unknown. Only reads: taking the lock to test it could fail a daemon
+    starting at that moment."""
+    try:
+        with open(root / LOCK_NAME, "rb") as f:
+            pid = int(f.read(32).strip() or b"0")
+    except (OSError, ValueError):
+        return None
+    return pid if pid > 0 and Path(f"/proc/{pid}").exists() else None
+
+
 def try_lock_store(root: Path) -> int | None:
     """The lock's fd, or None if a daemon (or another tool) holds the store."""
     try:

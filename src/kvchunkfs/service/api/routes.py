@@ -244,10 +244,11 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(await run_in_threadpool(service.totals))
 
     async def post_gc(request: Request) -> Response:
-        params = _params(request, frozenset({"walk"}))
-        walk = _flag(params, "walk")
-        log.info("API GC requested by %s%s", caller(request), " (walk every stub)" if walk else "")
-        return JSONResponse(await run_in_threadpool(service.run_gc, walk))
+        params = _params(request, frozenset({"walk", "dry_run"}))
+        walk, dry_run = _flag(params, "walk"), _flag(params, "dry_run")
+        how = " (dry run: nothing is deleted)" if dry_run else " (walk every stub)" if walk else ""
+        log.info("API GC requested by %s%s", caller(request), how)
+        return JSONResponse(await run_in_threadpool(service.run_gc, walk, dry_run))
 
     async def get_logs(request: Request) -> Response:
         params = _params(request, frozenset({"level", "limit"}))

@@ -40,6 +40,8 @@ class Collector(Protocol):
 
     def run(self, walk: bool = False) -> Any: ...  # a report with to_dict()
 
+    def plan(self) -> Any: ...  # what a run would free, nothing deleted: a report with to_dict()
+
 
 @dataclass
 class Service:
@@ -190,11 +192,12 @@ class Service:
                         os.setxattr(target, name, old, follow_symlinks=False)
             raise
 
-    def run_gc(self, walk: bool = False) -> dict[str, Any]:
-        """One collection now (``walk``: read every stub); the collector serializes it with periodic runs."""
+    def run_gc(self, walk: bool = False, dry_run: bool = False) -> dict[str, Any]:
+        """One collection now (``walk``: read every stub); the collector serializes it with periodic
+        runs. ``dry_run``: what it would free, deleting nothing (always a walk)."""
         if self.collector is None:
             raise HTTPException(503, "garbage collection is not available in this daemon")
-        return _report_dict(self.collector.run(walk))
+        return _report_dict(self.collector.plan() if dry_run else self.collector.run(walk))
 
     def observe_gc(self) -> None:
         """Count every run of the collector in the metrics, periodic and SIGUSR1 ones too."""

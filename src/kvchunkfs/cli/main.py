@@ -200,7 +200,7 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     lock_fd = try_lock_store(root)
     try:
         if lock_fd is None:
-            result = _through_daemon(root, "POST", "/gc", {"walk": "1"} if args.walk else None)
+            result = _through_daemon(root, "POST", "/gc", {"walk": "true"} if args.walk else None)
         else:
             moved_aside = prepare_map_file(root)  # an unreadable chunks.db is rebuilt from the packs
             repo = open_repo(cfg)

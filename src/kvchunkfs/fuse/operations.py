@@ -100,7 +100,7 @@ def _errno_of(e: BaseException) -> int:
 # The caller's own mistake (a size past max_file_size, a bad argument) is logged at debug: any
 # local user could fill the log with ERROR lines otherwise. The store's trouble (EIO, ENOSPC, a
 # stub that is no snapshot, a missing or corrupt chunk) stays an error.
-CALLER_ERRNOS = frozenset({errno.EFBIG, errno.EINVAL, errno.ENAMETOOLONG, errno.EOVERFLOW})
+CALLER_ERRNOS = frozenset({errno.EFBIG, errno.EINVAL})
 
 
 def _level(e: BaseException) -> int:

@@ -196,7 +196,7 @@ def main() -> int:
         names = sorted(p.relative_to(mnt).as_posix() for p in (mnt / "00").iterdir())
         probe = mnt / names[0]
         out["idle"] = during(probe, lambda: time.sleep(2))
-        out["GC walk of every stub"] = during(probe, lambda: client.json("POST", "/gc", {"walk": "1"}))
+        out["GC walk of every stub"] = during(probe, lambda: client.json("POST", "/gc", {"walk": "true"}))
         for rel in names[1 : 1 + DELETE]:
             os.unlink(mnt / rel)
         out[f"GC of the changes after deleting {DELETE}"] = during(probe, lambda: client.json("POST", "/gc"))

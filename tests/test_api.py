@@ -288,7 +288,7 @@ def test_delete_goes_through_the_mount(api: Api) -> None:
     assert api.http.delete("/snapshots/dir/e").status_code == 200
     assert os.listdir(api.mnt / "dir") == []
     assert_error(api.http.delete("/snapshots/d"), 404, "d")
-    assert_error(api.http.delete("/snapshots/dir"), 400, "directory")
+    assert_error(api.http.delete("/snapshots/dir"), 404, "directory")
     with api.unix() as unix:  # the CLI's path: same app, no token
         assert unix.delete("/snapshots/a").status_code == 200
     assert sorted(os.listdir(api.mnt)) == ["b", "c", "dir"]
@@ -555,6 +555,47 @@ def test_openapi_served_committed_and_complete(api: Api, tmp_path: Path) -> None
         r = api.http.request(method.upper(), path.replace("{path}", "nope"))
         assert r.status_code != 405, (path, method)
         assert r.status_code != 404 or "no such endpoint" not in r.text, (path, method)
+
+
+def test_the_description_and_the_daemon_agree_at_their_edges(api: Api) -> None:
+    """Where they disagreed (tests/test_api_schema.py runs schemathesis over all of it): every
+    secured operation documents 401, bodies allow no unknown field and the daemon refuses them,
+    counts take any 18-digit number, booleans are true or false, and a 405 names every method."""
+    make_store(api)
+    served = api.http.get("/openapi.json").json()
+    for path, ops in served["paths"].items():
+        for method, op in ops.items():
+            if method != "parameters" and op.get("security") != []:
+                assert "401" in op["responses"], (method, path)
+                assert (
+                    api.http.request(method, path.replace("{path}", "a"), headers={"Authorization": ""}).status_code
+                    == 401
+                )
+    bodies = {(path, method): op["requestBody"]["content"]["application/json"]["schema"]
+              for path, ops in served["paths"].items() for method, op in ops.items()
+              if isinstance(op, dict) and "requestBody" in op}  # fmt: skip
+    assert set(bodies) == {("/snapshots/{path}", "patch"), ("/deletion-preview", "post"), ("/prefix-match", "post")}
+    assert all(schema["additionalProperties"] is False for schema in bodies.values())
+    h = api.http
+    assert_error(h.patch("/snapshots/a", json={"labels": {"k": "v"}, "x": 1}), 400, "'x'")
+    assert_error(h.post("/prefix-match", json={"tokens": [1], "x": 1}), 400, "'x'")
+    assert_error(h.post("/deletion-preview", json={"paths": ["a"], "x": 1}), 400, "'x'")
+    assert h.post("/prefix-match", json={"tokens": [1.0, 2], "limit": 3.0}).status_code == 200  # JSON integers
+    limit = served["paths"]["/logs"]["get"]["parameters"][1]
+    assert limit["name"] == "limit" and limit["schema"]["maximum"] == 10**18 - 1
+    for value in ("1073741825", str(10**18 - 1)):
+        r = h.get("/logs", params={"limit": value})
+        assert r.status_code == 200 and 0 < r.json()["count"] <= 2000, r.text
+    assert_error(h.get("/logs", params={"limit": str(10**18)}), 400, "limit")
+    for value in ("", "1", "yes", "True"):
+        assert_error(h.get("/prefix-tree", params={"shared_by": value}), 400, "shared_by")
+        assert_error(h.post("/gc", params={"walk": value}), 400, "walk")
+    assert h.get("/prefix-tree", params={"shared_by": "false"}).status_code == 200
+    r = h.put("/snapshots/a")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE", "PATCH"}
+    assert_error(h.get("/snapshots/dir"), 404, "directory")
+    assert_error(h.get("/snapshots/" + "x" * 300), 404, "too long")
+    assert_error(h.patch("/snapshots/a", json={"labels": {"é" * 101: "v"}}), 400, "bytes")
 
 
 def test_big_answers_are_encoded_in_pieces_to_the_same_json() -> None:

@@ -1,19 +1,24 @@
 """Unusual but plausible input: times set before close, a store whose saves all fit in one pack, a
-file that starts with a hole, labels that do not fit, rename flags the filesystem does not honour."""
+file that starts with a hole, labels that do not fit, rename flags the filesystem does not honour,
+special files and mknod, a caller's own errors in the log."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import SRC, Mount
 from helpers import rand_bytes, wait_closed
+
+from kvchunkfs.store import stubs
 
 MiB, GiB = 1 << 20, 1 << 30
 T = 1_600_000_000_123_456_789  # 2020-09-13, a time no save would give
@@ -124,3 +129,72 @@ def test_rename_flags_the_filesystem_does_not_honour_are_einval(kvfs: Mount) -> 
     assert sorted(p.name for p in kvfs.mnt.iterdir()) == ["a", "b"]
     assert renameat2(kvfs.path("a"), kvfs.path("c"), RENAME_NOREPLACE) == 0
     assert kvfs.path("c").read_bytes() == b"a"
+
+
+def errno_of(call: Callable[[], object]) -> int:
+    with pytest.raises(OSError) as e:
+        call()
+    return e.value.errno or 0
+
+
+def test_special_files_are_eperm_and_mknod_of_a_regular_file_makes_an_empty_snapshot(kvfs: Mount) -> None:
+    """A snapshot is a regular file: symlinks, FIFOs, sockets and devices are refused with EPERM (as
+    hard links are), while mknod(S_IFREG), as any filesystem has it, makes an empty snapshot."""
+    kvfs.path("f").write_bytes(b"f")
+    x = kvfs.path("x")
+    refused = {
+        "symlink": lambda: os.symlink("f", x),
+        "link": lambda: os.link(kvfs.path("f"), x),
+        "fifo": lambda: os.mkfifo(x),
+        "socket": lambda: os.mknod(x, stat.S_IFSOCK | 0o600),
+        "char device": lambda: os.mknod(x, stat.S_IFCHR | 0o600, os.makedev(1, 3)),
+        "block device": lambda: os.mknod(x, stat.S_IFBLK | 0o600, os.makedev(7, 0)),
+    }
+    assert {what: errno_of(call) for what, call in refused.items()} == dict.fromkeys(refused, errno.EPERM)
+    assert sorted(os.listdir(kvfs.mnt)) == ["f"]
+
+    old_umask = os.umask(0o022)
+    try:
+        os.mknod(kvfs.path("m"), stat.S_IFREG | 0o640)
+        os.mknod(kvfs.path("plain"))  # no type: a regular file too
+    finally:
+        os.umask(old_umask)
+    assert errno_of(lambda: os.mknod(kvfs.path("m"), stat.S_IFREG | 0o600)) == errno.EEXIST
+    st = os.stat(kvfs.path("m"))
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_size == 0
+    assert stat.S_ISREG(os.stat(kvfs.path("plain")).st_mode)
+    assert sorted(os.listdir(kvfs.mnt)) == ["f", "m", "plain"]
+    assert kvfs.path("m").read_bytes() == b""
+    assert stubs.read_index(stub(kvfs, "m")).size == 0  # a real snapshot in the store, not a bare file
+    transport = httpx.HTTPTransport(uds=str(kvfs.store / "api.sock"))
+    with httpx.Client(transport=transport, base_url="http://kvcfs", timeout=60) as http:
+        r = http.get("/snapshots/m")
+        assert r.status_code == 200 and r.json()["size"] == 0, r.text
+    kvfs.remount()
+    assert kvfs.path("m").read_bytes() == b""
+    kvfs.path("m").write_bytes(b"written after mknod")
+    assert kvfs.path("m").read_bytes() == b"written after mknod"
+    assert "ERROR" not in kvfs.log()
+
+
+def test_a_caller_s_own_errors_are_not_logged_as_errors(tmp_path: Path) -> None:
+    """Sizes past max_file_size are the caller's mistake: EFBIG and a debug line, never an ERROR
+    line (any local user could fill the log with them)."""
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--log-level", "debug"])
+    m.start()
+    try:
+        fd = os.open(m.path("big"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"head")
+            assert errno_of(lambda: os.ftruncate(fd, (1 << 63) - 1)) == errno.EFBIG
+            assert errno_of(lambda: os.pwrite(fd, b"x", 1 << 62)) == errno.EFBIG
+            assert errno_of(lambda: os.truncate(m.path("big"), 1 << 62)) == errno.EFBIG
+        finally:
+            os.close(fd)
+        assert m.path("big").read_bytes() == b"head"
+    finally:
+        m.stop()
+    lines = m.log().splitlines()
+    assert not [line for line in lines if " ERROR " in line or " WARNING " in line], m.log()[-3000:]
+    efbig = [line for line in lines if " DEBUG " in line and "max_file_size" in line]
+    assert len(efbig) >= 3, m.log()[-3000:]  # each refusal is still named in the log

@@ -320,7 +320,7 @@ def test_a_fifo_among_the_stubs_is_named_and_skipped_never_opened(fs: Mount, use
     assert r.returncode == 0, r.stdout + r.stderr
     assert "skipped: d/fifo: a FIFO, not a snapshot" in r.stdout and "d/to-fifo: a symlink" in r.stdout
     with unix_api(fs) as api:
-        report = api.post("/gc", params={"walk": "1"}, timeout=HANG).json()  # a walk reads every entry
+        report = api.post("/gc", params={"walk": "true"}, timeout=HANG).json()  # a walk reads every entry
         listing = api.get("/snapshots", timeout=HANG).json()
     assert report["errors"] == [] and report["snapshots"] == 1
     assert any(s.startswith("d/fifo: a FIFO") for s in report["skipped"]), report

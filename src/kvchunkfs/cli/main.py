@@ -207,9 +207,9 @@ def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     lock_fd = try_lock_store(root)
     try:
         if lock_fd is None:
-            params = {"walk": "1"} if args.walk else {}
+            params = {"walk": "true"} if args.walk else {}
             if args.dry_run:
-                params["dry_run"] = "1"
+                params["dry_run"] = "true"
             result = _through_daemon(root, "POST", "/gc", params or None)
         elif args.dry_run:
             repo = open_repo(cfg)

@@ -98,6 +98,17 @@ def _errno_of(e: BaseException) -> int:
     return errno.EIO
 
 
+# The caller's own mistake (a size past max_file_size, a bad argument) is logged at debug: any
+# local user could fill the log with ERROR lines otherwise. The store's trouble (EIO, ENOSPC, a
+# stub that is no snapshot, a missing or corrupt chunk) stays an error.
+CALLER_ERRNOS = frozenset({errno.EFBIG, errno.EINVAL})
+
+
+def _level(e: BaseException) -> int:
+    """The log level of a request that failed with ``e``."""
+    return logging.DEBUG if isinstance(e, OSError) and e.errno in CALLER_ERRNOS else logging.ERROR
+
+
 def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
     """``handler`` that answers an unexpected exception with an errno and a log line.
 
@@ -116,7 +127,8 @@ def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:
             code = _errno_of(e)
             # An OSError is the store's answer (one line); anything else is a bug (traceback).
-            log.error(
+            log.log(
+                _level(e),
                 "%s failed (%s): %s: %s",
                 name,
                 errno.errorcode.get(code, code),
@@ -441,7 +453,7 @@ class Operations(pyfuse3.Operations):
         try:
             await truncate(content, size)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
-            log.error("truncate failed: %s", e)
+            log.log(_level(e), "truncate failed: %s", e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
 
     # -- directories ------------------------------------------------------------------------
@@ -595,6 +607,27 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         raise pyfuse3.FUSEError(errno.EPERM)  # hard links would share one stub between names
 
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EPERM)  # a snapshot is a file; the store follows no symlink
+
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """A regular file: an empty snapshot, as create and close make. FIFOs, sockets, devices: EPERM."""
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        rel = self._child(parent_inode, name)
+        try:  # in a thread, as create
+            await self._thread(self.repo.create, rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        node = self._remember(rel, False)
+        attrs = self._attrs(node)
+        node.nlookup += 1
+        return attrs
+
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = os.statvfs(self.repo.snapshots)
         out = pyfuse3.StatvfsData()
@@ -615,7 +648,8 @@ class Operations(pyfuse3.Operations):
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
                 return await self._thread(self.files.content, self.repo.empty_index())
-            log.error("cannot open snapshot %s: %s", node.path, e)
+            gone = isinstance(e, FileNotFoundError)  # unlinked behind the open (or the truncate): ENOENT
+            log.log(logging.DEBUG if gone else logging.ERROR, "cannot open snapshot %s: %s", node.path, e)
             raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
     async def _acquire(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
@@ -931,7 +965,7 @@ class Operations(pyfuse3.Operations):
         try:
             await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
-            log.error("write to %s at %d failed: %s", node.path, off, e)
+            log.log(_level(e), "write to %s at %d failed: %s", node.path, off, e)
             raise pyfuse3.FUSEError(_errno_of(e)) from None
         return len(buf)
 

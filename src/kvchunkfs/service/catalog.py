@@ -334,9 +334,12 @@ def select(rows: list[Snapshot], params: Mapping[str, str]) -> list[Snapshot]:
     return out[offset:]
 
 
+MAX_COUNT = 10**18 - 1  # the largest limit/offset: 18 digits (the API's description says so too)
+
+
 def parse_limit(limit: str, name: str = "limit") -> int:
     # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
-    if not (limit.isascii() and limit.isdigit()) or len(limit) > 18:
+    if not (limit.isascii() and limit.isdigit()) or len(limit) > len(str(MAX_COUNT)):
         raise QueryError(f"{name}={limit[:40]!r}: not a non-negative integer of at most 18 digits")
     return int(limit)
 

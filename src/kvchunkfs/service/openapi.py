@@ -1,7 +1,8 @@
 """OpenAPI 3.1 description of the HTTP API (served at ``GET /openapi.json``).
 
-``docs/openapi.json`` is this, written by ``python -m kvchunkfs.openapi > docs/openapi.json``; a test
-checks the two agree and that every route of the app is described.
+``docs/openapi.json`` is this, written by ``python -m kvchunkfs.service.openapi > docs/openapi.json``;
+tests check the two agree, that every route of the app is described, and (schemathesis) that the
+daemon accepts what the description accepts, refuses what it refuses and answers as it says.
 """
 
 from __future__ import annotations
@@ -10,8 +11,17 @@ import json
 from typing import Any
 
 from kvchunkfs import __version__
+from kvchunkfs.service.catalog import BYTE_FIELDS, MAX_COUNT, NUMERIC
 
 _ERROR = {"$ref": "#/components/responses/Error"}
+_UNAUTHORIZED = {"$ref": "#/components/responses/Unauthorized"}
+_COUNT = {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}  # at most 18 digits
+_BOOLEAN = {"type": "boolean"}  # true or false, nothing else (not empty)
+_NO_NUL = "^[^\\u0000]*$"
+LABEL_KEY_MAX = 200  # characters, and bytes of UTF-8 (routes.py): the xattr name must fit in 255
+LABEL_VALUE_MAX = 1024
+MAX_QUERY_TOKENS = 1 << 22  # far beyond any context window; bounds what one request can make us hold
+INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
@@ -61,25 +71,44 @@ _SNAPSHOT = {
 _FIELDS = ("path, size, chunks, distinct_chunks, unique_bytes, shared_bytes, use_count, last_use, created, "
            "age_hours, idle_hours, score, label.<key>")  # fmt: skip
 
+_SORT = {"type": "string", "pattern": f"^-?(path|{'|'.join(NUMERIC)}|label\\..+)$"}
+_NUMBER = "^ *[+-]?([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([eE][+-]?[0-9]+)? *$"
+_SIZE = "^ *([0-9]+(\\.[0-9]*)?|\\.[0-9]+) *([kKmMgGtT]([iI]?[bB])?|[bB])? *$"
+_FILTERS = {
+    "name": "filters",
+    "in": "query",
+    "required": False,
+    "style": "form",
+    "explode": True,
+    "description": "label.<key>=VALUE: only snapshots whose label <key> equals VALUE; min_<field>=N and "
+    "max_<field>=N: bounds of a numeric field (sizes take units: 1MiB, 2GB)",
+    "schema": {
+        "type": "object",
+        "patternProperties": {
+            "^label\\..+$": {"type": "string"},
+            f"^(min|max)_({'|'.join(sorted(BYTE_FIELDS))})$": {"type": "string", "pattern": _SIZE},
+            f"^(min|max)_({'|'.join(f for f in NUMERIC if f not in BYTE_FIELDS)})$": {
+                "type": "string",
+                "pattern": _NUMBER,
+            },
+        },
+        "additionalProperties": False,
+    },
+}
+
 _PATHS: dict[str, Any] = {
     "/snapshots": {
         "get": {
             "summary": "List snapshots with sizes, unique/shared bytes, metadata and score",
             "parameters": [
-                _query("sort", f"field to sort by, '-' prefix for descending: {_FIELDS}"),
+                _query("sort", f"field to sort by, '-' prefix for descending: {_FIELDS}", _SORT),
                 _query("order", "asc (default) or desc", {"type": "string", "enum": ["asc", "desc"]}),
                 _query("prefix", "only paths starting with this"),
-                _query("label.{key}", "only snapshots whose label <key> equals the value"),
+                _FILTERS,
                 _query("has_label", "only snapshots that have this label"),
-                _query("min_{field}", "lower bound of a numeric field; sizes take units (1MiB)"),
-                _query("max_{field}", "upper bound of a numeric field"),
-                _query("limit", "at most this many rows", {"type": "integer", "minimum": 0}),
-                _query(
-                    "offset",
-                    "skip this many rows (after filtering and sorting): a page of any order",
-                    {"type": "integer", "minimum": 0},
-                ),
-                _query("after", "only rows after this path (sort by path only): the next page"),
+                _query("limit", "at most this many rows", _COUNT),
+                _query("offset", "skip this many rows (after filtering and sorting): a page of any order", _COUNT),
+                _query("after", "only rows after this path (with sort=path only, else 400): the next page"),
             ],
             "responses": {
                 "200": _json(
@@ -127,6 +156,7 @@ _PATHS: dict[str, Any] = {
                 "400": _ERROR,
                 "403": _ERROR,
                 "404": _ERROR,
+                "409": _ERROR,
             },  # fmt: skip
         },
         "patch": {
@@ -138,11 +168,19 @@ _PATHS: dict[str, Any] = {
                         "schema": {
                             "type": "object",
                             "required": ["labels"],
+                            "additionalProperties": False,
                             "properties": {
                                 "labels": {
                                     "type": "object",
-                                    "additionalProperties": {"type": ["string", "null"]},
-                                    "description": "KEY: VALUE sets a label, KEY: null removes it",
+                                    "propertyNames": {"minLength": 1, "maxLength": LABEL_KEY_MAX, "pattern": _NO_NUL},
+                                    "additionalProperties": {
+                                        "type": ["string", "null"],
+                                        "maxLength": LABEL_VALUE_MAX,
+                                        "pattern": _NO_NUL,
+                                    },
+                                    "description": "KEY: VALUE sets a label, KEY: null removes it. A key has at "
+                                    f"most {LABEL_KEY_MAX} bytes of UTF-8; labels that do not fit in the "
+                                    "snapshot's attribute space (one 4 KiB block on ext4) are a 413",
                                 }
                             },
                         }
@@ -152,8 +190,11 @@ _PATHS: dict[str, Any] = {
             "responses": {
                 "200": _json({"$ref": "#/components/schemas/Snapshot"}),
                 "400": _ERROR,
+                "403": _ERROR,
                 "404": _ERROR,
+                "409": _ERROR,
                 "413": _ERROR,
+                "507": _ERROR,
             },
         },  # fmt: skip
     },
@@ -167,6 +208,7 @@ _PATHS: dict[str, Any] = {
                         "schema": {
                             "type": "object",
                             "required": ["paths"],
+                            "additionalProperties": False,
                             "properties": {"paths": {"type": "array", "items": {"type": "string"}}},
                         }
                     }
@@ -274,8 +316,8 @@ _PATHS: dict[str, Any] = {
         "post": {
             "summary": "Run garbage collection now and return its report",
             "parameters": [
-                _query("walk", "true: read every stub (default: what changed since the last run)", {"type": "boolean"}),
-                _query("dry_run", "true: report what a walk would free, delete nothing", {"type": "boolean"}),
+                _query("walk", "true: read every stub; false (default): what changed since the last run", _BOOLEAN),
+                _query("dry_run", "true: report what a walk would free, delete nothing", _BOOLEAN),
             ],
             "responses": {
                 "200": _json(
@@ -294,6 +336,7 @@ _PATHS: dict[str, Any] = {
                         },
                     }
                 ),
+                "400": _ERROR,
                 "503": _ERROR,
             },  # fmt: skip
         }
@@ -307,7 +350,7 @@ _PATHS: dict[str, Any] = {
                     "minimum level",
                     {"type": "string", "enum": ["debug", "info", "warning", "error", "critical"]},
                 ),
-                _query("limit", "newest this many lines (default 200)", {"type": "integer", "minimum": 0}),
+                _query("limit", "newest this many lines (default 200; the buffer keeps 2000)", _COUNT),
             ],  # fmt: skip
             "responses": {
                 "200": _json(
@@ -331,6 +374,7 @@ _PATHS: dict[str, Any] = {
                     }
                 ),  # fmt: skip
                 "400": _ERROR,
+                "503": _ERROR,
             },
         }
     },
@@ -350,7 +394,7 @@ _PATHS: dict[str, Any] = {
                     "shared_by",
                     "true: every node also lists the names of all snapshots below it "
                     "(N x depth names; by default each name appears once, in ends_here)",
-                    {"type": "boolean"},
+                    _BOOLEAN,
                 ),
             ],
             "responses": {
@@ -384,8 +428,13 @@ _PATHS: dict[str, Any] = {
                         "schema": {
                             "type": "object",
                             "required": ["tokens"],
+                            "additionalProperties": False,
                             "properties": {
-                                "tokens": {"type": "array", "items": {"type": "integer"}},
+                                "tokens": {
+                                    "type": "array",
+                                    "maxItems": MAX_QUERY_TOKENS,
+                                    "items": {"type": "integer", "minimum": INT32[0], "maximum": INT32[1]},
+                                },
                                 "prefix": {"type": "string", "description": "only snapshot paths starting with this"},
                                 "exclude_suffix": {
                                     "type": "string",
@@ -450,6 +499,18 @@ _TREE_NODE = {
 }
 
 
+def _with_401(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every operation that needs the token (all but those with ``security: []``) may answer 401."""
+    out: dict[str, Any] = {}
+    for path, item in paths.items():
+        out[path] = {}
+        for method, op in item.items():
+            if isinstance(op, dict) and "responses" in op and op.get("security") != []:
+                op = {**op, "responses": {**op["responses"], "401": _UNAUTHORIZED}}
+            out[path][method] = op
+    return out
+
+
 def spec() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -461,7 +522,7 @@ def spec() -> dict[str, Any]:
         },
         "servers": [{"url": "http://127.0.0.1:8765"}],
         "security": [{"bearer": []}],
-        "paths": _PATHS,
+        "paths": _with_401(_PATHS),
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {"Snapshot": _SNAPSHOT, "TreeNode": _TREE_NODE},
@@ -469,7 +530,14 @@ def spec() -> dict[str, Any]:
                 "Error": _json(
                     {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
                     "error with a message",
-                )
+                ),
+                "Unauthorized": {
+                    **_json(
+                        {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+                        "TCP only: missing or wrong bearer token",
+                    ),
+                    "headers": {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}},
+                },
             },
         },
     }

@@ -24,7 +24,7 @@ from kvchunkfs.service.api.caller import caller
 from kvchunkfs.service.api.encode import JSONResponse, _release_rows
 from kvchunkfs.service.api.service import DEFAULT_LOG_LIMIT, PrefixQuery, Service, _b64
 from kvchunkfs.service.metrics import CONTENT_TYPE
-from kvchunkfs.service.openapi import spec
+from kvchunkfs.service.openapi import INT32, LABEL_KEY_MAX, LABEL_VALUE_MAX, MAX_QUERY_TOKENS, spec
 
 log = logging.getLogger("kvchunkfs.service.api")  # one name for the whole API in the log
 
@@ -45,30 +45,30 @@ def _params(request: Request, allowed: frozenset[str] | None = None) -> dict[str
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
-    """A yes/no query parameter: absent or 0/false/no is no, empty or 1/true/yes is yes; 400 otherwise."""
-    value = params.get(name)
-    if value is None or value.lower() in ("0", "false", "no"):
-        return False
-    if value.lower() in ("", "1", "true", "yes"):
-        return True
-    raise HTTPException(400, f"query parameter {name!r} must be true or false, not {value!r}")
+    """A boolean query parameter, as OpenAPI writes one: ``true`` or ``false`` (absent: false); 400
+    otherwise, an empty value too."""
+    value = params.get(name, "false")
+    if value not in ("true", "false"):
+        raise HTTPException(400, f"query parameter {name!r} must be true or false, not {value[:40]!r}")
+    return value == "true"
 
 
-def _int_param(params: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+def _count_param(params: Mapping[str, str], name: str, default: int) -> int:
+    """A count from 0 to MAX_COUNT (catalog.parse_limit), or 400."""
     raw = params.get(name)
     if raw is None:
         return default
-    # ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough for int().
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or not lo <= int(raw) <= hi:
-        raise HTTPException(400, f"{name}={raw[:40]!r}: expected an integer from {lo} to {hi}")
-    return int(raw)
+    try:
+        return catalog.parse_limit(raw, name)
+    except catalog.QueryError as e:
+        raise HTTPException(400, str(e)) from None
 
 
 def check_snapshot_path(snapshots_dir: Path, rel: str) -> str:
     """``rel`` if it names a regular snapshot file inside the store, else HTTPException 400/404.
 
-    No absolute paths, no ``.``/``..``/empty components, no symlink anywhere on the way: a path
-    can only ever reach a stub under ``snapshots/``.
+    No absolute paths, no ``.``/``..``/empty components, no symlink anywhere on the way (400): a
+    path can only ever reach a stub under ``snapshots/``. A directory or a missing name is 404.
     """
     if not rel:
         raise HTTPException(400, "empty snapshot path")
@@ -87,13 +87,16 @@ def check_snapshot_path(snapshots_dir: Path, rel: str) -> str:
         except (FileNotFoundError, NotADirectoryError):
             raise HTTPException(404, f"no snapshot {rel!r}") from None
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:  # a name no snapshot can have
+                raise HTTPException(404, f"no snapshot {rel[:80]!r}: {e.strerror}") from None
             raise HTTPException(400, f"snapshot path {rel!r}: {e.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             raise HTTPException(400, f"snapshot path {rel!r} goes through a symlink")
         if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
             raise HTTPException(404, f"no snapshot {rel!r}")
-    if not stat.S_ISREG(st.st_mode):
-        raise HTTPException(400, f"{rel!r} is a directory, not a snapshot")
+    if not stat.S_ISREG(st.st_mode):  # a well-formed path that names no snapshot: 404, as a missing one
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise HTTPException(404, f"no snapshot {rel!r}: {what}")
     return rel
 
 
@@ -109,33 +112,44 @@ def snapshot_path_param(request: Request) -> str:
     return request.path_params["path"]
 
 
-MAX_QUERY_TOKENS = 1 << 22  # far beyond any context window; bounds what one request can make us hold
-
-
-_INT32 = (-(1 << 31), (1 << 31) - 1)
-
-
 def parse_prefix_query(body: Any) -> PrefixQuery:
     """A checked query, else HTTPException 400 naming what is wrong."""
     if not isinstance(body, dict):
         raise HTTPException(400, "expected a JSON object with a 'tokens' list")
-    unknown = sorted(set(body) - {"tokens", "prefix", "exclude_suffix", "limit"})
-    if unknown:
-        raise HTTPException(400, f"unknown field(s) {', '.join(map(repr, unknown))}")
+    _no_unknown_fields(body, {"tokens", "prefix", "exclude_suffix", "limit"})
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or len(tokens) > MAX_QUERY_TOKENS:
         raise HTTPException(400, f"'tokens' must be a list of at most {MAX_QUERY_TOKENS} integers")
-    lo, hi = _INT32
+    lo, hi = INT32
     if not all(type(t) is int and lo <= t <= hi for t in tokens):  # bool is not a token
-        raise HTTPException(400, "'tokens' must hold 32-bit integers only")
+        tokens = [_json_int(t) for t in tokens]  # 7.0 is an integer in JSON (and its schema) too
+        if not all(t is not None and lo <= t <= hi for t in tokens):
+            raise HTTPException(400, "'tokens' must hold 32-bit integers only")
     texts = {k: body.get(k, "") for k in ("prefix", "exclude_suffix")}
     for name, value in texts.items():
         if not isinstance(value, str):
             raise HTTPException(400, f"{name!r} must be a string")
-    limit = body.get("limit", 1)
-    if type(limit) is not int or not 1 <= limit <= 1000:
+    limit = _json_int(body.get("limit", 1))
+    if limit is None or not 1 <= limit <= 1000:
         raise HTTPException(400, "'limit' must be an integer from 1 to 1000")
     return PrefixQuery(tokens, texts["prefix"], texts["exclude_suffix"], limit)
+
+
+def _json_int(value: Any) -> int | None:
+    """A JSON integer (``7`` or ``7.0``: JSON Schema counts both), else None (``true`` is no number)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
+
+
+def _no_unknown_fields(body: dict[str, Any], known: set[str]) -> None:
+    """400 for a field the endpoint does not know (a typo would be ignored otherwise); the spec says
+    ``additionalProperties: false``."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise HTTPException(400, f"unknown field(s) {', '.join(repr(k[:40]) for k in unknown[:5])}")
 
 
 _UNLINK_STATUS = {errno.ENOENT: 404, errno.EACCES: 403, errno.EPERM: 403, errno.EBUSY: 409, errno.EISDIR: 400}
@@ -202,18 +216,21 @@ def create_app(service: Service) -> Starlette:
         rel = check_snapshot_path(service.repo.snapshots, snapshot_path_param(request))
         body = await _json_body(request)
         labels = body.get("labels") if isinstance(body, dict) else None
-        if not isinstance(labels, dict) or set(body) != {"labels"}:
+        if not isinstance(labels, dict):
             raise HTTPException(400, 'expected {"labels": {"KEY": "VALUE" or null, ...}}')
+        _no_unknown_fields(body, {"labels"})
         changes = {str(k): v for k, v in labels.items()}
         for key, value in changes.items():
-            if not key or "\0" in key or len(key) > 200 or not (value is None or isinstance(value, str)):
+            if not key or "\0" in key or len(key) > LABEL_KEY_MAX or not (value is None or isinstance(value, str)):
                 raise HTTPException(400, f"label {key[:40]!r}: a non-empty key and a string (or null to remove)")
-            if value is not None and ("\0" in value or len(value) > 1024):  # xattrs share one 4 KiB block
+            if value is not None and ("\0" in value or len(value) > LABEL_VALUE_MAX):  # xattrs share 4 KiB
                 raise HTTPException(400, f"label {key[:40]!r}: value too long or has a NUL byte")
             try:
                 (key + (value or "")).encode()
             except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") is no UTF-8
                 raise HTTPException(400, f"label {key[:40]!r}: not valid Unicode") from None
+            if len(key.encode()) > LABEL_KEY_MAX:  # the xattr name (user.kvcfs.label.KEY) must fit in 255 bytes
+                raise HTTPException(400, f"label {key[:40]!r}: the key is over {LABEL_KEY_MAX} bytes of UTF-8")
         try:
             await run_in_threadpool(service.set_labels, rel, changes)
         except OSError as e:
@@ -229,6 +246,7 @@ def create_app(service: Service) -> Starlette:
         paths = body.get("paths") if isinstance(body, dict) else None
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise HTTPException(400, 'expected {"paths": ["PATH", ...]}')
+        _no_unknown_fields(body, {"paths"})
         return JSONResponse(await run_in_threadpool(service.deletion_preview, paths))
 
     async def get_history(request: Request) -> Response:
@@ -258,7 +276,7 @@ def create_app(service: Service) -> Starlette:
             level = logbuffer.parse_level(params.get("level", "debug"))
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        limit = _int_param(params, "limit", DEFAULT_LOG_LIMIT, 0, logbuffer.DEFAULT_CAPACITY)
+        limit = _count_param(params, "limit", DEFAULT_LOG_LIMIT)  # more than the buffer holds: all of it
         lines = service.logs.lines(level, limit)
         return JSONResponse({"count": len(lines), "lines": [line.to_dict() for line in lines]})
 
@@ -294,11 +312,15 @@ def create_app(service: Service) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "filesystem": service.stats_source is not None})
 
+    by_method = {"GET": get_snapshot, "HEAD": get_snapshot, "DELETE": delete_snapshot, "PATCH": patch_snapshot}
+
+    async def snapshot(request: Request) -> Response:
+        return await by_method[request.method](request)
+
     routes = [
         Route("/snapshots", list_snapshots, methods=["GET"]),
-        Route("/snapshots/{path:path}", get_snapshot, methods=["GET"]),
-        Route("/snapshots/{path:path}", delete_snapshot, methods=["DELETE"]),
-        Route("/snapshots/{path:path}", patch_snapshot, methods=["PATCH"]),
+        # One route for the three methods: a 405 there names them all in Allow.
+        Route("/snapshots/{path:path}", snapshot, methods=["GET", "DELETE", "PATCH"]),
         Route("/deletion-preview", deletion_preview, methods=["POST"]),
         Route("/stats", get_stats, methods=["GET"]),
         Route("/history", get_history, methods=["GET"]),

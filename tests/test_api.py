@@ -136,6 +136,7 @@ def test_listing_matches_an_independent_computation_on_the_stubs(api: Api) -> No
     os.setxattr(api.mnt / "b", "user.kvcfs.label.user", b"ann")
     for _ in range(2):
         assert (api.mnt / "b").read_bytes() == files["b"]  # two restores
+        wait_closed(api.mount)  # a reopen while the content lingers would be part of the same restore
     rows = api.listing()
     expected = independent_share(api.snapshots_dir)
     assert set(rows) == set(files) == set(expected)

@@ -353,17 +353,24 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from kvchunkfs.proxy.server import Proxy, serve
+    from kvchunkfs.proxy.server import Proxy, check_mount, serve
 
     if cfg.proxy_mount is None:
         print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if not Path(cfg.proxy_mount).is_dir():
+        print(f"kv-chunk-fs: proxy: --mount {cfg.proxy_mount} is not a directory: it must be llama-server's "
+              "--slot-save-path, where `kv-chunk-fs mount` serves", file=sys.stderr)  # fmt: skip
         return 2
     proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
                   cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
                   max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
+    found = check_mount(Path(cfg.proxy_mount), Path(cfg.store))
+    log.log(found.level, "%s", found.line)
+    proxy.mount_ok = found.mounted  # the first skipped save warns only if this changed
     serve(proxy, cfg.proxy_listen)
     return 0
 

@@ -612,13 +612,16 @@ def test_each_request_logs_what_it_restored_evaluated_and_saved(rig: Rig, caplog
     assert re.fullmatch(rf"saved \d+ tokens as {re.escape(name)} in \d+ ms", first.group(7)), first.group(7)
     assert second.group(4) == name and int(second.group(3)) > len(SYSTEM.split())
     assert int(second.group(6)) < 20, "only the new turn evaluated"
-    assert second.group(7).startswith(f"saved ") and second.group(7).split()[4] == name
+    assert second.group(7).startswith("saved ") and second.group(7).split()[4] == name
 
     body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
     assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200
     rig.idle()
-    assert any(r.getMessage().startswith("POST /completion, slot ") and r.getMessage().endswith(
-        "uncached; not saved: the client asked for no prompt cache") for r in caplog.records), caplog.text
+    assert any(
+        r.getMessage().startswith("POST /completion, slot ")
+        and r.getMessage().endswith("uncached; not saved: the client asked for no prompt cache")
+        for r in caplog.records
+    ), caplog.text
 
     caplog.clear()
     rig.mount.stop()  # saves are skipped now: one warning, and each request's line says so

@@ -864,8 +864,10 @@ def _prompt_report(plan: Plan, tokens: list[int] | None) -> str:
         return "uncached"
     evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, len(tokens) - plan.held)
     restored = f"{plan.restored} restored from {plan.restored_from}" if plan.restored_from else "none restored"
-    return f"{len(tokens)} prompt tokens, {restored}, {max(0, plan.held - plan.restored)} already in the slot, " \
+    return (
+        f"{len(tokens)} prompt tokens, {restored}, {max(0, plan.held - plan.restored)} already in the slot, "
         f"{evaluated} evaluated"
+    )
 
 
 @dataclass
@@ -895,8 +897,12 @@ def check_mount(mount: Path, store: Path | None, timeout: float = 10.0) -> Mount
         return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount (its daemon is still reading its "
                           f"catalog: the snapshot count is not known yet)")  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return MountCheck(True, logging.WARNING, f"{mount} is a kv-chunk-fs mount, but no daemon answers on "
-                          f"{socket_path(store)} ({e}): no restores from the store (is --store the mount's store?)")
+        return MountCheck(
+            True,
+            logging.WARNING,
+            f"{mount} is a kv-chunk-fs mount, but no daemon answers on "
+            f"{socket_path(store)} ({e}): no restores from the store (is --store the mount's store?)",
+        )
     return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount with {n} snapshot{'' if n == 1 else 's'}")
 
 

@@ -407,6 +407,7 @@ def test_logs(api: Api) -> None:
     assert r.status_code == 200
     messages = [line["message"] for line in r.json()["lines"]]
     assert any(m.startswith("mounted ") for m in messages), messages
+    assert any(m.startswith("recovery: ") and "snapshots checked" in m for m in messages), "the mount's recovery"
     assert all({"time", "level", "logger", "message"} <= set(line) for line in r.json()["lines"])
     write_in_pieces(api.mnt / "bad", b"x" * 1000, 100)
     (api.snapshots_dir / "bad").write_bytes(b"not an index")

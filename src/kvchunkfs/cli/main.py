@@ -42,6 +42,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.fuse import daemon
     from kvchunkfs.maint.gc import GarbageCollector
     from kvchunkfs.maint.recovery import prepare_map_file, recover
+    from kvchunkfs.service import logbuffer
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
@@ -56,6 +57,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
         return 1
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
+    logs = logbuffer.install()  # before recovery: its summary shows in GET /logs (the dashboard's Logs tab)
     repo = open_repo(cfg)
     files = Files(repo)
     files.reserve_buffers()
@@ -76,7 +78,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             _cache_locally(repo, repo.remote, collector, cfg.local_cache_size)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
-            api = MountApi(cfg, files, mountpoint, collector)
+            api = MountApi(cfg, files, mountpoint, collector, logs)
         except (OSError, RuntimeError) as e:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
@@ -102,6 +104,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             _mark_clean(repo)
         repo.close()
         os.close(lock_fd)
+        logging.getLogger().removeHandler(logs)
     return 0
 
 

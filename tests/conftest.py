@@ -28,6 +28,7 @@ UNIT_MODULES = {
     "test_buffers",
     "test_cli_help",
     "test_config",
+    "test_docs",
     "test_evict_units",
     "test_format_cutter",
     "test_format_stream",

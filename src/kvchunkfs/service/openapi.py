@@ -1,7 +1,7 @@
 """OpenAPI 3.1 description of the HTTP API (served at ``GET /openapi.json``).
 
-``docs/openapi.json`` is this, written by ``python -m kvchunkfs.openapi > docs/openapi.json``; a test
-checks the two agree and that every route of the app is described.
+``docs/openapi.json`` is this, written by ``python -m kvchunkfs.service.openapi > docs/openapi.json``;
+a test checks the two agree and that every route of the app is described.
 """
 
 from __future__ import annotations

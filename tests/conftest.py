@@ -26,7 +26,9 @@ CATALOG_LOADED = "kvchunkfs.service.live: catalog: "  # ... once its snapshot ca
 # also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
 UNIT_MODULES = {
     "test_buffers",
+    "test_cli_help",
     "test_config",
+    "test_docs",
     "test_evict_units",
     "test_format_cutter",
     "test_format_stream",

@@ -136,6 +136,7 @@ def test_listing_matches_an_independent_computation_on_the_stubs(api: Api) -> No
     os.setxattr(api.mnt / "b", "user.kvcfs.label.user", b"ann")
     for _ in range(2):
         assert (api.mnt / "b").read_bytes() == files["b"]  # two restores
+        wait_closed(api.mount)  # a reopen while the content lingers would be part of the same restore
     rows = api.listing()
     expected = independent_share(api.snapshots_dir)
     assert set(rows) == set(files) == set(expected)
@@ -406,6 +407,7 @@ def test_logs(api: Api) -> None:
     assert r.status_code == 200
     messages = [line["message"] for line in r.json()["lines"]]
     assert any(m.startswith("mounted ") for m in messages), messages
+    assert any(m.startswith("recovery: ") and "snapshots checked" in m for m in messages), "the mount's recovery"
     assert all({"time", "level", "logger", "message"} <= set(line) for line in r.json()["lines"])
     write_in_pieces(api.mnt / "bad", b"x" * 1000, 100)
     (api.snapshots_dir / "bad").write_bytes(b"not an index")

@@ -154,6 +154,42 @@ def test_systemd_waits_longer_than_the_stop(tmp_path: Path) -> None:
     assert "KV_CHUNK_FS_STOP_TIMEOUT=900" in (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text()
 
 
+def test_install_systemd_proxy_writes_the_proxys_unit_after_the_mount_and_llama_server(tmp_path: Path) -> None:
+    unit = ROOT / "deploy/systemd/kv-chunk-fs-proxy.service"
+    assert unit.read_text() == systemd.render_proxy_unit("/usr/local/bin/kv-chunk-fs")
+    dropin = ROOT / "deploy/systemd/kv-chunk-fs-proxy.service.d/settings.conf"
+    assert dropin.read_text() == systemd.render_proxy_dropin()
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    cmd = [sys.executable, "-m", "kvchunkfs.cli", "install-systemd", "--proxy", "--unit-dir", str(tmp_path),
+           "--mountpoint", "/srv/x", "--exe", "/opt/kvcfs/bin/kv-chunk-fs"]  # fmt: skip
+    r = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    assert "enable --now kv-chunk-fs kv-chunk-fs-proxy" in r.stdout
+    assert (tmp_path / "kv-chunk-fs.service").exists(), "the mount's unit too"
+    text = (tmp_path / "kv-chunk-fs-proxy.service").read_text()
+    unit_section = text[text.index("[Unit]") : text.index("[Service]")]
+    assert re.search(r"^After=.*\bkv-chunk-fs\.service\b", unit_section, re.M)
+    assert re.search(r"^After=.*\bllama-server\.service\b", unit_section, re.M)
+    assert "Wants=kv-chunk-fs.service" in unit_section
+    assert "Environment=KVCFS_MOUNTPOINT=/srv/x" in text
+    assert "ExecStart=/opt/kvcfs/bin/kv-chunk-fs proxy --mount ${KVCFS_MOUNTPOINT}" in text
+    (tmp_path / "kv-chunk-fs-proxy.service.d/settings.conf").write_text("[Service]\n# mine\n")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    assert (tmp_path / "kv-chunk-fs-proxy.service.d/settings.conf").read_text() == "[Service]\n# mine\n"  # kept
+    plain = tmp_path / "plain"
+    subprocess.run([*cmd[:4], "--unit-dir", str(plain), *cmd[7:]], env=env, check=True, capture_output=True)
+    assert not (plain / "kv-chunk-fs-proxy.service").exists(), "only with --proxy"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_proxy_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    systemd.install(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")
+    systemd.install_proxy(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")
+    r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kv-chunk-fs-proxy.service")],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "kv-chunk-fs-proxy.service" not in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     systemd.install(tmp_path, f"{sys.executable} -m kvchunkfs.cli", "/srv/kv-slots")

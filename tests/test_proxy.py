@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -22,7 +23,7 @@ from conftest import Mount
 from fake_llama import FakeLlama, ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchunkfs.proxy.server import LABEL_XATTR, Proxy
+from kvchunkfs.proxy.server import LABEL_XATTR, Proxy, check_mount
 
 SYSTEM = "you are a careful agent " * 30  # shared by every conversation: ~150 tokens
 
@@ -583,6 +584,75 @@ def test_prefix_match_endpoint(rig: Rig) -> None:
     assert daemon.post("/prefix-match", content=b"{").status_code == 400
 
 
+# -- what the proxy reports ------------------------------------------------------------------------
+
+LINE = re.compile(r"POST /v1/chat/completions, slot \d: (\d+) prompt tokens, (none restored|(\d+) restored from "
+                  r"(\S+)), (\d+) already in the slot, (\d+) evaluated; (.*)")  # fmt: skip
+
+
+def request_lines(caplog: pytest.LogCaptureFixture) -> list[re.Match[str]]:
+    out = []
+    for record in caplog.records:
+        if record.name == "kvchunkfs.proxy.server" and record.levelno == logging.INFO:
+            m = LINE.fullmatch(record.getMessage())
+            if m is not None:
+                out.append(m)
+    return out
+
+
+def test_each_request_logs_what_it_restored_evaluated_and_saved(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvchunkfs.proxy.server")
+    a1 = turn(rig, conversation("A"), "one")
+    rig.fake.restart()  # empty slots: the next turn comes from the store
+    turn(rig, a1, "two")
+    first, second = request_lines(caplog)
+    name = rig.files()[0]
+    assert first.group(2) == "none restored" and first.group(5) == "0"
+    assert int(first.group(6)) == int(first.group(1)), "a new conversation: every token evaluated"
+    assert re.fullmatch(rf"saved \d+ tokens as {re.escape(name)} in \d+ ms", first.group(7)), first.group(7)
+    assert second.group(4) == name and int(second.group(3)) > len(SYSTEM.split())
+    assert int(second.group(6)) < 20, "only the new turn evaluated"
+    assert second.group(7).startswith("saved ") and second.group(7).split()[4] == name
+
+    body = {"prompt": SYSTEM + "no cache", "n_predict": 3, "cache_prompt": False}
+    assert httpx.post(rig.url + "/completion", json=body, timeout=30).status_code == 200
+    rig.idle()
+    assert any(
+        r.getMessage().startswith("POST /completion, slot ")
+        and r.getMessage().endswith("uncached; not saved: the client asked for no prompt cache")
+        for r in caplog.records
+    ), caplog.text
+
+    caplog.clear()
+    rig.mount.stop()  # saves are skipped now: one warning, and each request's line says so
+    for user in ("three", "four"):
+        a1 = turn(rig, a1, user)
+    lines = request_lines(caplog)
+    assert len(lines) == 2 and all(m.group(7).startswith("not saved: ") for m in lines), caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([w for w in warnings if "saves are skipped until" in w]) == 1, warnings
+    rig.mount.start()
+    turn(rig, a1, "five")
+    assert request_lines(caplog)[-1].group(7).startswith("saved ")
+    assert any("is a kv-chunk-fs mount again" in r.getMessage() for r in caplog.records)
+
+
+def test_the_proxy_says_at_start_what_its_mount_is(rig: Rig, tmp_path: Path) -> None:
+    found = check_mount(rig.mount.mnt, rig.mount.store)
+    assert found.mounted and found.level == logging.INFO
+    assert found.line == f"{rig.mount.mnt} is a kv-chunk-fs mount with 0 snapshots"
+    turn(rig, conversation("A"), "one")
+    assert check_mount(rig.mount.mnt, rig.mount.store).line.endswith("with 1 snapshot")
+    elsewhere = check_mount(rig.mount.mnt, tmp_path / "not-the-store")
+    assert elsewhere.mounted and elsewhere.level == logging.WARNING and "no daemon answers" in elsewhere.line
+    plain = check_mount(tmp_path, rig.mount.store)
+    assert not plain.mounted and plain.level == logging.WARNING
+    assert "saves are skipped until" in plain.line and "not a kv-chunk-fs mount" in plain.line
+    from kvchunkfs.cli.main import main
+
+    assert main(["proxy", "--mount", str(tmp_path / "missing"), "--upstream", rig.upstream.url]) == 2
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
@@ -617,4 +687,6 @@ def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode in (0, -15), err.decode()  # uvicorn re-raises SIGTERM after its graceful shutdown
     assert b"Traceback" not in err, err.decode()
+    assert f"{rig.mount.mnt} is a kv-chunk-fs mount with 0 snapshots" in err.decode(), err.decode()
+    assert "prompt tokens, none restored" in err.decode(), "a line per request at the default level"
     assert len(rig.files()) == 1 and not rig.files()[0].endswith(".tmp")

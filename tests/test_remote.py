@@ -174,8 +174,13 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
     # the second restore reads B's packs only
     wait_closed(b)
+    restored = [line for line in b.log().splitlines() if "restored conv: " in line]
+    assert len(restored) == 1 and " from remote (" in restored[0], restored  # its log line says where from
     assert read_direct(b.path("conv")) == a_data
     assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
+    wait_closed(b)
+    restored = [line for line in b.log().splitlines() if "restored conv: " in line]
+    assert len(restored) == 2 and " from local packs (" in restored[1], restored
     # packed layout: no request per chunk on either host (range GETs of runs; no HEAD, no loose GET)
     for m in (a, b):
         assert m.stats()["remote_heads"] == 0 and m.stats()["remote_chunk_gets"] == 0

@@ -346,15 +346,59 @@ def test_a_change_elsewhere_keeps_the_tree_as_expanded(env: Env) -> None:
     node.find_element(By.CSS_SELECTOR, ".tlabel").click()  # the same element: not stale
 
 
+TIME_LABEL = re.compile(r"\d{2}:\d{2}(:\d{2})?")  # wall-clock ticks (a date before them over days)
+
+
+def time_labels(env: Env) -> dict[str, list[str]]:
+    """The x-axis tick labels each chart drew (uPlot keeps the last ones it drew)."""
+    return env.js("return Object.fromEntries(Object.entries(charts).map(([id, c]) => [id, c.axes[0]._values]))")
+
+
 def test_charts_and_logs_pages(env: Env) -> None:
     env.open("charts")
     wait(env.driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#page-charts canvas")) == 3, what="3 charts")
     history = env.api("GET", "/history")
     assert len(history["saves"]["time"]) >= 5 and len(history["restores"]["time"]) >= 1
+    # Saves a moment apart: the time axis still reads as clock times, not ":57.150".
+    labels = wait(env.driver, lambda d: (t := time_labels(env)) and all(t.values()) and t, what="axis labels")
+    assert set(labels) == {"chart-bytes", "chart-durations", "chart-store"}
+    for chart, ticks in labels.items():
+        assert all(TIME_LABEL.fullmatch(tick) for tick in ticks), (chart, ticks)
+    for note in ("chart-bytes-note", "chart-durations-note", "chart-store-note"):
+        assert not env.driver.find_element(By.ID, note).is_displayed(), "a chart with data has no empty note"
     env.shot("charts")
     env.open("logs")
     wait(env.driver, lambda d: "mounted" in d.find_element(By.ID, "log-table").text, what="log lines")
+    table = env.driver.find_element(By.ID, "log-table").text
+    assert "recovery: " in table and "snapshots checked" in table, "the mount's recovery summary"
+    assert "saved chat/conv1-t0.tmp:" in table and "restored chat/conv1-t0:" in table, "a line per save, restore"
     env.shot("logs")
+
+
+def test_empty_charts_say_what_is_missing(env: Env, tmp_path: Path) -> None:
+    """A fresh daemon: no restore yet is said on the chart that would show it, not a blank plot."""
+    mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
+    mount.start()
+    ui = start_ui(mount.store, tmp_path / "ui.log")
+    try:
+        ui.login(env.driver)
+        env.driver.get(f"{ui.url}/#charts")
+        shown = "return document.getElementById(arguments[0]).hidden ? null : document.getElementById(arguments[0])"
+        text = shown + ".textContent"
+        wait(env.driver, lambda d: env.js(text, "chart-durations-note") == "(no saves or restores yet)",
+             what="no saves or restores yet")  # fmt: skip
+        assert env.js(text, "chart-bytes-note") == "(no saves yet)"
+        env.shot("charts-empty")
+        save(mount.mnt, "only", turns(8, 1)[0])
+        wait(env.driver, lambda d: env.js(text, "chart-durations-note") == "(no restores yet)", what="no restores yet")
+        assert env.js(shown, "chart-bytes-note") is None, "the save is drawn"
+        with open(mount.mnt / "only", "rb") as f:
+            f.read()
+        wait(env.driver, lambda d: env.js(shown, "chart-durations-note") is None, timeout=30, what="restore drawn")
+    finally:
+        env.js("sessionStorage.clear()")
+        ui.stop()
+        mount.stop()
 
 
 def test_live_save_appears_without_reload(env: Env) -> None:

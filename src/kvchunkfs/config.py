@@ -30,7 +30,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -602,10 +602,13 @@ def _describe_one(merged: Layer, name: str) -> str:
 # --- command line ---------------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per setting; unset flags stay None so load() can tell."""
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, skip: Iterable[str] = ()) -> None:
+    """Add ``--config`` and one flag per setting (but the flags in ``skip``, which the caller
+    defines itself); unset flags stay None so load() can tell."""
     parser.add_argument("--config", metavar="PATH", default=None, help=f"TOML config file (env {CONFIG_ENV})")
     for setting in SETTINGS.values():
+        if setting.flag in skip:
+            continue
         help_text = f"{setting.help} (default {_default_text(setting)}; env {setting.env})"
         if setting.kind == "bool":
             parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)

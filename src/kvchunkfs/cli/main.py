@@ -43,6 +43,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.fuse import daemon
     from kvchunkfs.maint.gc import GarbageCollector
     from kvchunkfs.maint.recovery import prepare_map_file, recover
+    from kvchunkfs.service import logbuffer
     from kvchunkfs.service.api import MountApi
 
     mountpoint = Path(args.mountpoint).resolve()
@@ -61,6 +62,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
         return 1
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
+    logs = logbuffer.install()  # before recovery: its summary shows in GET /logs (the dashboard's Logs tab)
     repo = open_repo(cfg)
     files = Files(repo)
     files.reserve_buffers()
@@ -81,7 +83,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             _cache_locally(repo, repo.remote, collector, cfg.local_cache_size)
         try:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
-            api = MountApi(cfg, files, mountpoint, collector)
+            api = MountApi(cfg, files, mountpoint, collector, logs)
         except (OSError, RuntimeError) as e:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
@@ -108,6 +110,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             _mark_clean(repo)
         repo.close()
         os.close(lock_fd)
+        logging.getLogger().removeHandler(logs)
     return 0
 
 
@@ -360,27 +363,39 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     try:
         written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint,
                                   cfg.stop_timeout)  # fmt: skip
+        if args.proxy:
+            written += systemd.install_proxy(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
     except OSError as e:
         print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
         return 1
     for path in written:
         print(f"wrote {path}")
-    print("now: systemctl daemon-reload && systemctl enable --now kv-chunk-fs")
+    print(
+        "now: systemctl daemon-reload && systemctl enable --now kv-chunk-fs"
+        + (" kv-chunk-fs-proxy" if args.proxy else "")
+    )
     return 0
 
 
 def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from kvchunkfs.proxy.server import Proxy, serve
+    from kvchunkfs.proxy.server import Proxy, check_mount, serve
 
     if cfg.proxy_mount is None:
         print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if not Path(cfg.proxy_mount).is_dir():
+        print(f"kv-chunk-fs: proxy: --mount {cfg.proxy_mount} is not a directory: it must be llama-server's "
+              "--slot-save-path, where `kv-chunk-fs mount` serves", file=sys.stderr)  # fmt: skip
         return 2
     proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
                   cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
                   max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
+    found = check_mount(Path(cfg.proxy_mount), Path(cfg.store))
+    log.log(found.level, "%s", found.line)
+    proxy.mount_ok = found.mounted  # the first skipped save warns only if this changed
     serve(proxy, cfg.proxy_listen)
     return 0
 
@@ -389,14 +404,32 @@ Command = Callable[[cfgmod.Config, argparse.Namespace], int]
 _CONFIGURED = "\0configured"  # ``gc --remote`` without a value
 
 
+DESCRIPTION = """\
+A deduplicating FUSE filesystem for llama-server's slot snapshots: mount it as llama-server's
+--slot-save-path, and put `kv-chunk-fs proxy` in front of llama-server for a disk prompt cache."""
+EPILOG = """\
+start:  kv-chunk-fs mount /srv/kv-slots
+        llama-server --slot-save-path /srv/kv-slots --port 8080 ...
+        kv-chunk-fs proxy --upstream http://127.0.0.1:8080 --mount /srv/kv-slots
+
+`kv-chunk-fs COMMAND --help` lists the command's options, then the settings every command takes
+(each also a key of the TOML config file and a KV_CHUNK_FS_<NAME> variable; `kv-chunk-fs config`
+shows them with where each came from)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-chunk-fs", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from kvchunkfs import __version__
+
+    parser = argparse.ArgumentParser(prog="kv-chunk-fs", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    commands: list[argparse.ArgumentParser] = []
 
     def add(name: str, fn: Command, help_text: str, **kwargs: Any) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, **kwargs)
-        cfgmod.add_arguments(p)
+        p = sub.add_parser(name, help=help_text, description=help_text[:1].upper() + help_text[1:] + ".", **kwargs)
         p.set_defaults(func=fn)
+        commands.append(p)
         return p
 
     p = add("mount", cmd_mount, "mount a store (foreground, until SIGINT/SIGTERM or fusermount3 -u)")
@@ -418,13 +451,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     cliops.add_tree_arguments(add("tree", cliops.cmd_tree, "token-prefix tree of the snapshots"))
     p = add("proxy", cmd_proxy, "serve llama-server's API with a disk prompt cache on the mount (see README)")
-    p.add_argument("--upstream", dest="proxy_upstream", default=None, help="same as --proxy-upstream")
-    p.add_argument("--listen", dest="proxy_listen", default=None, help="same as --proxy-listen")
-    p.add_argument("--mount", dest="proxy_mount", default=None, help="same as --proxy-mount")
-    # resolve: gc's own --remote replaces the setting's flag; it also works without a value (the setting's)
-    p = add(
-        "gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)", conflict_handler="resolve"
+    p.add_argument(
+        "--upstream",
+        dest="proxy_upstream",
+        default=None,
+        metavar="URL",
+        help="llama-server to forward to (the proxy_upstream setting, default http://127.0.0.1:8080)",
     )
+    p.add_argument(
+        "--listen",
+        dest="proxy_listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="address to serve on (the proxy_listen setting, default 127.0.0.1:8081)",
+    )
+    p.add_argument("--mount", dest="proxy_mount", default=None, metavar="DIR",
+                   help="llama-server's --slot-save-path, where `kv-chunk-fs mount` serves (the proxy_mount "
+                   "setting); --store must be that mount's store")  # fmt: skip
+    # gc's own --remote stands for the setting's flag; it also works without a value (the setting's)
+    p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
         "--walk",
@@ -450,10 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvchunkfs.cli import systemd
 
     systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
-                              "settings drop-in"))  # fmt: skip
+                              "settings drop-in; --proxy: the proxy's too"))  # fmt: skip
     p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
     p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
     p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")
+    for p in commands:
+        _add_settings(p)
     return parser
 
 
@@ -470,6 +517,16 @@ def store_problem(store: Path) -> str | None:
     except OSError as e:
         return f"cannot use the store {store}: {e.strerror or e}"
     return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    """Every setting as a flag of command ``p``, listed after the command's own options (added
+    before), and in its usage line as one ``[SETTING ...]`` (not 44 flags before its own)."""
+    own = p.format_usage().removeprefix("usage: ").rstrip()
+    p.usage = own.replace("%", "%%") + " [--config PATH] [--SETTING VALUE ...]"
+    about = "of the store and the daemon; each also a key of the TOML config file and a KV_CHUNK_FS_<NAME> variable"
+    group = p.add_argument_group("settings", about + " (see `kv-chunk-fs config`)")
+    cfgmod.add_arguments(group, skip={flag for action in p._actions for flag in action.option_strings})
 
 
 def main(argv: list[str] | None = None) -> int:

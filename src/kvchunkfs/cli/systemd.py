@@ -1,4 +1,5 @@
-"""The systemd unit and its settings drop-in (``kv-chunk-fs install-systemd``; ``deploy/systemd/``).
+"""The systemd units and their settings drop-ins (``kv-chunk-fs install-systemd [--proxy]``;
+``deploy/systemd/``): the mount's, and the proxy's (``--proxy``).
 
 ``Type=notify``: the daemon sends ``READY=1`` once the mount answers (``fuse.sdnotify``), so units
 ordered after it (llama-server) start on a working directory. Stop (and restart) is SIGTERM, on which
@@ -76,6 +77,74 @@ Environment=KVCFS_MOUNTPOINT={mountpoint}
 DEFAULT_STOP_TIMEOUT: int = SETTINGS["stop_timeout"].default
 
 
+PROXY_UNIT_NAME = "kv-chunk-fs-proxy.service"
+
+PROXY_UNIT = """\
+# kv-chunk-fs proxy: llama-server's API with a disk prompt cache on the kv-chunk-fs mount.
+# Installed by `kv-chunk-fs install-systemd --proxy`; settings go in {unit}.d/{dropin}
+# (or /etc/kv-chunk-fs/config.toml, which the mount's unit reads too), not here.
+[Unit]
+Description=kv-chunk-fs proxy (disk prompt cache in front of llama-server)
+# The mount answers once kv-chunk-fs.service is started (Type=notify); llama-server saves into it.
+Wants=kv-chunk-fs.service
+After=kv-chunk-fs.service llama-server.service
+
+[Service]
+Type=exec
+Environment=KVCFS_MOUNTPOINT={mountpoint}
+ExecStart={exe} proxy --mount ${{KVCFS_MOUNTPOINT}}
+# SIGTERM: stop taking requests, let the saves in flight finish, then exit.
+KillSignal=SIGTERM
+TimeoutStopSec=90s
+Restart=on-failure
+RestartSec=2s
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+PROXY_DROPIN = """\
+# Settings of kv-chunk-fs-proxy.service (`systemctl edit kv-chunk-fs-proxy` opens a file like this one).
+# Every setting is an environment variable KV_CHUNK_FS_<NAME> (see `kv-chunk-fs proxy --help`);
+# the store must be the mount's (its API socket is how the proxy finds stored prompts). After a change:
+#   systemctl daemon-reload && systemctl restart kv-chunk-fs-proxy
+[Service]
+Environment=KVCFS_MOUNTPOINT={mountpoint}
+#Environment=KV_CHUNK_FS_PROXY_UPSTREAM=http://127.0.0.1:8080
+#Environment=KV_CHUNK_FS_PROXY_LISTEN=127.0.0.1:8081
+#Environment=KV_CHUNK_FS_STORE=/var/lib/kv-chunk-fs
+#Environment=KV_CHUNK_FS_CACHE_MAX_BYTES=100GiB
+"""
+
+
+def render_proxy_unit(exe: str, mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
+    return PROXY_UNIT.format(exe=exe, mountpoint=mountpoint, unit=PROXY_UNIT_NAME, dropin=DROPIN_NAME)
+
+
+def render_proxy_dropin(mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
+    return PROXY_DROPIN.format(mountpoint=mountpoint)
+
+
+def install_proxy(unit_dir: Path, exe: str, mountpoint: str) -> list[Path]:
+    """The proxy's unit and drop-in, as ``install`` writes the mount's. Returns the files written."""
+    return _write(unit_dir, PROXY_UNIT_NAME, render_proxy_unit(exe, mountpoint), render_proxy_dropin(mountpoint))
+
+
+def _write(unit_dir: Path, name: str, unit_text: str, dropin_text: str) -> list[Path]:
+    """Write a unit (replacing an older one) and its drop-in (kept if it exists: it is the
+    operator's). Returns the files written."""
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    unit = unit_dir / name
+    unit.write_text(unit_text)
+    written = [unit]
+    dropin = unit_dir / f"{name}.d" / DROPIN_NAME
+    if not dropin.exists():
+        dropin.parent.mkdir(exist_ok=True)
+        dropin.write_text(dropin_text)
+        written.append(dropin)
+    return written
+
+
 def _span(seconds: int) -> str:
     """A systemd time span: ``5min`` rather than ``300``."""
     return f"{seconds // 60}min" if seconds % 60 == 0 else f"{seconds}s"
@@ -102,22 +171,15 @@ def default_exe() -> str:
 
 
 def install(unit_dir: Path, exe: str, mountpoint: str, stop_timeout: int = DEFAULT_STOP_TIMEOUT) -> list[Path]:
-    """Write the unit (replacing an older one; ``TimeoutStopSec`` from ``stop_timeout``) and the
-    drop-in (kept if it exists: it is the operator's). Returns the files written."""
-    written = []
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    unit = unit_dir / UNIT_NAME
-    unit.write_text(render_unit(exe, mountpoint, stop_timeout))
-    written.append(unit)
-    dropin = unit_dir / f"{UNIT_NAME}.d" / DROPIN_NAME
-    if not dropin.exists():
-        dropin.parent.mkdir(exist_ok=True)
-        dropin.write_text(render_dropin(mountpoint, stop_timeout))
-        written.append(dropin)
-    return written
+    """The mount's unit (``TimeoutStopSec`` from ``stop_timeout``) and drop-in. Returns the files written."""
+    return _write(
+        unit_dir, UNIT_NAME, render_unit(exe, mountpoint, stop_timeout), render_dropin(mountpoint, stop_timeout)
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-dir", default="/etc/systemd/system", help="where to write the unit (default %(default)s)")
     p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="llama-server's --slot-save-path (%(default)s)")
     p.add_argument("--exe", default=None, help="the kv-chunk-fs command for ExecStart (default: this one)")
+    what = "`kv-chunk-fs proxy` on the mount, started after it and llama-server"
+    p.add_argument("--proxy", action="store_true", help=f"also write {PROXY_UNIT_NAME}: {what}")

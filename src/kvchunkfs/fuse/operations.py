@@ -57,6 +57,22 @@ STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
 
 
 @dataclass(eq=False)
+class Restore:
+    """One restore of a snapshot: the read-only opens its content serves while it is open or
+    lingering. llama-server opens a snapshot twice per restore; both are one restore, counted once
+    (``restores``, the use count), timed from its first open to its last close, and reported when
+    its content is closed or taken for something else (``Operations._end_restore``)."""
+
+    name: str
+    size: int
+    source: str  # where its first open found the content: "local packs", "remote" or "memory"
+    start: float  # monotonic time its first open arrived
+    opens: int = 1
+    handles: int = 0  # its handles still open
+    closed: float | None = None  # when its last handle so far was released
+
+
+@dataclass(eq=False)
 class Node:
     ino: int
     path: str | None  # relative to snapshots/; "" is the root
@@ -70,6 +86,7 @@ class Node:
     lingering: FileContent | None = None  # closed but kept, pins and all, for a reopen (``linger``)
     last_stat: os.stat_result | None = None
     writers: int = 0  # open handles that may write: a read-only open meanwhile is not a restore
+    restore: Restore | None = None  # the restore its content serves (open or lingering), if any
     # Times set (utimensat/futimens) on the open file, with the content's generation then: the
     # save's new stub gets them too, unless the file was written after they were set.
     set_times: tuple[int | None, int | None, int] | None = None
@@ -81,7 +98,7 @@ class Handle:
     file: FileHandle  # its reads and writes
     writer: bool = False
     opener: int | None = None  # process that opened it for writing: its own last close commits (flush)
-    restore_start: float | None = None  # monotonic time of the read-only open that counts as a restore
+    restore: Restore | None = None  # the restore this read-only open is part of
 
 
 class Observer(Protocol):
@@ -704,6 +721,7 @@ class Operations(pyfuse3.Operations):
                         self.lingering[node] = trio.current_time() + self.linger
                         self.lingered.set()
                     else:
+                        self._end_restore(node)  # before the close's wait: an open meanwhile is a new one
                         await self._close_content(content)
         self._maybe_drop(node)
 
@@ -735,6 +753,7 @@ class Operations(pyfuse3.Operations):
         if current:
             self.reopens += 1
             return kept
+        self._end_restore(node)
         await self._close_content(kept)
         return None
 
@@ -745,6 +764,7 @@ class Operations(pyfuse3.Operations):
         if kept is not None:
             node.lingering = None
             self.lingering.pop(node, None)
+            self._end_restore(node)
             await self._close_content(kept)
         self._maybe_drop(node)
 
@@ -781,6 +801,7 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        start = time.monotonic()
         truncating = bool(flags & os.O_TRUNC)
         noted = False
 
@@ -790,7 +811,11 @@ class Operations(pyfuse3.Operations):
             noted = True
 
         reading = flags & os.O_ACCMODE == os.O_RDONLY and node.writers == 0
-        content = await self._acquire(node, allow_broken=truncating, then=note_use if reading else None)
+        joining = reading and node.restore is not None  # a restore under way: not another use
+        held = node.content if node.content is not None else node.lingering
+        remote = self.repo.remote
+        partial = reading and remote is not None and node.path is not None and remote.is_partial(node.path)
+        content = await self._acquire(node, allow_broken=truncating, then=note_use if reading and not joining else None)
         if truncating:  # before the handle exists: if it fails, the kernel never sends a release
             try:
                 async with node.lock:
@@ -801,13 +826,41 @@ class Operations(pyfuse3.Operations):
         fh = await self._new_handle(node, flags, ctx)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
-            self.restores += 1
-            self.handles[fh].restore_start = time.monotonic()
-            if not noted:  # the content was loaded already: no thread ran for this open
-                async with node.gate.use():
-                    if node.path is not None:
-                        await self._thread(self.repo.note_use, node.path)
+            source = "memory" if content is held else "remote" if partial else "local packs"
+            await self._count_restore(node, self.handles[fh], start, source, noted)
+        else:
+            self._end_restore(node)  # its content is taken for writing: that restore is over
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def _count_restore(self, node: Node, handle: Handle, start: float, source: str, noted: bool) -> None:
+        """Make ``handle`` part of the node's restore: a new one (counted, a use of the snapshot), or
+        the one under way whose content it took (llama-server's second open of a restore)."""
+        assert node.path is not None and node.content is not None
+        restore = node.restore
+        if restore is None:
+            self.restores += 1
+            restore = node.restore = Restore(node.path, node.content.size, source, start)
+        else:
+            restore.opens += 1
+            noted = True  # its first open counted the use
+        restore.handles += 1
+        handle.restore = restore
+        if not noted:  # the content was loaded already: no thread ran for this open
+            async with node.gate.use():
+                if node.path is not None:
+                    await self._thread(self.repo.note_use, node.path)
+
+    def _end_restore(self, node: Node) -> None:
+        """The node's restore is over once none of its handles is open and its content is closed or
+        taken by another open: report it (metrics, history, one log line)."""
+        restore = node.restore
+        if restore is None or restore.handles:
+            return
+        node.restore = None
+        seconds = (restore.closed or time.monotonic()) - restore.start
+        self._observe("on_restore", seconds, restore.size)
+        log.info("restored %s: %s in %.0f ms from %s (%d open%s)", restore.name, _mib(restore.size), seconds * 1000,
+                 restore.source, restore.opens, "" if restore.opens == 1 else "s")  # fmt: skip
 
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
@@ -872,14 +925,19 @@ class Operations(pyfuse3.Operations):
         handle = self.handles.pop(fh)
         node = handle.node
         node.writers -= handle.writer
-        if handle.restore_start is not None and node.content is not None:
-            self._observe("on_restore", time.monotonic() - handle.restore_start, node.content.size)
+        restore = handle.restore
+        if restore is not None:
+            restore.handles -= 1
+            if not restore.handles:
+                restore.closed = time.monotonic()
         try:
             await self._drop_open(node)
         finally:
             if handle.writer:  # counted until its save is done: a stop waits for it
                 self.writing -= 1
                 self._write_ended()
+        if restore is not None and node.content is not None:  # still open for something else: it ends here
+            self._end_restore(node)
 
     async def _forget_unsaved(self, node: Node) -> None:
         """A save failed: the kernel still caches the unsaved pages and, with the writeback cache, owns
@@ -919,14 +977,10 @@ class Operations(pyfuse3.Operations):
                 await self._forget_unsaved(node)
                 raise pyfuse3.FUSEError(_errno_of(e)) from None
             self.saves += 1
-            self._observe("on_save", time.monotonic() - start, pending.index.size, pending.new_bytes)
-            log.debug(
-                "saved %s: %d bytes, %d chunks in %.3fs",
-                rel,
-                pending.index.size,
-                len(pending.index),
-                time.monotonic() - start,
-            )
+            seconds, new_bytes = time.monotonic() - start, pending.new_bytes
+            self._observe("on_save", seconds, pending.index.size, new_bytes)
+            log.info("saved %s: %s, %s new, in %.0f ms", rel, _mib(pending.index.size), _mib(new_bytes),
+                     seconds * 1000)  # fmt: skip
 
     def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
         """Give the saved stub the times set on the open file, if nothing was written after them."""
@@ -1030,6 +1084,11 @@ class Operations(pyfuse3.Operations):
             "idle_checks": self.idle_checks,
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
+
+
+def _mib(n: int) -> str:
+    """A byte count for a log line: MiB with a decimal, or bytes below one."""
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
 def _and_then(fn: Callable[[str], T], rel: str, then: OnPath | None) -> T:

@@ -199,6 +199,9 @@ class Plan:
     first_token_s: float | None = None
     prompt_n: int | None = None  # tokens llama-server evaluated (its timings), when it said
     no_reuse: bool = False  # the slot may hold another tenant's tokens: tell llama-server not to reuse them
+    restored_from: str | None = None  # the snapshot restored into the slot
+    uncached: str = ""  # why the request runs without the cache (its prompt not known)
+    request: str = ""  # "POST /v1/chat/completions", for its log line
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -289,6 +292,7 @@ class Proxy:
         self._budget_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._claimed: set[str] = set()  # names a request in flight will save under
+        self.mount_ok: bool | None = None  # the mount at the last save (None: not known yet)
         self.app = self._make_app()
 
     # -- app ------------------------------------------------------------------------------------
@@ -448,12 +452,14 @@ class Proxy:
         assert self.pool is not None
         tenant = None if self.tenant == "none" else space or f"anonymous {secrets.token_hex(8)}"
         slot = await self.pool.acquire(tokens or [], tenant)
-        plan = Plan(None)
+        what = f"{request.method} {request.url.path}"
+        plan = Plan(None, request=what)
         resp: httpx.Response | None = None
         handed_off = False  # from here on the slot is released by the task finish() runs in
         try:
             plan = await self.prepare(slot, tokens, space or "", tenant)
             plan.prepare_s = time.monotonic() - start
+            plan.request, plan.uncached = what, _uncached_why(space, payload) if tokens is None else ""
             payload["id_slot"] = slot.id
             if plan.no_reuse:
                 payload["cache_prompt"] = False
@@ -579,13 +585,14 @@ class Proxy:
         # store has no more of this prompt (steady state costs no round trip to the daemon).
         continues = slot.snapshot is not None and held >= slot.prompt_len > 0
         best = None if continues else await self.lookup(tokens, space)
-        restored = 0
+        restored, restored_from = 0, None
         if best is not None and best.path == slot.snapshot:
             held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
         elif best is not None and min(best.match, len(tokens)) >= held + self.min_restore:
             if await self.restore(slot, best, tokens):
                 restored = min(best.match, len(tokens)) - held
                 held += restored
+                restored_from = best.path
         parent = None
         if continues:
             parent = slot.snapshot  # the next turn of the slot's conversation: replace it
@@ -596,7 +603,7 @@ class Proxy:
             name = f"{self.name_prefix(space)}{secrets.token_hex(8)}"
         self._claimed.add(name)  # released in finish(); nothing awaits in between, so no other request sees it free
         self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
-        return Plan(name, held=held, restored=restored, no_reuse=no_reuse and not restored)
+        return Plan(name, held=held, restored=restored, no_reuse=no_reuse and not restored, restored_from=restored_from)
 
     def name_prefix(self, space: str) -> str:
         """``kvp-MODEL-`` without tenant isolation, ``kvp-MODEL.NAMESPACE-`` with it: neither is a prefix
@@ -693,6 +700,8 @@ class Proxy:
                      ok: bool = True) -> None:  # fmt: skip
         """Close the upstream response, save the slot, release it; then keep the budget."""
         assert self.pool is not None
+        failed = "the request failed" + (f" ({resp.status_code})" if resp is not None else "")
+        outcome = "not saved" if ok else f"not saved: {failed}"
         try:
             if resp is not None:
                 await resp.aclose()
@@ -701,9 +710,11 @@ class Proxy:
             if ok and plan.name is not None and tokens is not None:
                 async with self.pool.changed():  # the prompt is in the slot now: its next turn waits for it
                     slot.tokens, slot.saving = list(tokens), True
-                await self.save(slot, plan.name, tokens)
+                outcome = await self.save(slot, plan.name, tokens)
             elif tokens is None:
                 slot.forget()
+                outcome = f"not saved: {plan.uncached or 'uncached'}"
+            log.info("%s, slot %d: %s; %s", plan.request, slot.id, _prompt_report(plan, tokens), outcome)
         finally:
             if plan.name is not None:
                 self._claimed.discard(plan.name)
@@ -730,9 +741,10 @@ class Proxy:
         self.metrics.count_tokens("slot", max(0, plan.held - plan.restored))
         self.metrics.count_tokens("evaluated", evaluated)
 
-    async def save(self, slot: Slot, name: str, tokens: list[int]) -> None:
+    async def save(self, slot: Slot, name: str, tokens: list[int]) -> str:
+        """Save the slot as ``name``; what happened, for the request's log line."""
         if self.mount is None:
-            return
+            return "not saved: no mount to save into"
         start = time.monotonic()
         tmp = f"{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"  # its own: a concurrent save never renames it
         try:
@@ -743,19 +755,31 @@ class Proxy:
             prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
             await asyncio.to_thread(self._install, tmp, name, prompt_len)
         except NotMounted as e:
-            log.warning("save of slot %d as %s skipped: %s", slot.id, name, e)
+            self._mount_state(str(e))
             self.metrics.skipped.labels("not_mounted").inc()
             slot.forget()
             await asyncio.to_thread(self._discard, tmp)  # written while the mount went away: off the bare disk
-            return
+            return f"not saved: {e}"
         except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
             self.metrics.errors.labels("save").inc()
             slot.forget()
             await asyncio.to_thread(self._discard, tmp)
-            return
-        self.metrics.save_s.observe(time.monotonic() - start)
+            return f"save failed: {_why(e)}"
+        seconds = time.monotonic() - start
+        self.metrics.save_s.observe(seconds)
+        self._mount_state(None)
         slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
+        return f"saved {n} tokens as {name} in {seconds * 1000:.0f} ms"
+
+    def _mount_state(self, problem: str | None) -> None:
+        """A warning when saves start being skipped (the mount is gone), a line when they resume:
+        not one per request (each request's own line says whether it was saved)."""
+        if problem is not None and self.mount_ok is not False:
+            log.warning("saves are skipped until %s is a kv-chunk-fs mount again: %s", self.mount, problem)
+        elif problem is None and self.mount_ok is False:
+            log.info("%s is a kv-chunk-fs mount again: saving", self.mount)
+        self.mount_ok = problem is None
 
     def _discard(self, tmp: str) -> None:
         """Remove a half-done save's temporary file (if llama-server wrote one): the store frees it at GC."""
@@ -823,6 +847,63 @@ class Proxy:
             self.metrics.evicted.inc(deleted)
             (await self._ask_daemon("POST", "/gc")).raise_for_status()
             log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
+
+
+def _uncached_why(space: str | None, payload: dict[str, Any]) -> str:
+    """Why a generation request runs without the cache (its prompt tokens are not known)."""
+    if space is None:
+        return "no tenant key (proxy_tenant)"
+    if payload.get("cache_prompt") is False:
+        return "the client asked for no prompt cache"
+    return "prompt not tokenized (media, several prompts, or a template error)"
+
+
+def _prompt_report(plan: Plan, tokens: list[int] | None) -> str:
+    """Where a request's prompt came from, for its log line."""
+    if tokens is None:
+        return "uncached"
+    evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, len(tokens) - plan.held)
+    restored = f"{plan.restored} restored from {plan.restored_from}" if plan.restored_from else "none restored"
+    return (
+        f"{len(tokens)} prompt tokens, {restored}, {max(0, plan.held - plan.restored)} already in the slot, "
+        f"{evaluated} evaluated"
+    )
+
+
+@dataclass
+class MountCheck:
+    """What the proxy found at its ``--mount`` when it started."""
+
+    mounted: bool  # a live kv-chunk-fs mount
+    level: int  # logging level of ``line``
+    line: str
+
+
+def check_mount(mount: Path, store: Path | None, timeout: float = 10.0) -> MountCheck:
+    """The working case is a kv-chunk-fs mount whose daemon answers on ``store``'s socket. A
+    directory that is not such a mount yet is a warning, not an error: the proxy serves anyway,
+    its saves skipped until the daemon mounts it (a directory that does not exist is the command's
+    error)."""
+    from kvchunkfs.service.apiclient import DaemonClient
+
+    problem = mount_problem(mount)
+    if problem is not None:
+        return MountCheck(False, logging.WARNING, f"saves are skipped until {mount} is a kv-chunk-fs mount: {problem}")
+    if store is None:
+        return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount")
+    try:
+        n = int(DaemonClient(store, timeout).json("GET", "/stats")["snapshots"])
+    except TimeoutError:
+        return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount (its daemon is still reading its "
+                          f"catalog: the snapshot count is not known yet)")  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return MountCheck(
+            True,
+            logging.WARNING,
+            f"{mount} is a kv-chunk-fs mount, but no daemon answers on "
+            f"{socket_path(store)} ({e}): no restores from the store (is --store the mount's store?)",
+        )
+    return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount with {n} snapshot{'' if n == 1 else 's'}")
 
 
 class NotMounted(Exception):

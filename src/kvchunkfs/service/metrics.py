@@ -41,7 +41,8 @@ class Metrics:
             buckets=DURATION_BUCKETS, registry=r,
         )  # fmt: skip
         self.restore_seconds = Histogram(
-            "kvcfs_restore_duration_seconds", "Time from a read-only open of a snapshot to its release",
+            "kvcfs_restore_duration_seconds",
+            "Time of a restore: from the first open of the snapshot to the last close of the opens it made",
             buckets=DURATION_BUCKETS, registry=r,
         )  # fmt: skip
         self.saved_bytes = Counter("kvcfs_saved_bytes", "Logical bytes of snapshots saved", registry=r)
@@ -175,7 +176,8 @@ class StoreCollector(Collector):
         if "saves" in stats:
             yield _counter("kvcfs_saves", "Snapshots saved", stats["saves"])
         if "restores" in stats:
-            yield _counter("kvcfs_restores", "Snapshots opened read-only (restores)", stats["restores"])
+            yield _counter("kvcfs_restores", "Restores (read-only opens of a snapshot; the opens of one restore, "
+                           "which its content still loaded ties together, count once)", stats["restores"])  # fmt: skip
         if "open_files" in stats:
             yield _gauge("kvcfs_open_files", "Snapshots open", stats["open_files"])
         for key, kind, doc in _REMOTE:  # with a remote (store/remote.py) only

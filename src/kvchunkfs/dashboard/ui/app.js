@@ -236,6 +236,43 @@ function draw(id, opts, data) {
 const bytesAxis = { values: (u, vals) => vals.map((v) => bytes(v)), size: 80 };
 const secsAxis = { values: (u, vals) => vals.map((v) => secs(v)), size: 70 };
 
+// Time axis: wall-clock labels (HH:MM:SS; HH:MM over hours; the date too over days), never the
+// sub-second ":57.150" uPlot picks for events a moment apart, over at least MIN_SPAN_S seconds.
+const MIN_SPAN_S = 60;
+const two = (n) => String(n).padStart(2, "0");
+function timeLabel(t, span) {
+  const d = new Date(t * 1000);
+  const hm = two(d.getHours()) + ":" + two(d.getMinutes());
+  if (span > 2 * 86400) return d.toLocaleDateString(undefined, { month: "short", day: "numeric" }) + " " + hm;
+  return span > 3 * 3600 ? hm : hm + ":" + two(d.getSeconds());
+}
+const timeAxis = {
+  values: (u, vals) => vals.map((v) => timeLabel(v, u.scales.x.max - u.scales.x.min)),
+  space: 70,
+};
+const timeScale = {
+  time: true,
+  range: (u, min, max) => {
+    if (min == null || max == null) { const now = Date.now() / 1000; return [now - MIN_SPAN_S, now]; }
+    if (max - min >= MIN_SPAN_S) return [min, max];
+    const mid = (min + max) / 2;
+    return [mid - MIN_SPAN_S / 2, mid + MIN_SPAN_S / 2];
+  },
+};
+// Whole seconds at least: ticks a second apart or more.
+const timeIncrs = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800];
+
+// What an empty chart, or an empty series, lacks: said next to its title.
+function note(id, text) {
+  const el = document.getElementById(id + "-note");
+  el.textContent = text ? "(" + text + ")" : "";
+  el.hidden = !text;
+}
+
+function timeChart(opts) {
+  return Object.assign({ scales: { x: timeScale } }, opts, { axes: [Object.assign({ incrs: timeIncrs }, timeAxis), opts.axes[1]] });
+}
+
 window.addEventListener("resize", () => {
   for (const c of Object.values(charts)) c.setSize({ width: chartWidth(), height: 220 });
 });
@@ -245,30 +282,34 @@ function drawCharts(h) {
   $("#charts-empty").hidden = sv.time.length + h.restores.time.length + h.gc.time.length > 0;
   const dedup = sv.size.map((n, i) => Math.max(0, n - sv.new_bytes[i]));
   const bars = uPlot.paths && uPlot.paths.bars ? uPlot.paths.bars({ size: [0.6, 40] }) : undefined;
-  draw("chart-bytes", {
+  note("chart-bytes", sv.time.length ? "" : "no saves yet");
+  draw("chart-bytes", timeChart({
     series: [{}, { label: "new", stroke: "#d9534f", fill: "rgba(217,83,79,0.5)", paths: bars, value: (u, v) => bytes(v) },
       { label: "deduplicated", stroke: "#5cb85c", fill: "rgba(92,184,92,0.4)", paths: bars, value: (u, v) => bytes(v) }],
     axes: [{}, bytesAxis],
-  }, [sv.time, sv.new_bytes, dedup]);
+  }), [sv.time, sv.new_bytes, dedup]);
 
   // saves and restores on one time axis (null where the other kind happened)
   const rs = h.restores;
   const times = [...sv.time.map((t, i) => [t, sv.seconds[i], null]), ...rs.time.map((t, i) => [t, null, rs.seconds[i]])]
     .sort((a, b) => a[0] - b[0]);
-  draw("chart-durations", {
+  const missing = [sv.time.length ? "" : "saves", rs.time.length ? "" : "restores"].filter(Boolean);
+  note("chart-durations", missing.length ? "no " + missing.join(" or ") + " yet" : "");
+  draw("chart-durations", timeChart({
     series: [{}, { label: "save", stroke: "#337ab7", points: { show: true }, spanGaps: true, value: (u, v) => secs(v) },
       { label: "restore", stroke: "#f0ad4e", points: { show: true }, spanGaps: true, value: (u, v) => secs(v) }],
     axes: [{}, secsAxis],
-  }, [times.map((r) => r[0]), times.map((r) => r[1]), times.map((r) => r[2])]);
+  }), [times.map((r) => r[0]), times.map((r) => r[1]), times.map((r) => r[2])]);
 
   const gc = h.gc;
   const store = [...sv.time.map((t, i) => [t, sv.store_bytes[i]]), ...gc.time.map((t, i) => [t, gc.store_bytes[i]])]
     .filter((r) => r[1] !== null).sort((a, b) => a[0] - b[0]);
+  note("chart-store", store.length ? "" : "no saves or GC runs yet: the size now");
   if (lastStats) store.push([Date.now() / 1000, lastStats.stored_bytes]);  // now, also when nothing happened yet
-  draw("chart-store", {
+  draw("chart-store", timeChart({
     series: [{}, { label: "chunk bytes", stroke: "#6f42c1", fill: "rgba(111,66,193,0.15)", value: (u, v) => bytes(v) }],
     axes: [{}, bytesAxis],
-  }, [store.map((r) => r[0]), store.map((r) => r[1])]);
+  }), [store.map((r) => r[0]), store.map((r) => r[1])]);
 }
 
 // -- snapshots -----------------------------------------------------------------------------------

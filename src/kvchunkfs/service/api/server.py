@@ -192,9 +192,11 @@ class ApiServer:
 class MountApi:
     """The API of one mount: create before mounting (binds now), pass ``task`` to daemon.serve."""
 
-    def __init__(self, cfg: Config, files: Files, mountpoint: Path, collector: Collector | None = None) -> None:
+    def __init__(self, cfg: Config, files: Files, mountpoint: Path, collector: Collector | None = None,
+                 logs: logbuffer.LogBuffer | None = None) -> None:  # fmt: skip
+        """``logs``: a buffer installed before (the mount's recovery lines in it); else one is now."""
         repo = files.repo
-        self.logs = logbuffer.install()
+        self.logs = logs if logs is not None else logbuffer.install()
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not "Started server process" per listener
         self.service = Service(files, mountpoint, cfg, collector=collector, logs=self.logs)
         self.service.observe_gc()

@@ -28,6 +28,8 @@ UNIT_MODULES = {
     "test_buffers",
     "test_config",
     "test_evict_units",
+    "test_file_record",
+    "test_fuzz_relayout",
     "test_format_cutter",
     "test_format_stream",
     "test_formula",

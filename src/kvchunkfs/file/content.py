@@ -618,7 +618,7 @@ class FileContent:
             return False
         self._step("stored")
         # The chunks' bytes in file order: the checksum (a replaced ``sums`` is fed harmlessly).
-        sums.add(taken, sum(len(p) for _, p in chunks), groups)
+        sums.add(taken, [len(p) for _, p in chunks], groups)
         with self.cond:
             if epoch == self.epoch:
                 for cid, p in chunks:
@@ -692,7 +692,7 @@ class FileContent:
             self.bytes_new += self.store.put_many(chunks, self)
             for cid, p in chunks:
                 index.append(cid, len(p))
-        return index, gen, sums.final(tail, groups)
+        return index, gen, sums.final(tail, [len(p) for p in pieces], groups)
 
     def _stored_form(self, index: Index, file_sum: bytes, groups: list[Listed]) -> tuple[Index, FileRecord]:
         """The index to install and its record. The stored form must read back as the file without

@@ -40,29 +40,52 @@ class SaveSums:
         self.groups: list[Listed] = list(groups)
         self.marks: deque[Mark] = deque(maxlen=MARKS)
 
-    def add(self, pieces: Sequence[Buffer], n: int, groups: Sequence[Listed] = ()) -> None:
-        """The first ``n`` bytes of ``pieces`` (in order) are now final chunks."""
-        if n <= 0:
-            return
-        self.marks.append((self.size, self.hasher.copy()))
-        left = n
-        for p in pieces:
-            if left <= 0:
-                break
-            view = memoryview(p)[:left]
-            self.hasher.update(view)
-            left -= len(view)
-        assert left == 0, "fewer bytes than the chunks hold"
-        self.size += n
+    def add(self, pieces: Sequence[Buffer], lengths: Sequence[int], groups: Sequence[Listed] = ()) -> None:
+        """The first bytes of ``pieces`` (in order) are now final chunks of these ``lengths``."""
+        _feed(self.hasher, self.size, pieces, lengths, groups, self.marks)
+        self.size += sum(lengths)
         self.groups.extend(groups)
 
-    def final(self, tail: Buffer, groups: Sequence[Listed]) -> tuple[bytes, list[Listed], list[Mark]]:
-        """(file checksum, groups, marks) of the file that ends with ``tail`` (this object is
-        unchanged: the stream goes on with its tentative tail)."""
+    def final(
+        self, tail: Buffer, lengths: Sequence[int], groups: Sequence[Listed]
+    ) -> tuple[bytes, list[Listed], list[Mark]]:
+        """(file checksum, groups, marks) of the file whose last chunks (of these ``lengths``) hold
+        ``tail`` (this object is unchanged: the stream goes on with its tentative tail)."""
         h = self.hasher.copy()
-        marks = [*self.marks, (self.size, self.hasher.copy())]
-        h.update(tail)
-        return h.digest(), [*self.groups, *groups], marks
+        marks = deque(self.marks, maxlen=MARKS)
+        _feed(h, self.size, [tail], lengths, groups, marks)
+        return h.digest(), [*self.groups, *groups], list(marks)
+
+
+def _feed(
+    hasher: xxhash.xxh3_128,
+    at: int,
+    pieces: Sequence[Buffer],
+    lengths: Sequence[int],
+    groups: Sequence[Listed],
+    marks: deque[Mark],
+) -> None:
+    """Hash the first ``sum(lengths)`` bytes of ``pieces`` (file offset ``at`` on), marking the
+    checksum where an append may resume: where they start, at each group's start and at the last
+    chunk's start (an append resumes at the file's last chunk, or at the start of the group that
+    holds it)."""
+    n = sum(lengths)
+    if n <= 0:
+        return
+    stops = {at, at + n - lengths[-1], *(x.seg.start for x in groups)}
+    pos, left = at, n
+    for p in pieces:
+        view = memoryview(p)[:left]
+        while len(view):
+            if pos in stops:
+                marks.append((pos, hasher.copy()))
+            nxt = min((s for s in stops if s > pos), default=at + n)
+            take = view[: nxt - pos]
+            hasher.update(take)
+            view, pos, left = view[len(take) :], pos + len(take), left - len(take)
+        if left <= 0:
+            break
+    assert left == 0, "fewer bytes than the chunks hold"
 
 
 class Resumes:

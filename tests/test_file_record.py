@@ -284,3 +284,62 @@ def test_a_file_put_back_whole_is_checked(store, how):
     assert files.checks.mismatches == before + 1
     assert not list(Path(repo.staging).iterdir())
     assert read_back(files, name, len(data)) == data  # the snapshot is unchanged
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 30),
+    st.integers(1, 40),
+    st.sampled_from([0, 8, 16]),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.booleans(),
+)
+def test_any_file_range_of_a_group_comes_from_its_records(count, cells, width, lead, a, b, trans):
+    """What an append's parse reads inside a group: the bytes put back from just the records they
+    lie in equal the group put back whole; a transposed group is put back whole."""
+    el = 2 if trans else 0
+    width += width % 2 if trans else 0
+    g = ls.Group(count, lead, width, el, cells)
+    seg = filerecord.group_segment(0, g)
+    assert seg.end is not None
+    data = os.urandom(seg.end)
+    stream = bytes(relayout.to_stream(seg, data))
+    off, end = sorted((a % (seg.end + 1), b % (seg.end + 1)))
+    got = relayout.file_range(g, lambda o, n: stream[o : o + n], off, end - off)
+    assert got is None if trans else got == data[off:end]
+
+
+def test_an_append_right_after_the_save_reads_back_only_the_end(store):
+    """llama-server's second pass: the append continues from the save's marks and parses the
+    headers from the few stored bytes they need, so it reads the last group (the one holding the
+    last chunk) and little else; with the marks forgotten (a restart) it reads the file whole."""
+    from e2e import ggsq
+
+    repo, files = store
+    spec = ggsq.Spec(n_layer=24, row_bytes=1024)
+    counters = repo.store.counters
+    for remembered in (True, False):
+        toks = ggsq.synthetic_tokens(600, 3 + remembered)  # nothing of it cached
+        data = ggsq.synthetic_bytes(toks, spec)
+        blob = ggsq.checkpoint_blob(toks, ggsq.Spec(n_layer=24, row_bytes=1024, recurrent_bytes=4096))
+        groups = [g for g in ls.segments(data, GROUP_WIDTH) if g.group is not None]
+        assert len(groups) >= 6
+        name = save(repo, files, data, [])
+        if not remembered:
+            files.resumes.put(record_of(repo, name, len(data)).file_sum, [])
+        before = counters.pack_bytes_read
+        content = files.load(name)
+        try:
+            write(files, content, len(data), blob)
+            assert files.save(content, name)
+        finally:
+            content.close()
+        read = counters.pack_bytes_read - before
+        if remembered:
+            assert read <= len(data) * 2 // len(groups) + (1 << 20), (read, len(data))  # the last group
+        else:
+            assert read >= len(data) - (groups[-1].end or 0) + groups[-1].start, (read, len(data))
+        assert read_back(files, name, len(data + blob)) == data + blob
+        assert record_of(repo, name, len(data + blob)).file_sum == xxhash.xxh3_128_digest(data + blob)

@@ -256,6 +256,8 @@ class FileContent:
             read = self.read_chunks
             parse = self.groups.header_reader(loaded, read)
             state = self.chunker.resume(parse, loaded.size, base.start(len(base) - 1))
+            if record is not None and any(x.seg.start < state.pos < (x.seg.end or 0) for x in record.groups):
+                raise self.checks.mismatch(f"{self.groups.name or 'a file'}: an append resuming inside a stored group")
             # The last chunk, or from the start of the stored group that holds it (cut whole).
             last_chunk = bytes(self.groups.read_file(loaded, state.pos, loaded.size - state.pos, read))
             sums = self._base_sums(loaded, state.pos, last_chunk, record)

@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from functools import partial
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.filesums import FileChecks
@@ -322,20 +323,36 @@ class FileGroups:
         return [g for g in self._groups(index, index.size, read_chunks, pos) if (g.end or 0) <= pos]
 
     def header_reader(self, index: Index, read_chunks: ReadChunks) -> relayout.ReadAt:
-        """Reads for the parser (an append's ``Cutter.resume``). With the groups given: the file's
-        bytes, except that a read from a group's start takes the stored bytes (the parser reads
-        only the group's first header there, which the stored form holds as the file does: no
-        decode for it). A snapshot from before records is parsed from its stored bytes, as its
+        """Reads for the parser (an append's ``Cutter.resume``): the file's bytes. With the groups
+        given, bytes inside a group come from just the stored bytes they lie in (its headers, the
+        records of the first rows a look-ahead reaches: ``relayout.file_range``), not from the whole
+        group put back. A snapshot from before records is parsed from its stored bytes, as its
         reads are."""
         given = self._given
         if given is None or given[0] is not index:
             return lambda off, n: bytes(read_chunks(index, off, n, off + n))
-        starts = {g.start for g in given[1]}
+        found = given[1]
+
+        def stored(off: int, n: int) -> bytes:
+            return bytes(read_chunks(index, off, n, off + n))
 
         def read(off: int, n: int) -> bytes:
-            if off in starts:
-                return bytes(read_chunks(index, off, n, off + n))
-            return bytes(self.read_file(index, off, n, read_chunks))
+            end, out, pos = min(off + n, index.size), bytearray(), off
+            for g in found:
+                if g.end is None or g.end <= pos or g.group is None:
+                    continue
+                if g.start >= end:
+                    break
+                if pos < g.start:
+                    out += stored(pos, g.start - pos)
+                    pos = g.start
+                stop = min(end, g.end)
+                part = relayout.file_range(g.group, partial(_shifted, stored, g.start), pos - g.start, stop - pos)
+                out += part if part is not None else self.read_file(index, pos, stop - pos, read_chunks)
+                pos = stop
+            if pos < end:
+                out += stored(pos, end - pos)
+            return bytes(out)
 
         return read
 
@@ -527,3 +544,8 @@ class FileGroups:
             if start <= offset and offset + size <= end and d.ready(offset - start, size, self._expected(index, d.seg)):
                 return d.unpermute.data[offset - start : offset - start + size]
         return None
+
+
+def _shifted(read: relayout.ReadAt, base: int, off: int, n: int) -> bytes:
+    """``read`` at ``base + off``: a group's stored bytes by their offset in the group."""
+    return read(base + off, n)

@@ -162,6 +162,29 @@ def cut_rows(g: Group, where: Rows, records: Buffer, size: int) -> bytes:
     return rows[where.skip : where.skip + size]
 
 
+def file_range(g: Group, read_stored: ReadAt, off: int, size: int) -> bytes | None:
+    """Group-relative file bytes ``[off, off + size)`` from just the stored bytes they lie in
+    (``read_stored(offset, n)``, group-relative offsets of the stored form): the headers, and the
+    records of the rows' cells. None for a transposed group (each of its runs holds every cell)."""
+    if g.el:
+        return None
+    heads, body = _parts(g)
+    rec = g.count * g.width
+    end, out = off + size, bytearray()
+    for i, (hp, at, h) in enumerate(_heads(g)):
+        lo, hi = max(off, at), min(end, at + h)
+        if lo < hi:
+            out += read_stored(hp + lo - at, hi - lo)
+        rows = at + h
+        lo, hi = max(off, rows), min(end, rows + body)
+        if lo < hi:
+            first, last = (lo - rows) // g.width, -(-(hi - rows) // g.width)
+            records = read_stored(heads + first * rec, (last - first) * rec)
+            where = Rows(i, first, last, lo - rows - first * g.width)
+            out += cut_rows(g, where, records, hi - lo)
+    return bytes(out)
+
+
 class Unpermute:
     """A group put back in file order as its stored bytes arrive, in order: a restore reads the
     group's first block while the rest of it is still being fetched. ``feed`` the stored chunks in

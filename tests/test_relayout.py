@@ -1,5 +1,6 @@
 """Chunker ``relayout``: K/V blocks stored token-major. The stored stream is a permutation of the
-file that parses like it, so the file comes back exactly from the stream alone."""
+file; the groups a save stored (its file record's), or for the files below the groups the stream
+parses to, put it back exactly (tests/test_file_record.py: files whose stream parses otherwise)."""
 
 from __future__ import annotations
 

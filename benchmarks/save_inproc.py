@@ -4,8 +4,11 @@ Random bytes written in 1 MiB pieces into a fresh file (as FUSE hands them over)
 "new" is a save of bytes the store lacks, "stored" the same bytes again under a new file. Each
 round uses a fresh store per setting, ``predict_chunks`` on and off, alternating; medians of wall
 and process CPU time (the chunker threads and the writer). The store goes under ``--dir``.
+``--state`` saves an f16-shaped llama.cpp state file instead (32 layers, 1 KiB rows, as many cells
+as fit ``--size``): the relayout path with its groups, checksums and stored-form check.
 
     PYTHONPATH=src python3 benchmarks/save_inproc.py --size 200MiB --rounds 5
+    PYTHONPATH=src python3 benchmarks/save_inproc.py --size 40MiB --rounds 9 --state
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(1, str(ROOT))  # e2e/ggsq.py: the state files of --state
 
 from kvchunkfs import config as cfgmod  # noqa: E402
 from kvchunkfs.file.content import Action  # noqa: E402
@@ -47,16 +51,25 @@ def save(files: Files, data: bytes) -> tuple[float, float]:
     return took
 
 
+def state_file(size: int, seed: int) -> bytes:
+    """A state file of about ``size`` bytes: 32 layers of 1 KiB K and V rows (64 KiB a cell)."""
+    from e2e import ggsq
+
+    spec = ggsq.Spec(n_layer=32, row_bytes=1024)
+    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(max(1, size // spec.bytes_per_token), seed), spec)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="200MiB")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default="/var/tmp")
+    p.add_argument("--state", action="store_true", help="a llama.cpp state file (f16-shaped), not random bytes")
     args = p.parse_args()
     size = cfgmod.parse_size(args.size)
     res: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
-        data = os.urandom(size)
+        data = state_file(size, rnd) if args.state else os.urandom(size)
         for predict in (True, False) if rnd % 2 == 0 else (False, True):
             root = Path(tempfile.mkdtemp(prefix="kvcfs-inproc-", dir=args.dir))
             files = Files(Repository(root, StoreSettings(predict_chunks=predict)))

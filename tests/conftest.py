@@ -30,6 +30,8 @@ UNIT_MODULES = {
     "test_config",
     "test_docs",
     "test_evict_units",
+    "test_file_record",
+    "test_fuzz_relayout",
     "test_format_cutter",
     "test_format_stream",
     "test_formula",

@@ -54,10 +54,12 @@ def test_write_sizes(kvfs, piece):
 
 
 def test_append_continues_chunk_list(kvfs, plain):
-    first, second = rand_bytes(20 * MiB + 999, 2), rand_bytes(3 * MiB + 5, 3)
+    """An append right after the save (llama-server's second pass) reads back only the last chunk:
+    the file's checksum continues from where the save left it. After a restart the daemon has no
+    such mark: the append reads the file back once, and checks it whole."""
+    first, second, third = rand_bytes(20 * MiB + 999, 2), rand_bytes(3 * MiB + 5, 3), rand_bytes(MiB + 7, 4)
     for d in (kvfs.mnt, plain):
         write_in_pieces(d / "s", first, MiB)
-    kvfs.remount()  # cold: nothing of the file in any cache
     kvfs.catalog_loaded()
     before = kvfs.stats()
     for d in (kvfs.mnt, plain):
@@ -65,9 +67,16 @@ def test_append_continues_chunk_list(kvfs, plain):
     after = kvfs.stats()
     # Only the last chunk (at most chunk_max = 256 KiB) may be read back to continue.
     assert after["pack_bytes_read"] - before["pack_bytes_read"] <= 256 * 1024
+    kvfs.remount()  # cold: nothing of the file in any cache, no mark of its checksum
+    kvfs.catalog_loaded()
+    before = kvfs.stats()
+    for d in (kvfs.mnt, plain):
+        write_in_pieces(d / "s", third, 1 << 17, mode="ab")
+    after = kvfs.stats()
+    assert after["pack_bytes_read"] - before["pack_bytes_read"] <= len(first + second) + 256 * 1024
     assert "staging a copy" not in kvfs.log()
     kvfs.remount()
-    assert (kvfs.mnt / "s").read_bytes() == (plain / "s").read_bytes() == first + second
+    assert (kvfs.mnt / "s").read_bytes() == (plain / "s").read_bytes() == first + second + third
 
 
 def test_append_chunking_equals_whole_file_chunking(kvfs):

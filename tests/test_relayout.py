@@ -1,5 +1,6 @@
 """Chunker ``relayout``: K/V blocks stored token-major. The stored stream is a permutation of the
-file that parses like it, so the file comes back exactly from the stream alone."""
+file; the groups a save stored (its file record's), or for the files below the groups the stream
+parses to, put it back exactly (tests/test_file_record.py: files whose stream parses otherwise)."""
 
 from __future__ import annotations
 
@@ -415,11 +416,12 @@ def test_restore_buffers_are_reused_only_when_free(kvfs):
         assert kvfs.stats()["restore_buffers_reused"] > 0
 
 
-def test_a_restore_starting_at_the_file_end_reads_only_its_rows_and_starts_the_first_group(kvfs):
+def test_a_restore_starting_at_the_file_end_checks_its_group_and_starts_the_first_group(kvfs):
     """llama-server's first read of a restore is the file's last few KiB (stdio sizing its buffer
-    at the seek to the end). It is answered from the records of those rows alone, the first
-    group's decode starts at once (the header and the rest follow in order), and the last group
-    is not fetched while reads have not reached it. Then reads in that order return the file."""
+    at the seek to the end). Its group has a recorded checksum, so the read is answered once the
+    whole group is put back and checked (never from a few of its records), and the first group's
+    decode starts at once (the header and the rest follow in order). Then reads in that order
+    return the file, each chunk read once."""
     import time
 
     spec = ggsq.Spec(n_layer=6, row_bytes=512)
@@ -439,17 +441,16 @@ def test_a_restore_starting_at_the_file_end_reads_only_its_rows_and_starts_the_f
 
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    before = asked()
+    before, read_before = asked(), kvfs.stats()["chunks_read"]
     fd = os.open(mnt / "s", os.O_RDONLY)
     try:
         tail = len(data) - 8192
         assert os.pread(fd, 8192, tail) == data[tail:]
+        assert asked() - before >= chunks[1], (asked() - before, chunks)  # the last group, whole
         deadline = time.monotonic() + 30
-        while asked() - before < chunks[0] and time.monotonic() < deadline:
+        while asked() - before < chunks[0] + chunks[1] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert asked() - before >= chunks[0], (asked() - before, chunks)  # the first group: no read of it yet
-        time.sleep(0.3)
-        assert asked() - before < chunks[0] + chunks[1] // 2, (asked() - before, chunks)  # not the last
+        assert asked() - before >= chunks[0] + chunks[1], (asked() - before, chunks)  # the first group too
         assert os.pread(fd, 32768, 0) == data[:32768]
         got = bytearray()
         while piece := os.read(fd, MiB):
@@ -457,6 +458,7 @@ def test_a_restore_starting_at_the_file_end_reads_only_its_rows_and_starts_the_f
         assert bytes(got) == data
     finally:
         os.close(fd)
+    assert kvfs.stats()["chunks_read"] - read_before <= len(index) + 4  # each chunk once
 
 
 def test_a_reopen_shares_the_groups_the_first_open_is_putting_back(kvfs):

@@ -691,6 +691,28 @@ def test_an_index_written_for_another_stream_is_never_fetched(hosts: Hosts) -> N
     assert "was written by a plain store" in b.log()
 
 
+def test_a_snapshot_stored_in_file_order_is_tagged_plain_and_refused_by_relayout_hosts(hosts: Hosts) -> None:
+    """A state file whose stored form would parse to other groups is stored in file order; only
+    its file record says so, and the bucket holds the index alone: it goes up tagged as a plain
+    stream, so a relayout host refuses it instead of putting back groups that are not there."""
+    from ggsq_shapes import ISSUE_FILE
+
+    a = hosts.new("a")  # relayout
+    write_in_pieces(a.path("odd"), ISSUE_FILE, MiB)
+    data = state_file(44)
+    write_in_pieces(a.path("state"), data, MiB)
+    assert a.stats()["file_order_saves"] == 1
+    drained(a)
+    assert hosts.bucket.read_index("odd").stream == "plain"
+    assert hosts.bucket.read_index("state").stream != "plain"
+    b = hosts.new("b")
+    assert read_visible(b, "state") == data
+    wait_for(lambda: "odd" not in os.listdir(b.mnt) and b.stats()["remote_refused_indexes"] > 0,
+             "B to refuse the file-order index", 30)  # fmt: skip
+    assert not os.path.exists(b.path("odd"))
+    assert "odd in" in b.log() and "was written by a plain store" in b.log()
+
+
 def test_a_mismatch_found_after_mount_turns_the_tier_off(hosts: Hosts, weed: Weed) -> None:
     """The bucket down at mount: the mount goes on; once it is back, the format is checked before
     anything is listed, fetched or uploaded."""

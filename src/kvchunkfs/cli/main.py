@@ -322,12 +322,40 @@ def cmd_export_store(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 def cmd_file_order(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """What ``casync extract`` gives for a snapshot of a ``relayout`` store is the stored stream:
-    K/V blocks token-major. This puts them back (a file with no stored group is copied as it is)."""
-    from kvchunkfs.format import relayout
+    K/V blocks token-major. This puts them back (a file with no stored group is copied as it is).
+    With ``--stub``, the groups are the ones its file record lists and the result is checked
+    against its file checksum: nothing is written if it does not match."""
+    from kvchunkfs.format import filerecord, relayout
     from kvchunkfs.format.cutter import GROUP_WIDTH
+    from kvchunkfs.store import stubs
 
-    data = Path(args.input).read_bytes()
-    Path(args.output).write_bytes(relayout.file_bytes(data, GROUP_WIDTH))
+    data = memoryview(Path(args.input).read_bytes())
+    record = None
+    if args.stub:
+        raw = stubs.read_record(args.stub)
+        if raw is None:
+            print(f"kv-chunk-fs: {args.stub} has no file record (saved before records): not checked", file=sys.stderr)
+        else:
+            try:
+                record = filerecord.decode(raw, len(data))
+            except filerecord.RecordError as e:
+                print(f"kv-chunk-fs: {args.stub}: {e}", file=sys.stderr)
+                return 1
+
+    def read(off: int, n: int) -> bytes:
+        return bytes(data[off : off + n])
+
+    if record is not None and record.form.groups_given:
+        found = record.segments
+    else:
+        found = relayout.groups(read, len(data), GROUP_WIDTH)
+    pieces = list(relayout.file_pieces(read, len(data), found))
+    if record is not None:
+        why = filerecord.mismatch(pieces, record)
+        if why is not None:
+            print(f"kv-chunk-fs: {args.input} is not the file {args.stub} records: {why}", file=sys.stderr)
+            return 1
+    Path(args.output).write_bytes(b"".join(bytes(piece) for _, piece in pieces))
     return 0
 
 
@@ -446,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
             "into the llama.cpp state file")  # fmt: skip
     p.add_argument("input")
     p.add_argument("output")
+    p.add_argument(
+        "--stub",
+        default=None,
+        help="the snapshot's stub (STORE/snapshots/...): put its groups back as its file record says and "
+        "check the file's checksum",
+    )
     cliops.add_ls_arguments(add("ls", cliops.cmd_ls, "list snapshots: size, unique/shared bytes, uses, score"))
     p = add("stats", cliops.cmd_stats, "store totals: snapshots, logical/stored bytes, dedup ratio, chunks, packs")
     p.add_argument("--json", action="store_true", help="print JSON")

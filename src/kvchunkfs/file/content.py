@@ -18,6 +18,12 @@ Reads of relayout files put stored groups back in file order through ``FileGroup
 
 Content in STREAM mode is ``index`` chunks, then ``inflight`` (bytes the worker is cutting), then
 ``tail``, then ``buf``, then ``ahead`` (writes that arrived a little early, keyed by offset).
+
+The file record (format/filerecord.py) is built as the bytes become chunks (``SaveSums``): the
+checksum of the file's bytes and the groups stored permuted. At commit the stored form is checked
+to parse to those groups; a file whose form does not is stored again in file order
+(``_store_file_order``). A snapshot's record is checked wherever this content puts the whole file
+back (a staged copy, an append that reads it back).
 """
 
 from __future__ import annotations
@@ -30,20 +36,26 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvchunkfs.file.buffers import BufferPool
+from kvchunkfs.file.filesums import FileChecks, Mark, Resumes, SaveSums
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
 from kvchunkfs.file.hashing import chunk_ids
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.file.queues import ByteQueue, ChunkPool
 from kvchunkfs.file.reader import ReadChunks
+from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import BATCH, StreamChunker, chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
+from kvchunkfs.format.filerecord import FileRecord, Form, Listed, file_hasher, group_sum, same_groups
+from kvchunkfs.format.filerecord import make as make_record
 from kvchunkfs.format.index import Index
+from kvchunkfs.format.llama_state import Segment
 from kvchunkfs.store.chunkstore import ChunkStore
 from kvchunkfs.store.packs import Location
 
@@ -105,6 +117,8 @@ class FileContent:
         decoded_groups: DecodedGroups | None = None,
         buffers: BufferPool | None = None,
         decoders: Executor | None = None,
+        checks: FileChecks | None = None,
+        resumes: Resumes | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -119,7 +133,13 @@ class FileContent:
         self.max_size = max_size
         self.successors = successors  # None: cut every byte (``predict_chunks`` off)
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
-        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers, decoders)
+        self.checks = checks if checks is not None else FileChecks()
+        self.resumes = resumes  # where a save leaves its checksum's marks for an append (Files)
+        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers, decoders, self.checks)
+        # The loaded snapshot's file record and the index object it describes (None: none, or
+        # the content changed since).
+        self.record: FileRecord | None = None
+        self._record_index: Index | None = None
         self.buffers = buffers  # large joins of a save's batch go there (reused once unreferenced)
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
@@ -146,8 +166,13 @@ class FileContent:
 
     # -- state ------------------------------------------------------------------------------
 
-    def _reset_stream(self, index: Index, tail: bytes, cut_state: CutState | None = None) -> None:
+    def _reset_stream(
+        self, index: Index, tail: bytes, cut_state: CutState | None = None, sums: SaveSums | None = None
+    ) -> None:
         self.index = index
+        self.sums = sums if sums is not None else SaveSums()  # of the index's bytes, if it is new
+        if self.sums.size == index.size:  # the groups are known: reads never parse them
+            self.groups.set_layout(index, self.sums.groups)
         self.tail = tail
         self.cut_state = cut_state or self.chunker.initial()  # the cutter at the tail's first byte
         self.inflight: list[bytes | bytearray | memoryview] | None = None
@@ -168,6 +193,21 @@ class FileContent:
         self.gen += 1
         self.dirty = True
         self.loaded_from = None  # no longer the stub's content, even once saved
+
+    def use_record(self, record: FileRecord | None, name: str) -> None:
+        """The loaded snapshot's file record (None: it has none) and path (for log lines): reads
+        take its groups from it and check them, a whole-file copy checks its checksum."""
+        with self.cond:
+            self.record, self._record_index = record, self.index
+            self.groups.name = name
+            if record is not None and record.form.groups_given:
+                self.groups.set_layout(self.index, record.groups)
+
+    def _loaded_record(self) -> FileRecord | None:
+        """Under ``cond``: the record if the index is still the one it describes."""
+        if self.record is not None and self._record_index is self.index and self.mode is Mode.CLEAN:
+            return self.record
+        return None
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -206,26 +246,84 @@ class FileContent:
         with self.cond:
             if self.mode is not Mode.CLEAN:
                 return
-            base = self.index.copy()
+            loaded = self.index  # never appended to in CLEAN mode; its groups are known by identity
+            base = loaded.copy()
+            record = self._loaded_record()
         last_chunk = b""
         state = None
+        sums = SaveSums()
         if len(base):
-            whole = base.copy()
             read = self.read_chunks
-            state = self.chunker.resume(lambda off, n: read(whole, off, n), whole.size, base.start(len(base) - 1))
+            parse = self.groups.header_reader(loaded, read)
+            state = self.chunker.resume(parse, loaded.size, base.start(len(base) - 1))
+            if record is not None and any(x.seg.start < state.pos < (x.seg.end or 0) for x in record.groups):
+                raise self.checks.mismatch(f"{self.groups.name or 'a file'}: an append resuming inside a stored group")
             # The last chunk, or from the start of the stored group that holds it (cut whole).
-            last_chunk = bytes(self.groups.read_file(whole, state.pos, whole.size - state.pos, read))
+            last_chunk = bytes(self.groups.read_file(loaded, state.pos, loaded.size - state.pos, read))
+            sums = self._base_sums(loaded, state.pos, last_chunk, record)
             while base.size > state.pos:
                 base.ends.pop()
                 base.ids.pop()
             assert base.size == state.pos
         with self.cond:
             if self.mode is Mode.CLEAN:
-                self._reset_stream(base, b"", state)
+                self._reset_stream(base, b"", state, sums)
                 self.buf.append(last_chunk)
                 self.end += len(last_chunk)
                 self.mode = Mode.STREAM
                 self._start_worker()
+
+    def _base_sums(self, loaded: Index, pos: int, rest: bytes, record: FileRecord | None) -> SaveSums:
+        """The sums of ``loaded``'s first ``pos`` bytes, which an append keeps as chunks (``rest``:
+        the bytes from there to the end, read already). A file this daemon saved lately continues
+        from the checksum's mark before ``pos`` (a few bytes read); otherwise the bytes are read
+        back, and then the whole file's checksum is checked."""
+        sums: list[bytes] | None = None  # checksums of parsed groups, computed here
+        if record is not None and record.form.groups_given:
+            listed = [x for x in record.groups if (x.seg.end or 0) <= pos]
+            mark = self.resumes.before(record.file_sum, pos) if self.resumes is not None else None
+            if mark is not None:
+                at, hasher = mark
+                for piece in self._file_pieces(loaded, at, pos, []):
+                    hasher.update(piece)
+                return SaveSums(pos, hasher, listed)
+            segs = [x.seg for x in listed]
+        else:  # a snapshot from before records (or too many groups to list): parsed, summed here
+            segs = self.groups.groups_before(loaded, pos, self.read_chunks)
+            sums = []
+        hasher = file_hasher()
+        for piece in self._file_pieces(loaded, 0, pos, segs, sums):
+            hasher.update(piece)
+        if sums is not None:
+            listed = [Listed(g, x) for g, x in zip(segs, sums, strict=True)]
+        if record is not None:
+            whole = hasher.copy()
+            whole.update(rest)
+            if whole.digest() != record.file_sum:
+                raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file read back for an append")
+        return SaveSums(pos, hasher, listed)
+
+    def _file_pieces(
+        self, index: Index, start: int, end: int, groups: list[Segment], sums: list[bytes] | None = None
+    ) -> Iterator[bytes | memoryview]:
+        """The file's bytes ``[start, end)`` of ``index`` in order, at most a batch or a whole group
+        at a time (read through this content's groups); ``sums``: each of ``groups`` (whole, inside
+        the range) has its checksum appended there."""
+        pos = start
+        marks = sorted({x for g in groups for x in (g.start, g.end or 0) if start < x < end})
+        for stop in [*marks, end]:
+            while pos < stop:
+                n = min(BATCH, stop - pos)
+                inside = next((g for g in groups if g.start == pos and g.end == stop), None)
+                if inside is not None:
+                    n = stop - pos
+                piece = self.groups.read_file(index, pos, n, self.read_chunks)
+                if len(piece) != n:
+                    raise OSError(errno.EIO, f"a snapshot is {n - len(piece)} bytes short at {pos}")
+                if inside is not None and sums is not None:
+                    sums.append(group_sum(piece))
+                yield piece
+                pos += n
 
     def write(self, offset: int, data: bytes) -> bool:
         """Apply a write planned as DIRECT; False if the worker took the bytes it patches meanwhile."""
@@ -302,16 +400,25 @@ class FileContent:
         with self.cond:
             if self.mode is Mode.STAGING:
                 return
-            index, pending, ahead, size = self.index.copy(), self._pending(), dict(self.ahead), self.size
+            # The index itself (its groups are known by identity); the worker only appends to it.
+            index, isize, pending, ahead = self.index, self.index.size, self._pending(), dict(self.ahead)
+            size = self.size
+            record = self._loaded_record()
         path = self.staging_dir / f"{uuid.uuid4().hex}.staging"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             pos = 0
-            while pos < index.size:
-                n = min(BATCH, index.size - pos)
-                os.pwrite(fd, self.groups.read_file(index, pos, n, self.read_chunks), pos)
+            hasher = file_hasher() if record is not None else None  # the whole snapshot is copied
+            while pos < isize:
+                n = min(BATCH, isize - pos)
+                piece = self.groups.read_file(index, pos, n, self.read_chunks, isize)
+                if hasher is not None:
+                    hasher.update(piece)
+                os.pwrite(fd, piece, pos)
                 pos += n
-            os.pwrite(fd, pending, index.size)
+            if record is not None and hasher is not None and hasher.digest() != record.file_sum:
+                raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file copied for a rewrite")
+            os.pwrite(fd, pending, isize)
             for off, data in ahead.items():
                 os.pwrite(fd, data, off)
             os.ftruncate(fd, size)
@@ -488,6 +595,7 @@ class FileContent:
                 self.inflight, self.tail = taken, b""
                 state = self.cut_state
                 prev = self.index.ids[-1] if len(self.index) else START
+                sums = self.sums
         if stop:
             self._step("exit")
             return False
@@ -496,7 +604,10 @@ class FileContent:
         # ``last`` is tentative: cut again with the next batch, since more bytes may follow.
         batch = Pieces(taken, self._alloc)
         # Hashed on every core once a commit waits for this batch (it may start waiting meanwhile).
-        chunks, last, state = cut_batch(self.chunker, state, batch, prev, self.successors, parallel=self._draining)
+        groups: list[Listed] = []
+        chunks, last, state = cut_batch(
+            self.chunker, state, batch, prev, self.successors, parallel=self._draining, groups=groups
+        )
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:
@@ -508,10 +619,14 @@ class FileContent:
                 self.cond.notify_all()
             return False
         self._step("stored")
+        # The chunks' bytes in file order: the checksum (a replaced ``sums`` is fed harmlessly).
+        sums.add(taken, [len(p) for _, p in chunks], groups)
         with self.cond:
             if epoch == self.epoch:
                 for cid, p in chunks:
                     self.index.append(cid, len(p))
+                if groups:
+                    self.groups.set_layout(self.index, sums.groups)
                 self.tail, self.cut_state = last, state
                 self.inflight = None
                 self.bytes_new += new
@@ -522,6 +637,23 @@ class FileContent:
 
     def prepare_commit(self) -> tuple[Index, int]:
         """Chunk everything written so far; returns (index, generation). Blocking."""
+        p = self.prepare()
+        return p.index, p.gen
+
+    def prepare(self) -> Prepared:
+        """Chunk everything written so far: the index, its generation and its file record, the
+        stored form checked to parse to the groups stored (else stored in file order). Blocking."""
+        with self.cond:
+            gen = self.gen
+            if self.mode is Mode.CLEAN and not self.error:
+                record = self.record if self._record_index is self.index else None
+                return Prepared(self.index, gen, record, [])
+        index, gen, (file_sum, groups, marks) = self._chunk_all()
+        index, record = self._stored_form(index, file_sum, groups)
+        return Prepared(index, gen, record, marks)
+
+    def _chunk_all(self) -> tuple[Index, int, tuple[bytes, list[Listed], list[Mark]]]:
+        """Chunk everything written so far: (index, generation, its sums as ``SaveSums.final``)."""
         with self.cond:
             if self.error:
                 raise self.error
@@ -533,12 +665,13 @@ class FileContent:
             self.to_staging()
         with self.cond:
             gen = self.gen
-            if self.mode is Mode.CLEAN:
-                return self.index, gen
+            if self.mode is Mode.CLEAN:  # changed back meanwhile (never: a content leaves CLEAN for good)
+                raise OSError(errno.EIO, "nothing to save")
             if self.mode is Mode.STAGING:
                 fd = self.staging_fd
         if self.mode is Mode.STAGING:
-            return self._chunk_staging(fd), gen
+            staged, summed = self._chunk_staging(fd)
+            return staged, gen, summed
         with self.cond:
             self._drain = True
             self._kick()
@@ -550,17 +683,66 @@ class FileContent:
                 raise self.error
             if self.mode is not Mode.STREAM:
                 gen = -1  # changed under us; the caller commits again later
-            index, tail, state = self.index.copy(), self.tail, self.cut_state
-        pieces, _ = self.chunker.cut(state, tail, final=True)  # the stream keeps its tentative tail
+            index, tail, state, sums = self.index.copy(), self.tail, self.cut_state, self.sums
+        if sums.size != index.size:
+            log.error("a save's checksum covers %d bytes of its %d: not saved", sums.size, index.size)
+            raise OSError(errno.EIO, "the save's checksum does not cover its chunks")
+        groups: list[Listed] = []
+        pieces, _ = self.chunker.cut(state, tail, final=True, groups=groups)  # the stream keeps its tail
         if pieces:
             chunks = list(zip(chunk_ids(pieces, parallel=True), pieces, strict=True))
             self.bytes_new += self.store.put_many(chunks, self)
             for cid, p in chunks:
                 index.append(cid, len(p))
-        return index, gen
+        return index, gen, sums.final(tail, [len(p) for p in pieces], groups)
 
-    def _chunk_staging(self, fd: int) -> Index:
-        """One pass over the staged copy, cut exactly as the streaming path would.
+    def _stored_form(self, index: Index, file_sum: bytes, groups: list[Listed]) -> tuple[Index, FileRecord]:
+        """The index to install and its record. The stored form must read back as the file without
+        the record too (a stub fetched from the shared tier has none): the groups the stored stream
+        parses to must be the ones stored. A file whose stream parses otherwise (a byte pattern in
+        its cell records that reads differently once its blocks are permuted) is stored again in
+        file order; the record says so."""
+        group_w = self.chunker.group_w
+        if not group_w or not index.size:
+            return index, make_record(file_sum, groups, group_w)
+        stored = [x.seg for x in groups]
+
+        def read(off: int, n: int) -> bytes:
+            return bytes(self.read_chunks(index, off, n, off + n))
+
+        parsed = relayout.groups(read, index.size, group_w)
+        if same_groups(parsed, stored):
+            return index, make_record(file_sum, groups, group_w)
+        self.checks.add(file_order_saves=1)
+        log.warning(
+            "%s: its stored form parses to %d groups, not the %d stored (first difference at byte %d): "
+            "stored in file order",
+            self.groups.name or "a file", len(parsed), len(stored), _first_difference(parsed, stored),
+        )  # fmt: skip
+        return self._store_file_order(index, stored, file_sum), FileRecord(Form.FILE_ORDER, file_sum)
+
+    def _store_file_order(self, index: Index, stored: list[Segment], file_sum: bytes) -> Index:
+        """The file of ``index`` (its groups ``stored`` put back) stored again as it is, cut by the
+        ``format`` rules; EIO if it does not have the checksum of the bytes written."""
+        plain = Cutter(self.chunker.min, self.chunker.avg, self.chunker.max, "format")
+        out = Index(plain.min, plain.avg, plain.max)
+        state, tail = plain.initial(), b""
+        hasher = file_hasher()
+
+        def read(off: int, n: int) -> bytes:
+            return bytes(self.read_chunks(index, off, n, off + n))
+
+        for _, piece in relayout.file_pieces(read, index.size, stored):
+            hasher.update(piece)
+            state, tail = self._cut_staged(out, state, tail, bytes(piece), final=False, cutter=plain)
+        self._cut_staged(out, state, tail, b"", final=True, cutter=plain)
+        if hasher.digest() != file_sum:
+            raise self.checks.mismatch(f"{self.groups.name or 'a file'}: its stored form put back for a save")
+        return out
+
+    def _chunk_staging(self, fd: int) -> tuple[Index, tuple[bytes, list[Listed], list[Mark]]]:
+        """One pass over the staged copy, cut exactly as the streaming path would; the index and
+        its sums (as ``SaveSums.final``: the checksum of the copy's bytes, holes as zeros).
 
         Holes (SEEK_HOLE) where the cut is plain CDC are not read, cut or hashed: inside a long run
         of zeros every chunk is ``zero_chunk`` (``StreamChunker.feed_zeros``, equal to plain CDC).
@@ -569,15 +751,19 @@ class FileContent:
         index = Index(self.chunker.min, self.chunker.avg, self.chunker.max)
         state, tail = self.chunker.initial(), b""
         held: list[bytes] = []  # batches held back until a group being gathered is whole
+        hasher = file_hasher()
+        groups: list[Listed] = []
         for part in _extents(fd):
             if isinstance(part, bytes):
-                state, tail = self._add_staged(index, state, tail, held, part)
+                hasher.update(part)
+                state, tail = self._add_staged(index, state, tail, held, part, groups)
                 continue
+            _hash_zeros(hasher, part)
             # A format decision may read a hole's first zeros (a file that starts with one); once
             # the cut is plain CDC (never with batches held: no group) the rest is not read.
             while part and not (state.plain_cdc and not held):
                 n = min(part, BATCH)
-                state, tail = self._add_staged(index, state, tail, held, bytes(n))
+                state, tail = self._add_staged(index, state, tail, held, bytes(n), groups)
                 part -= n
             if part:
                 stream = StreamChunker(self.chunker.cdc, tail)
@@ -585,25 +771,32 @@ class FileContent:
                 self._store_runs(index, runs)
                 state = replace(state, pos=state.pos + sum(len(p) * n for p, n in runs))
                 tail = stream.tail
-        self._cut_staged(index, state, tail, b"".join(held), final=True)
-        return index
+        self._cut_staged(index, state, tail, b"".join(held), final=True, groups=groups)
+        return index, (hasher.digest(), groups, [])
 
     def _add_staged(
-        self, index: Index, state: CutState, tail: bytes, held: list[bytes], data: bytes
+        self, index: Index, state: CutState, tail: bytes, held: list[bytes], data: bytes, groups: list[Listed]
     ) -> tuple[CutState, bytes]:
         """One batch of the staged copy: held until the cutter's decision has the bytes it waits for."""
         held.append(data)
         if state.pos + len(tail) + sum(map(len, held)) < state.waits_for:
             return state, tail
-        state, tail = self._cut_staged(index, state, tail, b"".join(held), final=False)
+        state, tail = self._cut_staged(index, state, tail, b"".join(held), final=False, groups=groups)
         held.clear()
         return state, tail
 
     def _cut_staged(
-        self, index: Index, state: CutState, tail: bytes, data: bytes, final: bool
+        self,
+        index: Index,
+        state: CutState,
+        tail: bytes,
+        data: bytes,
+        final: bool,
+        groups: list[Listed] | None = None,
+        cutter: Cutter | None = None,
     ) -> tuple[CutState, bytes]:
         buf = memoryview(tail + data if tail else data)
-        pieces, state = self.chunker.cut(state, buf, final=final)
+        pieces, state = (cutter or self.chunker).cut(state, buf, final=final, groups=groups)
         self._store_runs(index, [(p, 1) for p in pieces])
         return state, bytes(buf[sum(len(p) for p in pieces) :])
 
@@ -637,3 +830,33 @@ class FileContent:
             self._close_staging(final=True)
         self.groups.close()
         self.store.unpin(self)
+
+
+@dataclass
+class Prepared:
+    """A save's chunks stored: the index to install, the generation it saves, its file record
+    (None: a snapshot saved before records, unchanged) and the checksum's marks (``Resumes``)."""
+
+    index: Index
+    gen: int
+    record: FileRecord | None
+    marks: list[Mark]
+
+
+_ZEROS = bytes(BATCH)
+
+
+def _hash_zeros(hasher: xxhash.xxh3_128, n: int) -> None:
+    """``hasher.update(bytes(n))`` without allocating a hole's length."""
+    while n > 0:
+        step = min(n, len(_ZEROS))
+        hasher.update(memoryview(_ZEROS)[:step])
+        n -= step
+
+
+def _first_difference(a: list[Segment], b: list[Segment]) -> int:
+    for x, y in zip(a, b, strict=False):
+        if (x.start, x.end, x.group) != (y.start, y.end, y.group):
+            return min(x.start, y.start)
+    longer = a if len(a) > len(b) else b
+    return longer[min(len(a), len(b))].start if len(a) != len(b) else 0

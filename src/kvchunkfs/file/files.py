@@ -19,10 +19,12 @@ from pathlib import Path
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
 from kvchunkfs.file.queues import ChunkPool, prestart
-from kvchunkfs.format import relayout
+from kvchunkfs.format import filerecord, relayout
+from kvchunkfs.format.filerecord import FileRecord
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
@@ -46,6 +48,8 @@ class PendingSave:
     gen: int
     tmp: Path | None  # None: the file was unlinked, nothing to install
     durable: bool
+    record: FileRecord | None = None
+    marks: list[Mark] | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -84,6 +88,8 @@ class Files:
         # its start, waited for by the read that needed the group).
         self.decoders = ThreadPoolExecutor(DECODERS, thread_name_prefix="group")
         prestart(self.decoders, 2)
+        self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
+        self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -137,6 +143,8 @@ class Files:
             decoded_groups=self.decoded_groups,
             buffers=self.buffers,
             decoders=self.decoders,
+            checks=self.checks,
+            resumes=self.resumes,
         )
 
     def replacement(self, rel: str) -> FileContent:
@@ -179,10 +187,11 @@ class Files:
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found, loaded_from = self._checked_index(rel)
+            index, found, loaded_from, record = self._checked_index(rel)
             content = self.content(index)
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
         content.loaded_from = loaded_from
+        content.use_record(record, rel)
         return content
 
     def still_current(self, rel: str, content: FileContent) -> bool:
@@ -192,10 +201,22 @@ class Files:
         if content.loaded_from is None:
             return False
         try:
-            data, size = stubs.read_stub(self.repo.path(rel))
+            data, size, record = self._read_stub(self.repo.path(rel))
         except OSError:
             return False
-        return self._same_load((data, self.repo.store.drop_gen), size, content.loaded_from, content.index)
+        return self._same_load((data + record, self.repo.store.drop_gen), size, content.loaded_from, content.index)
+
+    @staticmethod
+    def _read_stub(path: Path) -> tuple[bytes, int | None, bytes]:
+        """(index bytes, size xattr, file record bytes with a length mark: b"" if none)."""
+        fd = stubs.open_stub(path)
+        try:
+            data, size = stubs.read_stub(fd)
+            record = stubs.read_record(fd)
+        finally:
+            os.close(fd)
+        mark = b"" if record is None else record + len(record).to_bytes(4, "little") + b"\x01"
+        return data, size, mark
 
     @staticmethod
     def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int], index: Index) -> bool:
@@ -204,18 +225,21 @@ class Files:
         replaced, never edited, but an inode number can be reused)."""
         return now == then and size in (None, index.size)
 
-    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], tuple[bytes, int]]:
-        """The snapshot's index (a copy: an open file may change it) and its chunks' locations,
-        checked against the map; remembered while the stub's bytes stay the same, if the map had
-        every chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
+    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], tuple[bytes, int], FileRecord | None]:
+        """The snapshot's index (a copy: an open file may change it), its chunks' locations,
+        checked against the map, and its file record; remembered while the stub's bytes (its
+        record's too) stay the same, if the map had every chunk (one it lacked may arrive later: a
+        fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
-        data, size = stubs.read_stub(path)
+        raw, size, mark = self._read_stub(path)
+        data = raw + mark  # what the content was loaded from: the index and the record
         gen = self.repo.store.drop_gen
         hit = self._loaded.get(rel)
         if hit is not None and self._same_load((data, gen), size, (hit[0], hit[1]), hit[2]):
             self._loaded.move_to_end(rel)
-            return hit[2].copy(), hit[3], (data, gen)
-        index = stubs.decode_stub(data, size, path)
+            return hit[2].copy(), hit[3], (data, gen), _record(mark, hit[2].size, path)
+        index = stubs.decode_stub(raw, size, path)
+        record = _record(mark, index.size, path)
         found = self.repo.store.locate_many(index.ids)
         bad = self.repo.store.length_mismatch(index, found)
         if bad is not None:
@@ -225,7 +249,7 @@ class Files:
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
-        return index, found, (data, gen)
+        return index, found, (data, gen), record
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).
@@ -233,11 +257,14 @@ class Files:
         ``rel`` is the file's path now, for the metadata the new stub carries over; None if unlinked.
         """
         durable = durable or self.repo.durable
-        index, gen = content.prepare_commit()
+        if rel is not None:
+            content.groups.name = rel  # for log lines
+        p = content.prepare()
         if durable:
             self.repo.sync()
-        tmp = self.repo.prepare_stub(index, rel, durable) if rel is not None else None
-        return PendingSave(content, index, gen, tmp, durable)
+        record = p.record.encode() if p.record is not None else None
+        tmp = self.repo.prepare_stub(p.index, rel, durable, record) if rel is not None else None
+        return PendingSave(content, p.index, p.gen, tmp, durable, p.record, p.marks)
 
     def finish_save(self, pending: PendingSave, rel: str | None) -> bool:
         """The commit point: rename the new stub over ``rel``, the file's path at this moment.
@@ -253,6 +280,8 @@ class Files:
             return False
         self.repo.install(pending.tmp, rel)
         pending.content.committed(pending.gen)
+        if pending.record is not None and pending.marks:
+            self.resumes.put(pending.record.file_sum, pending.marks)  # an append resumes from them
         return True
 
     def sync_dir(self, rel: str) -> None:
@@ -271,3 +300,13 @@ class Files:
         self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
+
+
+def _record(mark: bytes, size: int, path: Path) -> FileRecord | None:
+    """The file record in a stub's record bytes (``Files._read_stub``); StubError if it is not one."""
+    if not mark:
+        return None
+    try:
+        return filerecord.decode(mark[:-5], size)
+    except filerecord.RecordError as e:
+        raise StubError(f"{path}: bad file record: {e}") from e

@@ -1,8 +1,10 @@
 """Reads of relayout files: the stored groups of an open file put back in file order.
 
-``FileGroups`` (one per open file) finds the groups as reads reach them and starts a ``GroupDecode``
-thread per group; ``DecodedGroups`` (one per store) keeps groups put back lately for the next
-restore of the same snapshot.
+``FileGroups`` (one per open file) knows where the groups are (the file record's list, or the
+save's own for a file being written; a snapshot saved before records existed is parsed as reads
+reach its headers) and starts a ``GroupDecode`` thread per group; ``DecodedGroups`` (one per
+store) keeps groups put back lately for the next restore of the same snapshot. A group whose
+checksum is known is served only once all of it is in place and its bytes match the checksum.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from functools import partial
 
 from kvchunkfs.file.buffers import BufferPool
+from kvchunkfs.file.filesums import FileChecks
 from kvchunkfs.file.reader import HandleReader, ReadChunks
 from kvchunkfs.format import relayout
+from kvchunkfs.format.filerecord import Listed, group_sum
 from kvchunkfs.format.index import Index
 from kvchunkfs.format.llama_state import Segment, State
 
@@ -115,20 +120,31 @@ class GroupDecode:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.finished = False
+        self.sum: bytes | None = None  # of the group in file order, once all of it is in place
+        self._reported: set[bytes] = set()  # checksums a mismatch was logged for
         # Cells each waiting reader needs in place: a piece wakes readers only when the fewest
         # needed are there (a restore's reads of a group's first block all wait for nearly every
         # record, and waking each of them at every piece cost more than the decode).
         self._needs: list[int] = []
         self._callbacks: list[tuple[int, Callable[[], None]]] = []  # (cells needed, call when in place)
 
-    def when_ready(self, off: int, size: int, callback: Callable[[], None]) -> bool:
+    def ready(self, off: int, size: int, expect: bytes | None) -> bool:
+        """Whether group-relative ``[off, off + size)`` may be served: in place, and with a known
+        checksum ``expect`` the whole group in place and matching it."""
+        if expect is None:
+            return self.unpermute.ready(off, size)
+        return self.finished and self.sum == expect
+
+    def when_ready(self, off: int, size: int, callback: Callable[[], None], expect: bytes | None = None) -> bool:
         """Have ``callback`` called (on the decode's thread, once) when group-relative
         ``[off, off + size)`` may be in place or the decode ends; False if it is already either:
         then nothing is called. The caller checks again: a call means "look", not "ready"."""
         with self.cond:
-            if self.finished or self.unpermute.ready(off, size):
+            if self.finished or self.ready(off, size, expect):
                 return False
-            self._callbacks.append((self.unpermute.cells_for(off, size), callback))
+            # A checked group is ready only at the end: never called before.
+            need = self.unpermute.cells_for(off, size) if expect is None else self.unpermute.g.cells + 1
+            self._callbacks.append((need, callback))
             return True
 
     def _due(self, everything: bool) -> list[Callable[[], None]]:
@@ -158,6 +174,7 @@ class GroupDecode:
                         break
             if not fed or not u.done:  # records wider than a chunk: all at once
                 u.set_all(reader(index, g.start, g.end - g.start))
+            self.sum = group_sum(u.data)  # before ``finished``: a checked reader looks at it then
         except BaseException as e:
             if not isinstance(e, Exception):
                 log.exception("putting a group back failed")
@@ -170,20 +187,31 @@ class GroupDecode:
             for callback in due:
                 callback()
 
-    def wait(self, off: int, size: int) -> memoryview:
-        """Group-relative file bytes, once in place (reader threads only: this waits)."""
+    def wait(
+        self, off: int, size: int, expect: bytes | None = None, checks: FileChecks | None = None, name: str = ""
+    ) -> memoryview:
+        """Group-relative file bytes, once in place (reader threads only: this waits). With a
+        known checksum ``expect``: once the whole group is in place and matches it, else EIO."""
         u = self.unpermute
         with self.cond:
-            if not (u.ready(off, size) or self.finished):
-                need = u.cells_for(off, size)
+            if not (self.ready(off, size, expect) or self.finished):
+                need = u.cells_for(off, size) if expect is None else u.g.cells + 1
                 self._needs.append(need)
                 try:
-                    self.cond.wait_for(lambda: u.ready(off, size) or self.finished)
+                    self.cond.wait_for(lambda: self.ready(off, size, expect) or self.finished)
                 finally:
                     self._needs.remove(need)
-        if not u.ready(off, size):
+        if self.ready(off, size, expect):
+            return u.data[off : off + size]
+        if self.error is not None or expect is None or self.sum is None:
             raise self.error or OSError(errno.EIO, "a stored group could not be put back")
-        return u.data[off : off + size]
+        what = f"{name or 'a file'}: the stored group at bytes {self.seg.start}-{self.seg.end}"
+        with self.cond:
+            first = expect not in self._reported
+            self._reported.add(expect)
+        if first:
+            raise (checks or FileChecks()).mismatch(what)
+        raise OSError(errno.EIO, f"{what}: checksum mismatch")
 
 
 class FileGroups:
@@ -198,8 +226,14 @@ class FileGroups:
         stopped: Callable[[], bool],
         buffers: BufferPool | None = None,
         decoders: Executor | None = None,
+        checks: FileChecks | None = None,
     ) -> None:
         self.group_w = group_w
+        self.checks = checks  # counts checksum mismatches
+        self.name = ""  # the snapshot's path when it was opened, for log lines
+        # The groups of an index known without parsing (its file record, or the save writing it):
+        # (index, their segments, checksum by start); replaced whole: the event loop reads it.
+        self._given: tuple[Index, tuple[Segment, ...], dict[int, bytes]] | None = None
         self.decoders = decoders  # where decodes run; None: a thread each
         self.decoded_groups = decoded_groups  # shared by the open files of a store (Files)
         self.buffers = buffers  # where groups are put back (shared, reused once unreferenced)
@@ -277,13 +311,71 @@ class FileGroups:
             return None
         return self._next_group(known[2], end)
 
+    def set_layout(self, index: Index, groups: Sequence[Listed]) -> None:
+        """``index``'s stored groups are ``groups`` (all of them, with their checksums): reads of
+        it never parse (the file record's list, or a save's own groups as it writes)."""
+        segs = tuple(x.seg for x in groups)
+        self._given = (index, segs, {x.seg.start: x.sum for x in groups})
+        self._layout = (index, index.size, [g for g in segs if (g.end or 0) <= index.size], None)
+
+    def groups_before(self, index: Index, pos: int, read_chunks: ReadChunks) -> list[Segment]:
+        """The stored groups of ``index`` that end by ``pos`` (given, or parsed that far)."""
+        return [g for g in self._groups(index, index.size, read_chunks, pos) if (g.end or 0) <= pos]
+
+    def header_reader(self, index: Index, read_chunks: ReadChunks) -> relayout.ReadAt:
+        """Reads for the parser (an append's ``Cutter.resume``): the file's bytes. With the groups
+        given, bytes inside a group come from just the stored bytes they lie in (its headers, the
+        records of the first rows a look-ahead reaches: ``relayout.file_range``), not from the whole
+        group put back. A snapshot from before records is parsed from its stored bytes, as its
+        reads are."""
+        given = self._given
+        if given is None or given[0] is not index:
+            return lambda off, n: bytes(read_chunks(index, off, n, off + n))
+        found = given[1]
+
+        def stored(off: int, n: int) -> bytes:
+            return bytes(read_chunks(index, off, n, off + n))
+
+        def read(off: int, n: int) -> bytes:
+            end, out, pos = min(off + n, index.size), bytearray(), off
+            for g in found:
+                if g.end is None or g.end <= pos or g.group is None:
+                    continue
+                if g.start >= end:
+                    break
+                if pos < g.start:
+                    out += stored(pos, g.start - pos)
+                    pos = g.start
+                stop = min(end, g.end)
+                part = relayout.file_range(g.group, partial(_shifted, stored, g.start), pos - g.start, stop - pos)
+                out += part if part is not None else self.read_file(index, pos, stop - pos, read_chunks)
+                pos = stop
+            if pos < end:
+                out += stored(pos, end - pos)
+            return bytes(out)
+
+        return read
+
+    def _expected(self, index: Index, g: Segment) -> bytes | None:
+        """The checksum ``g``'s bytes must have (None: not known, a snapshot from before records)."""
+        given = self._given
+        return given[2].get(g.start) if given is not None and given[0] is index else None
+
     def _groups(self, index: Index, isize: int, read_chunks: ReadChunks, until: int) -> list[Segment]:
         """The stored groups in ``index``'s first ``isize`` bytes, at least those that start
-        before ``until``: parsed from their headers once per index and size, only as far as reads
-        have reached (a restore's first read waits for the file's first chunk, not for the
-        headers of every group)."""
+        before ``until``: given (``set_layout``), or parsed from their headers once per index and
+        size, only as far as reads have reached (a restore's first read waits for the file's first
+        chunk, not for the headers of every group)."""
         if not self.group_w or not isize:
             return []
+        given = self._given
+        if given is not None and given[0] is index:
+            known = self._layout
+            if known is not None and known[0] is index and known[1] == isize and known[3] is None:
+                return known[2]
+            found = [g for g in given[1] if (g.end or 0) <= isize]
+            self._layout = (index, isize, found, None)
+            return found
         known = self._layout
         if known is not None and known[0] is index and known[1] == isize and _parsed_to(known[3], until):
             return known[2]
@@ -311,9 +403,11 @@ class FileGroups:
         a group is served only once all of it is in place (its first block needs every record),
         and the FUSE thread holds the interpreter lock while it hands a reply to the kernel, so
         fetching the next group while this one is served would be slow. A read of a few rows of a
-        group that nobody is putting back is answered from their records alone."""
+        group that nobody is putting back is answered from their records alone, unless the group's
+        checksum is known: it is served only whole and checked."""
         first_read = self._reading == -1
-        if g.start not in self._few and self._started(index, g) is None:
+        expect = self._expected(index, g)
+        if expect is None and g.start not in self._few and self._started(index, g) is None:
             rows = self._few_rows(index, g, read_chunks, off, size)
             if rows is not None:
                 self._few.add(g.start)  # once: a reader that comes back to the group reads on
@@ -326,7 +420,7 @@ class FileGroups:
             self._decode_next(index, g, read_chunks)
             if first_read:
                 self._decode_first(index, g, read_chunks)
-        return d.wait(off, size)
+        return d.wait(off, size, expect, self.checks, self.name)
 
     def _few_rows(self, index: Index, g: Segment, read_chunks: ReadChunks, off: int, size: int) -> bytes | None:
         """The bytes from the records of just the rows they lie in, if those are at most
@@ -436,7 +530,7 @@ class FileGroups:
         for d in known[1].values():
             start, end = d.seg.start, d.seg.end or 0
             if start <= offset and offset + size <= end and self._reading == start:
-                return d.when_ready(offset - start, size, callback)
+                return d.when_ready(offset - start, size, callback, self._expected(index, d.seg))
         return False
 
     def decoded(self, index: Index, offset: int, size: int) -> memoryview | None:
@@ -447,6 +541,11 @@ class FileGroups:
             return None
         for d in known[1].values():
             start, end = d.seg.start, d.seg.end or 0
-            if start <= offset and offset + size <= end and d.unpermute.ready(offset - start, size):
+            if start <= offset and offset + size <= end and d.ready(offset - start, size, self._expected(index, d.seg)):
                 return d.unpermute.data[offset - start : offset - start + size]
         return None
+
+
+def _shifted(read: relayout.ReadAt, base: int, off: int, n: int) -> bytes:
+    """``read`` at ``base + off``: a group's stored bytes by their offset in the group."""
+    return read(base + off, n)

@@ -27,6 +27,7 @@ import numpy as np
 from kvchunkfs.file.hashing import Hurry, chunk_ids
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import CutState, Cutter
+from kvchunkfs.format.filerecord import Listed
 
 START = b""  # the key of a file's first chunk
 PROBE = 16  # trailing bytes of a chunk kept to reject a wrong guess without hashing
@@ -126,13 +127,15 @@ def cut_batch(
     successors: Successors | None,
     window: int = WINDOW,
     parallel: bool | Hurry = False,
+    groups: list[Listed] | None = None,
 ) -> tuple[Chunks, bytes, CutState]:
     """Cut a batch exactly as ``cutter.cut(state, batch, final=False)`` would, accepting predicted
     chunks where the cut is plain FastCDC; returns (chunks with ids, tentative tail, its state).
 
     ``prev`` is the id of the chunk before the batch (START at the file's start). Chunks the cutter
     itself ends at a content-defined cut are learned as successors. ``parallel``: hash on every
-    core (a batch a ``close()`` waits for), or from when it says so (file/hashing.py).
+    core (a batch a ``close()`` waits for), or from when it says so (file/hashing.py). ``groups``:
+    where the cutter notes the groups it stores permuted (``Cutter.cut``).
     """
     out: Chunks = []
     learned: list[tuple[bytes, Guess]] = []
@@ -152,7 +155,7 @@ def cut_batch(
         # after a miss, or once a format's parse turns into an opaque rest.
         size = rest if whole else min(rest, max(window, 4 * cutter.max))
         data = memoryview(batch.span(pos, size))
-        pieces, after = cutter.cut(state, data, final=False)
+        pieces, after = cutter.cut(state, data, final=False, groups=groups)
         done = _take_cut(pieces, data, state.pos, after, prev, out, learned, parallel)
         prev = out[-1][0] if pieces else prev
         pos, state = pos + done, after

@@ -34,6 +34,7 @@ import numpy as np
 from kvchunkfs.format import llama_state as ls
 from kvchunkfs.format import relayout
 from kvchunkfs.format.chunker import Chunker
+from kvchunkfs.format.filerecord import Listed, group_sum
 from kvchunkfs.format.llama_state import Segment
 
 KINDS = ("format", "cdc", "relayout")
@@ -98,9 +99,12 @@ class Cutter:
 
     # -- cutting ----------------------------------------------------------------------------
 
-    def cut(self, state: CutState, data: bytes | memoryview, final: bool) -> tuple[list[memoryview], CutState]:
+    def cut(
+        self, state: CutState, data: bytes | memoryview, final: bool, groups: list[Listed] | None = None
+    ) -> tuple[list[memoryview], CutState]:
         """Chunks of ``data`` (which starts at ``state.pos``) whose end is decided, and the state at
-        the first byte not in them. With ``final`` every byte is in a chunk."""
+        the first byte not in them. With ``final`` every byte is in a chunk. ``groups``: where to
+        note each group stored permuted by this cut, with the checksum of its file bytes."""
         view = memoryview(data)
         base, top = state.pos, state.pos + len(view)
         out: list[memoryview] = []
@@ -116,7 +120,7 @@ class Cutter:
                 segs, nxt = list(plan.segments), plan.next
                 continue
             seg = segs[0]
-            pos, done = self._cut_segment(seg, view, base, pos, final, out)
+            pos, done = self._cut_segment(seg, view, base, pos, final, out, groups)
             if done:
                 segs.pop(0)
             elif pos < top or not final:
@@ -124,11 +128,18 @@ class Cutter:
         return out, CutState(pos, tuple(segs), nxt)
 
     def _cut_segment(
-        self, seg: Segment, view: memoryview, base: int, pos: int, final: bool, out: list[memoryview]
+        self,
+        seg: Segment,
+        view: memoryview,
+        base: int,
+        pos: int,
+        final: bool,
+        out: list[memoryview],
+        groups: list[Listed] | None = None,
     ) -> tuple[int, bool]:
         """Cut ``seg`` from ``pos`` as far as the data allows; (new pos, segment finished)."""
         if seg.group is not None:
-            return self._cut_group(seg, view, base, pos, final, out)
+            return self._cut_group(seg, view, base, pos, final, out, groups)
         top = base + len(view)
         end = top if seg.end is None else min(seg.end, top)
         complete = seg.end is not None and seg.end <= top
@@ -155,7 +166,14 @@ class Cutter:
         return pos, False
 
     def _cut_group(
-        self, seg: Segment, view: memoryview, base: int, pos: int, final: bool, out: list[memoryview]
+        self,
+        seg: Segment,
+        view: memoryview,
+        base: int,
+        pos: int,
+        final: bool,
+        out: list[memoryview],
+        groups: list[Listed] | None,
     ) -> tuple[int, bool]:
         """A group is cut once all its bytes are here: re-laid out token-major, then cut like rows.
         A group the end of the file cuts off is left as it is, cut by content (readers see a group
@@ -164,7 +182,10 @@ class Cutter:
         top = base + len(view)
         if seg.end <= top:
             room = self.alloc(seg.end - seg.start) if self.alloc is not None else None
-            stream = memoryview(relayout.to_stream(seg, view[seg.start - base : seg.end - base], room))
+            file = view[seg.start - base : seg.end - base]
+            if groups is not None:
+                groups.append(Listed(seg, group_sum(file)))
+            stream = memoryview(relayout.to_stream(seg, file, room))
             rows = replace(seg, group=None)
             return self._cut_segment(rows, stream, seg.start, seg.start, True, out)
         if final:

@@ -85,7 +85,9 @@ class Group:
     elements of ``el`` bytes). In the stored stream: the headers, back to back, then ``cells``
     records, record ``p`` holding row ``p`` of every block in turn (transposed V's row ``p``: element
     ``p`` of each run). Every block is assumed as wide as the first: only the first header is read,
-    at the same offset in the file and in the stream, so the file and the stream parse alike.
+    which sits at the same offset in the file and in the stream. (A decision before the group may
+    still read ahead into it, where the stream differs: where the groups are is recorded with the
+    snapshot, format/filerecord.py.)
     """
 
     count: int

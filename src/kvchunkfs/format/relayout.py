@@ -8,14 +8,18 @@ per cell (that cell's row of every block in turn), so the group grows only at it
 insertion point per group, and transposed V grows like plain V.
 
 The stored stream is a permutation of the file with the same length: a group occupies the same
-byte range in both, and everything outside groups is stored as it is. The stream parses like the
-file (``llama_state.step`` reads only the first header of a group, which sits at the group's start
-in both), so ``groups`` finds the permuted ranges of a stub's stream from the stream alone.
+byte range in both, and everything outside groups is stored as it is. Where the groups are is
+recorded with the snapshot (its file record, format/filerecord.py): a reader never derives it from
+the permuted bytes. ``groups`` parses them from a stream, for snapshots saved before records and
+for the save's own check: ``llama_state.step`` reads only the first header of a group, which sits
+at the group's start in both, but a decision elsewhere may look ahead into a group (the cell
+records' extension is guessed by trying sizes), so a stream need not parse like its file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import errno
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -158,6 +162,29 @@ def cut_rows(g: Group, where: Rows, records: Buffer, size: int) -> bytes:
     return rows[where.skip : where.skip + size]
 
 
+def file_range(g: Group, read_stored: ReadAt, off: int, size: int) -> bytes | None:
+    """Group-relative file bytes ``[off, off + size)`` from just the stored bytes they lie in
+    (``read_stored(offset, n)``, group-relative offsets of the stored form): the headers, and the
+    records of the rows' cells. None for a transposed group (each of its runs holds every cell)."""
+    if g.el:
+        return None
+    heads, body = _parts(g)
+    rec = g.count * g.width
+    end, out = off + size, bytearray()
+    for i, (hp, at, h) in enumerate(_heads(g)):
+        lo, hi = max(off, at), min(end, at + h)
+        if lo < hi:
+            out += read_stored(hp + lo - at, hi - lo)
+        rows = at + h
+        lo, hi = max(off, rows), min(end, rows + body)
+        if lo < hi:
+            first, last = (lo - rows) // g.width, -(-(hi - rows) // g.width)
+            records = read_stored(heads + first * rec, (last - first) * rec)
+            where = Rows(i, first, last, lo - rows - first * g.width)
+            out += cut_rows(g, where, records, hi - lo)
+    return bytes(out)
+
+
 class Unpermute:
     """A group put back in file order as its stored bytes arrive, in order: a restore reads the
     group's first block while the rest of it is still being fetched. ``feed`` the stored chunks in
@@ -274,14 +301,38 @@ def groups_until(read: ReadAt, size: int, st: ls.State | None, until: int) -> tu
     return out, st
 
 
-def file_bytes(stream: Buffer, group_w: int) -> bytes:
-    """A whole file from its whole stored stream (tests, export, offline tools)."""
+PIECE = 4 << 20  # bytes outside groups put back at a time
+
+
+def file_pieces(read: ReadAt, size: int, found: Sequence[Segment]) -> Iterator[tuple[Segment | None, Buffer]]:
+    """A whole file from its stored stream of ``size`` bytes (read through ``read(offset, n)``),
+    its groups ``found`` put back: (the group, its file bytes) for each group, (None, bytes) for
+    the bytes between them, at most ``PIECE`` at a time, in order."""
+    pos = 0
+    for g in [*found, Segment(size, size)]:
+        while pos < g.start:
+            n = min(PIECE, g.start - pos)
+            yield None, _exactly(read(pos, n), n, pos)
+            pos += n
+        if g.group is not None and g.end is not None:
+            yield g, to_file(g, _exactly(read(g.start, g.end - g.start), g.end - g.start, g.start))
+            pos = g.end
+
+
+def _exactly(data: Buffer, n: int, pos: int) -> Buffer:
+    if len(data) != n:
+        raise OSError(errno.EIO, f"the stored stream is {n - len(data)} bytes short at {pos}")
+    return data
+
+
+def file_bytes(stream: Buffer, group_w: int, found: Sequence[Segment] | None = None) -> bytes:
+    """A whole file from its whole stored stream (tests, offline tools): its groups ``found`` (a
+    file record's), or, for a snapshot saved before records, as the stream parses."""
     view = memoryview(stream)
-    found = groups(lambda off, n: bytes(view[off : off + n]), len(view), group_w)
-    if not found:
-        return bytes(view)
-    out = bytearray(view)
-    for seg in found:
-        assert seg.end is not None
-        out[seg.start : seg.end] = to_file(seg, view[seg.start : seg.end])
-    return bytes(out)
+
+    def read(off: int, n: int) -> bytes:
+        return bytes(view[off : off + n])
+
+    if found is None:
+        found = groups(read, len(view), group_w)
+    return b"".join(bytes(piece) for _, piece in file_pieces(read, len(view), found))

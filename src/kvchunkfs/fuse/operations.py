@@ -1083,6 +1083,8 @@ class Operations(pyfuse3.Operations):
             "memory_trims": self.memory_trims,
             "idle_checks": self.idle_checks,
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
+            "file_order_saves": self.files.checks.file_order_saves,
+            "checksum_mismatches": self.files.checks.mismatches,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
 

@@ -5,7 +5,9 @@ mapped, lies inside its pack and has the length the index gives it; map rows do 
 agree with their pack's batch records; no pack has bytes after its last mapped chunk (crash
 leftovers, normally handled by recovery at mount); no temp or staging files are left. A chunk a
 snapshot names that the map lacks but a pack describes is a stale map (repairable), not damage.
-``--verify-data`` re-hashes every mapped chunk (SHA-256 = id).
+``--verify-data`` re-hashes every mapped chunk (SHA-256 = id) and puts back every snapshot that has
+a file record (format/filerecord.py) to check its file checksum and its groups' checksums: that
+catches what chunk ids cannot, chunks in a wrong order or groups put back with a wrong layout.
 
 Informational, not problems: garbage (mapped chunks no snapshot names) and slack (dead bytes
 inside packs GC has not compacted, and packs no chunk is mapped to): GC's job. Batch records
@@ -41,7 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format import index as idx
+from kvchunkfs.format.cutter import GROUP_WIDTH
 from kvchunkfs.maint.gc import run_gc, salvage_ids, walk_stubs
 from kvchunkfs.maint.recovery import (
     RecoveryReport,
@@ -71,6 +75,7 @@ class FsckReport:
     packs: int = 0
     pack_bytes: int = 0
     bytes_verified: int = 0
+    files_verified: int = 0  # snapshots put back whole and checked against their file checksum
     garbage_chunks: int = 0
     garbage_bytes: int = 0
     slack_bytes: int = 0  # pack bytes no chunk maps, inside packs or in unused ones (GC's job)
@@ -100,6 +105,8 @@ class FsckReport:
         )
         if self.bytes_verified:
             text += f", {self.bytes_verified} bytes verified"
+        if self.files_verified:
+            text += f", {self.files_verified} files checked whole"
         if not self.live:
             text += f"; garbage {self.garbage_chunks} chunks ({self.garbage_bytes} bytes)"
         text += f", slack {self.slack_bytes} bytes ({self.unused_packs} unused packs)"
@@ -157,6 +164,11 @@ class _Checker:
         self.record_bytes: dict[int, int] = {}  # described pack -> bytes of header and records
         # Stubs synced with the bucket (remote.db): their unmapped chunks are in the bucket, not lost.
         self.synced = read_synced(layout.root)
+        self.verify_files = False  # --verify-data: snapshots with a file record are put back whole
+        # Bytes a cell of a stored group (chunker relayout): a record that does not list its groups
+        # is parsed with it. None: the store's chunker is not known (an unreadable map).
+        kind = chunk_map.meta("chunker")
+        self.group_w: int | None = None if kind is None else GROUP_WIDTH if kind == "relayout" else 0
 
     def pack_path(self, pack: int) -> Path:
         return self.layout.pack_path(pack)
@@ -308,7 +320,12 @@ class _Checker:
         try:
             if entry.error is not None:
                 raise entry.error
-            data, size = entry.read()
+            fd = entry.open()
+            try:
+                data, size = stubs.read_stub(fd)
+                record = stubs.read_record(fd)
+            finally:
+                os.close(fd)
             index = idx.decode(data)
         except FileNotFoundError:
             return "gone"
@@ -321,7 +338,68 @@ class _Checker:
         if size != index.size:
             return f"size xattr {size} does not match the index ({index.size} bytes)"
         in_bucket = self.synced.get(entry.rel) == hashlib.sha256(data).digest()
-        return self._chunk_problems(index, entry.rel if in_bucket else None)
+        problem = self._chunk_problems(index, entry.rel if in_bucket else None)
+        if problem is None and record is not None and self.verify_files:
+            problem = self._file_problem(index, record)
+        return problem
+
+    def _file_problem(self, index: idx.Index, raw: bytes) -> str | None:
+        """Why the snapshot, put back whole, is not the file its record describes (None: it is,
+        or it cannot be read here: chunks only the shared tier has, an unknown chunker)."""
+        try:
+            record = filerecord.decode(raw, index.size)
+        except filerecord.RecordError as e:
+            return f"its file record is not one: {e}"
+        if not record.form.groups_given and self.group_w is None:
+            return None
+        locations = {cid: self._location(cid) for cid in dict.fromkeys(index.ids)}
+        if any(loc is None for loc in locations.values()):
+            return None  # in the bucket only (or reported as missing already)
+        fds: dict[int, int] = {}
+
+        def read_chunk(cid: bytes) -> bytes:
+            row = locations[cid]
+            assert row is not None
+            fd = fds.get(row.pack)
+            if fd is None:
+                fd = fds[row.pack] = os.open(self.pack_path(row.pack), os.O_RDONLY | os.O_NOFOLLOW)
+            return os.pread(fd, row.length, row.offset)
+
+        def read(off: int, n: int) -> bytes:
+            end, out = min(off + n, index.size), bytearray()
+            i = index.find(off)
+            while i < len(index) and index.start(i) < end:
+                chunk = read_chunk(index.ids[i])
+                lo, hi = max(off, index.start(i)) - index.start(i), min(end, index.ends[i]) - index.start(i)
+                out += chunk[lo:hi]
+                i += 1
+            return bytes(out)
+
+        try:
+            if record.form.groups_given:
+                found = record.segments
+            else:
+                assert self.group_w is not None
+                found = relayout.groups(read, index.size, self.group_w)
+            why = filerecord.mismatch(relayout.file_pieces(read, index.size, found), record)
+            if why is not None:
+                changed = next((cid for cid in locations if hashlib.sha256(read_chunk(cid)).digest() != cid), None)
+                if changed is not None:  # mounted: GC moved it meanwhile (the check is run again)
+                    return f"chunk {changed.hex()} changed while it was read"
+        except OSError as e:
+            return f"cannot be put back whole: {e}"
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self.report.files_verified += 1
+        return f"{why} (every chunk has its id: the chunks are in a wrong order or put back wrong)" if why else None
+
+    def _location(self, cid: bytes) -> _Row | None:
+        """Where a chunk is: the rows read at the start, or (mounted: GC may move chunks) the map now."""
+        if self.live:
+            loc = self.map.locate(cid)
+            return _Row(loc.pack, loc.offset, loc.length) if loc is not None else None
+        return self.rows.get(cid)
 
     def _chunk_problems(self, index: idx.Index, in_bucket: str | None = None) -> str | None:
         """What keeps ``index`` from being read; ``in_bucket``: the snapshot's path if it is the
@@ -411,6 +489,7 @@ def check(
         checker.check_map()
         if verify_data:
             checker.verify_data()
+            checker.verify_files = True
         checker.check_snapshots(layout.snapshots)
         if not live:
             checker.check_leftovers()

@@ -167,6 +167,11 @@ class StoreCollector(Collector):
         yield _gauge("kvcfs_readahead_cache_bytes", "Bytes held by the read-ahead cache", cache.size)
         pool = self.files.buffers
         yield _counter("kvcfs_restore_buffers_reused", "Groups put back into a buffer faulted in before", pool.reused)
+        checks = self.files.checks
+        doc = "Saves stored in file order: their stored form parsed otherwise"
+        yield _counter("kvcfs_file_order_saves", doc, checks.file_order_saves)
+        doc = "File or group checksums that did not match (failed with EIO)"
+        yield _counter("kvcfs_checksum_mismatches", doc, checks.mismatches)
         yield _gauge("kvcfs_restore_buffers_bytes", "Bytes of buffers kept for groups being put back", pool.size)
         yield from self._ops()
         yield from self._store()

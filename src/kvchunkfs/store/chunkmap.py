@@ -427,5 +427,13 @@ class MapReader:
         n, total = self.db.execute("SELECT count(*), coalesce(sum(length), 0) FROM chunks").fetchone()
         return n, total
 
+    def meta(self, key: str) -> str | None:
+        """A value of the map's ``meta`` table (None: not there, or no such table)."""
+        try:
+            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[0] if row else None
+
     def close(self) -> None:
         self.db.close()

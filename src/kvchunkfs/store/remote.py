@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvchunkfs.format import filerecord
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import remotepacks as rp
 from kvchunkfs.store import stubs
@@ -402,7 +403,12 @@ class RemoteTier:
         self.refused_indexes += 1
         log.error("remote: %s in %s is not a valid index here, not fetched: %s", rel, self.bucket.url, e)
 
-    def _stream_tag(self) -> str:
+    def _stream_tag(self, record: bytes | None = None) -> str:
+        """The stream tag of an index: the store's, or ``plain`` for a snapshot its file record says
+        is stored in file order although its bytes parse to groups (a host that reads the index
+        without the record would put groups back that are not there: it refuses the tag instead)."""
+        if record is not None and len(record) > 1 and record[1] == filerecord.Form.FILE_ORDER:
+            return "plain"
         return self.format.stream if self.format is not None else ""
 
     # -- the queue ----------------------------------------------------------------------------
@@ -594,6 +600,7 @@ class RemoteTier:
             return
         try:
             data, _ = stubs.read_stub(fd)
+            record = stubs.read_record(fd)
             ctime_ns = os.fstat(fd).st_ctime_ns
         finally:
             os.close(fd)
@@ -610,7 +617,7 @@ class RemoteTier:
             return
         self._heal()
         self._upload_chunks(index)
-        etag = self.bucket.put_index(rel, data, self._stream_tag())
+        etag = self.bucket.put_index(rel, data, self._stream_tag(record))
         self.db.put(rel, Synced(sha, etag, ctime_ns))
         self.uploaded_indexes += 1
         log.info("remote: uploaded %s (%d chunks)", rel, len(index))

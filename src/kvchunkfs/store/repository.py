@@ -202,10 +202,11 @@ class Repository:
 
     # -- saving -----------------------------------------------------------------------------
 
-    def prepare_stub(self, index: Index, like: str | None, durable: bool) -> Path:
-        """A complete new stub under ``tmp/`` (metadata carried from ``like``), fsynced if ``durable``."""
+    def prepare_stub(self, index: Index, like: str | None, durable: bool, record: bytes | None = None) -> Path:
+        """A complete new stub under ``tmp/`` (metadata carried from ``like``, the file record
+        ``record``), fsynced if ``durable``."""
         like_path = self.path(like) if like is not None else None
-        tmp = stubs.prepare(self.tmp, index, like_path, fsync=False)
+        tmp = stubs.prepare(self.tmp, index, like_path, fsync=False, record=record)
         with contextlib.suppress(OSError):  # fsck's mark is about the old content, not this one
             os.removexattr(tmp, stubs.BROKEN, follow_symlinks=False)
         if durable:

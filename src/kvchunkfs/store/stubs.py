@@ -1,14 +1,17 @@
 """Stubs: one small file per snapshot under ``snapshots/``, content = caibx index.
 
-The real size lives in the xattr ``user.kvcfs.size``; snapshot metadata (created, use count, last
-use, labels) and any user xattrs live beside it. A stub is only ever replaced whole: the new one
-is written complete under ``tmp/`` (index, size, carried-over xattrs, mode, owner) and then renamed
-over the old path, so a reader sees the old or the new snapshot, never a mix.
+The real size lives in the xattr ``user.kvcfs.size``, the file record (format/filerecord.py: the
+checksum of the file's bytes and where its stored groups are) in ``user.kvcfs.file``; snapshot
+metadata (created, use count, last use, labels) and any user xattrs live beside it. A stub is only
+ever replaced whole: the new one is written complete under ``tmp/`` (index, size, record,
+carried-over xattrs, mode, owner) and then renamed over the old path, so a reader sees the old or
+the new snapshot, never a mix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import time
@@ -26,9 +29,10 @@ USE_COUNT = "user.kvcfs.use_count"
 LAST_USE = "user.kvcfs.last_use"
 LABEL_PREFIX = "user.kvcfs.label."
 BROKEN = "user.kvcfs.broken"  # set by fsck --repair on a snapshot that cannot be read
-INTERNAL = frozenset({SIZE})
+RECORD = "user.kvcfs.file"  # internal: the file record, written with the index it describes
+INTERNAL = frozenset({SIZE, RECORD})
 # Metadata the filesystem maintains; users may read but not set these.
-MANAGED = frozenset({SIZE, CREATED, USE_COUNT, LAST_USE, BROKEN})
+MANAGED = frozenset({SIZE, CREATED, USE_COUNT, LAST_USE, BROKEN, RECORD})
 
 
 class StubError(OSError):
@@ -100,6 +104,18 @@ def stub_size(path: Path | str | int) -> int | None:
         return None
 
 
+def read_record(path: Path | str | int) -> bytes | None:
+    """The stub's file record as stored (None: it has none, e.g. saved before records existed)."""
+    try:
+        if isinstance(path, int):
+            return os.getxattr(path, RECORD)
+        return os.getxattr(path, RECORD, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP):
+            return None
+        raise
+
+
 def user_xattrs(path: Path | str) -> dict[str, bytes]:
     """All user.* xattrs of a stub, internal ones included."""
     out = {}
@@ -110,11 +126,19 @@ def user_xattrs(path: Path | str) -> dict[str, bytes]:
     return out
 
 
-def prepare(tmp_dir: Path, index: idx.Index, like: Path | None, mode: int = 0o644, fsync: bool = False) -> Path:
+def prepare(
+    tmp_dir: Path,
+    index: idx.Index,
+    like: Path | None,
+    mode: int = 0o644,
+    fsync: bool = False,
+    record: bytes | None = None,
+) -> Path:
     """Write a complete new stub under ``tmp_dir``; the caller renames it into place.
 
     Mode, owner and user xattrs are copied from ``like`` (the stub being replaced) when it
-    exists, so a rewrite keeps the snapshot's created date, use count and labels.
+    exists, so a rewrite keeps the snapshot's created date, use count and labels. The file record
+    is ``record`` (None: none), never the replaced stub's: it describes the index beside it.
     """
     tmp = tmp_dir / f"stub-{uuid.uuid4().hex}"
     data = idx.encode(index)
@@ -129,6 +153,9 @@ def prepare(tmp_dir: Path, index: idx.Index, like: Path | None, mode: int = 0o64
                 attrs = user_xattrs(like)
         attrs.setdefault(CREATED, str(time.time()).encode())
         attrs[SIZE] = str(index.size).encode()
+        attrs.pop(RECORD, None)
+        if record is not None:  # first: labels must not take the room it needs
+            os.setxattr(fd, RECORD, record)
         for name, value in attrs.items():
             os.setxattr(fd, name, value)
         if st is not None:

@@ -14,14 +14,16 @@ import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import cast
 
-import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.fuse import api
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
+from kvchunkfs.fuse.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ def raise_fd_limit() -> int:
 
 
 def mount_options(allow_other: bool) -> set[str]:
-    opts = set(pyfuse3.default_options) | {"fsname=kv-chunk-fs", "subtype=kv-chunk-fs"}
+    opts = set(api.default_options) | {"fsname=kv-chunk-fs", "subtype=kv-chunk-fs"}
     if allow_other:
         opts.add("allow_other")  # llama-server may run as another user than the daemon
     return opts
@@ -134,7 +136,8 @@ def serve(
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())
-    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0))
+    session = Session(ops, str(mountpoint), mount_options(os.geteuid() == 0))
+    session.start()
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
         tasks: list[BackgroundTask] = [
@@ -143,9 +146,9 @@ def serve(
             close_lingering,
             *(background or []),
         ]
-        trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
+        trio.run(_main, session, mountpoint, kernel_readahead_kb, tasks)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
         log.info("unmounted %s", mountpoint)
     return ops
 
@@ -201,24 +204,26 @@ async def close_lingering(ops: Operations) -> None:
             ops.lingered = trio.Event()
 
 
-async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
+async def _main(session: Session, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
+    ops = cast(Operations, session.ops)  # or nullfs's (benchmarks/nullfs.py), which runs no background task
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_on_signals)
+        nursery.start_soon(_on_signals, session)
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
         for task in background:
             nursery.start_soon(task, ops)
-        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        await session.run(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
-    await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
+    if isinstance(ops, Operations):  # (benchmarks/nullfs.py runs this loop too)
+        await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
 
 
-async def _on_signals() -> None:
+async def _on_signals(session: Session) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
             notify("STOPPING=1")
-            pyfuse3.terminate()
+            session.terminate()
             return
 
 

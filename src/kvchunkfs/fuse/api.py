@@ -142,8 +142,11 @@ def readdir_reply(token: ReaddirToken, name: bytes, attr: EntryAttributes, next_
     return True
 
 
-class Notifier(Protocol):
-    """What the serving session offers a filesystem: notifications to the kernel."""
+class Serving(Protocol):
+    """What the serving session offers a filesystem: its mode, and notifications to the kernel."""
+
+    passthrough: bool  # negotiated: opens may name a backing file
+    why: str  # the mode and why (logged at INIT)
 
     def invalidate_entry(self, parent_inode: int, name: bytes) -> None: ...
 
@@ -161,7 +164,7 @@ class Operations:
     enable_writeback_cache = False  # the kernel caches writes (no passthrough then)
     enable_passthrough = True  # negotiate passthrough where the kernel and the process allow it
     enable_acl = False
-    session: Notifier | None = None  # set by the session serving it
+    session: Serving | None = None  # set by the session serving it
 
     def init(self) -> None:
         """Called once the kernel's INIT is answered, on the session's thread."""

@@ -937,7 +937,15 @@ class Operations(fuse.Operations):
             "memory_trims": self.memory_trims,
             "idle_checks": self.idle_checks,
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
+            "fuse_passthrough": int(self.session is not None and self.session.passthrough),
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
+
+    def fuse_mode(self) -> dict[str, str]:
+        """How the kernel's requests are served: "passthrough" (the kernel may serve an open file
+        from its backing file) or "served" (every byte through the daemon), and why."""
+        if self.session is None:
+            return {"mode": "unmounted", "why": ""}
+        return {"mode": "passthrough" if self.session.passthrough else "served", "why": self.session.why}
 
 
 def _and_then(fn: Callable[[str], T], rel: str, then: OnPath | None) -> T:

@@ -262,7 +262,7 @@ class Session:
             self._reply(unique, protocol.INIT_OUT.pack(protocol.KERNEL_MAJOR, protocol.KERNEL_MINOR, *[0] * 11))
             return
         if not self.ops.enable_passthrough:
-            no_passthrough: str | None = "passthrough is turned off (setting fuse_passthrough)"
+            no_passthrough: str | None = "passthrough is turned off (fuse_passthrough = false)"
         else:
             no_passthrough = kernel.may_pass_through()
         try:

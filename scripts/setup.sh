@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config make casync attr chromium chromium-driver; do
+for pkg in fuse3 make casync attr chromium chromium-driver; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -413,33 +413,36 @@ class Session:
             flags |= protocol.FOPEN_NONSEEKABLE
         backing_id = 0
         if fi.backing_fd is not None:
-            backing_id = self._attach_backing(nodeid, fi.fh, fi.backing_fd)
+            backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
             if backing_id:
                 flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
         if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
             return True
-        self._detach_backing(nodeid, fi.fh)
+        await self._detach_backing(nodeid, fi.fh)
         await self.ops.release(fi.fh)
         return False
 
-    def _attach_backing(self, nodeid: int, fh: int, fd: int) -> int:
-        """The backing id for an open of ``nodeid`` through ``fd`` (which is closed here), or 0
-        if it is to be served."""
-        try:
-            if not self.passthrough:
-                return 0
+    async def _attach_backing(self, nodeid: int, fh: int, fd: int) -> int:
+        """The backing id for an open of ``nodeid`` through ``fd`` (closed here), or 0 if the open
+        is to be served."""
+        backing_id = 0
+        held: list[int] | None = None
+        if self.passthrough:
             held = self._backing.get(nodeid)
             if held is None:
                 try:
                     held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0]
                 except OSError as e:
                     self._backing_refused(e)
-                    return 0
-            held[1] += 1
-            self._passed.add((nodeid, fh))
-            return held[0]
-        finally:
-            os.close(fd)
+            if held is not None:
+                held[1] += 1
+                self._passed.add((nodeid, fh))
+                backing_id = held[0]
+        if backing_id and held is not None and held[1] == 1:
+            os.close(fd)  # the kernel holds the file now: not its last close
+        else:  # perhaps its last close, which may wait for the file system: not on this thread
+            await trio.to_thread.run_sync(os.close, fd)
+        return backing_id
 
     def _backing_refused(self, e: OSError) -> None:
         self.backing_refused += 1
@@ -450,8 +453,9 @@ class Session:
         else:  # this file (its file system: ELOOP stacked too deep, EINVAL no read_iter/write_iter)
             log.warning("FUSE: backing file refused (%s); this open is served", e.strerror)
 
-    def _detach_backing(self, nodeid: int, fh: int) -> None:
-        """An open passed through ends: the inode's backing id is closed with its last open."""
+    async def _detach_backing(self, nodeid: int, fh: int) -> None:
+        """An open passed through ends: the inode's backing id is closed with its last open (in a
+        thread: it may be the backing file's last reference, whose close may wait for its disk)."""
         if (nodeid, fh) not in self._passed:
             return
         self._passed.discard((nodeid, fh))
@@ -460,7 +464,7 @@ class Session:
         if held[1] == 0:
             del self._backing[nodeid]
             try:
-                kernel.backing_close(self.fd, held[0])
+                await trio.to_thread.run_sync(kernel.backing_close, self.fd, held[0])
             except OSError as e:
                 log.warning("FUSE: closing backing id %d: %s", held[0], e)
 
@@ -483,7 +487,7 @@ class Session:
 
     async def _release(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         (fh,) = _FH(body)
-        self._detach_backing(nodeid, fh)
+        await self._detach_backing(nodeid, fh)
         await self.ops.release(fh)
         self._reply(unique)
 

@@ -24,9 +24,11 @@ KERNEL_FLAGS = (
     | protocol.BIG_WRITES | protocol.AUTO_INVAL_DATA | protocol.DO_READDIRPLUS | protocol.READDIRPLUS_AUTO
     | protocol.ASYNC_DIO | protocol.WRITEBACK_CACHE | protocol.PARALLEL_DIROPS | protocol.HANDLE_KILLPRIV
     | protocol.POSIX_ACL | protocol.MAX_PAGES | protocol.INIT_EXT | (1 << 10) | (1 << 17) | (1 << 23)
+    | protocol.HANDLE_KILLPRIV_V2 | (1 << 29)
     | protocol.PASSTHROUGH | (1 << 32) | (1 << 35) | (1 << 38) | (1 << 39)
 )  # fmt: skip
-TODAY = (  # what libfuse 3.14 answered for pyfuse3 (its INIT reply dropped PARALLEL_DIROPS and HANDLE_KILLPRIV)
+TODAY = (  # what libfuse 3.14 answered for pyfuse3 (its INIT reply dropped PARALLEL_DIROPS and HANDLE_KILLPRIV);
+    # the session answers HANDLE_KILLPRIV_V2 too
     protocol.ASYNC_READ | protocol.ATOMIC_O_TRUNC | protocol.EXPORT_SUPPORT | protocol.BIG_WRITES
     | protocol.AUTO_INVAL_DATA | protocol.DO_READDIRPLUS | protocol.ASYNC_DIO | protocol.MAX_PAGES | protocol.INIT_EXT
 )  # fmt: skip
@@ -121,7 +123,7 @@ def test_init_answers_todays_flags_plus_passthrough() -> None:
     n = protocol.negotiate(offer(), page_size=4096, max_write=MiB)
     major, minor, ra, flags, bg, cong, max_write, gran, pages, align, flags2, depth, _ = init_reply(n)
     assert (major, minor, ra, bg, cong, max_write, gran, pages, align) == (7, 40, 128 << 10, 0, 0, MiB, 1, 256, 0)
-    assert flags | flags2 << 32 == TODAY | protocol.PASSTHROUGH
+    assert flags | flags2 << 32 == TODAY | protocol.HANDLE_KILLPRIV_V2 | protocol.PASSTHROUGH
     assert flags2 == 1 << 5 and depth == protocol.MAX_STACK_DEPTH
     assert n.passthrough and "offers passthrough" in n.why
 
@@ -129,14 +131,15 @@ def test_init_answers_todays_flags_plus_passthrough() -> None:
 def test_init_without_passthrough_offered_or_allowed() -> None:
     old = protocol.negotiate(offer(38, KERNEL_FLAGS & ~protocol.PASSTHROUGH), page_size=4096)
     assert not old.passthrough and "does not offer" in old.why
-    assert init_reply(old)[1] == 38 and init_reply(old)[3] == TODAY and init_reply(old)[10:12] == (0, 0)
+    ours = TODAY | protocol.HANDLE_KILLPRIV_V2
+    assert init_reply(old)[1] == 38 and init_reply(old)[3] == ours and init_reply(old)[10:12] == (0, 0)
     denied = protocol.negotiate(offer(), page_size=4096, no_passthrough="no CAP_SYS_ADMIN")
     assert not denied.passthrough and denied.why == "no CAP_SYS_ADMIN" and init_reply(denied)[10] == 0
     cached = protocol.negotiate(offer(), page_size=4096, writeback_cache=True)  # passthrough needs it off
     assert not cached.passthrough and "writeback" in cached.why
-    assert init_reply(cached)[3] == TODAY | protocol.WRITEBACK_CACHE
+    assert init_reply(cached)[3] == ours | protocol.WRITEBACK_CACHE
     no_ext = protocol.negotiate(offer(flags=KERNEL_FLAGS & 0xFFFFFFFF & ~protocol.INIT_EXT), page_size=4096)
-    assert not no_ext.passthrough and init_reply(no_ext)[3] == TODAY & ~protocol.INIT_EXT
+    assert not no_ext.passthrough and init_reply(no_ext)[3] == ours & ~protocol.INIT_EXT
 
 
 def test_init_request_sizes_and_old_kernels() -> None:
@@ -319,3 +322,75 @@ def test_a_backing_file_in_served_mode_is_closed_and_the_open_served(wire) -> No
     assert error == 0 and protocol.OPEN_OUT.unpack(out) == (33, protocol.FOPEN_KEEP_CACHE, 0)
     with pytest.raises(OSError):  # the session took the descriptor over and closed it
         os.fstat(ops.backing)
+
+
+class Modes(api.Operations):
+    """One file whose mode the session may change (set-id bits dropped)."""
+
+    def __init__(self, mode: int) -> None:
+        self.mode = mode
+        self.writes = 0
+
+    async def getattr(self, inode: int, ctx: api.RequestContext) -> api.EntryAttributes:
+        return attrs(inode, stat.S_IFREG | self.mode)
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_mode:
+            self.mode = stat.S_IMODE(attr.st_mode)
+        return attrs(inode, stat.S_IFREG | self.mode)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.writes += 1
+        return len(buf)
+
+    async def open(self, inode: int, flags: int, ctx: api.RequestContext) -> api.FileInfo:
+        return api.FileInfo(fh=1)
+
+
+def session_on_pipe(ops: api.Operations) -> tuple[Session, int, int]:
+    session = Session(ops, "/nonexistent", set())
+    r, w = os.pipe()
+    session.fd = w
+    return session, r, w
+
+
+@pytest.mark.parametrize(
+    ("mode", "after"), [(0o6755, 0o755), (0o6745, 0o2745), (0o4700, 0o700), (0o755, 0o755)], ids=oct
+)
+def test_set_id_bits_are_dropped_where_the_kernel_asks(mode: int, after: int) -> None:
+    """HANDLE_KILLPRIV_V2: set-user-ID goes, set-group-ID only with group execute (as the VFS)."""
+    for op, body in (
+        (Op.WRITE, protocol.WRITE_IN.pack(1, 0, 1, protocol.WRITE_KILL_SUIDGID, 0, 0) + b"x"),
+        (Op.SETATTR, protocol.SETATTR_IN.pack(protocol.FATTR_UID | protocol.FATTR_KILL_SUIDGID, *[0] * 15)),
+        (Op.OPEN, struct.pack("=II", os.O_WRONLY | os.O_TRUNC, protocol.OPEN_KILL_SUIDGID)),
+    ):
+        ops = Modes(mode)
+        session, r, w = session_on_pipe(ops)
+        try:
+            handle(session, Op.GETATTR, bytes(16), nodeid=7)  # the kernel learns the mode
+            assert reply(r)[0] == 0
+            handle(session, op, body, nodeid=7)
+            assert ops.mode == after, (protocol.Op(op).name, oct(ops.mode))
+            first = reply(r)
+            if after != mode and op != Op.SETATTR:  # the kernel is told to drop the old mode it caches
+                assert first[:2] == (protocol.NOTIFY_INVAL_INODE, 0), first
+                first = reply(r)
+            assert first[0] == 0
+        finally:
+            os.close(r)
+            os.close(w)
+
+
+def test_a_write_without_the_flag_or_to_an_inode_not_set_id_changes_no_mode() -> None:
+    ops = Modes(0o6755)
+    session, r, w = session_on_pipe(ops)
+    try:
+        handle(session, Op.GETATTR, bytes(16), nodeid=7)
+        reply(r)
+        handle(session, Op.WRITE, protocol.WRITE_IN.pack(1, 0, 1, 0, 0, 0) + b"x", nodeid=7)  # root: CAP_FSETID
+        assert reply(r)[0] == 0 and ops.mode == 0o6755
+        handle(session, Op.WRITE, protocol.WRITE_IN.pack(1, 0, 1, protocol.WRITE_KILL_SUIDGID, 0, 0) + b"x", nodeid=8)
+        assert reply(r)[0] == 0 and ops.mode == 0o6755  # inode 8: the kernel was never told it is set-id
+    finally:
+        os.close(r)
+        os.close(w)

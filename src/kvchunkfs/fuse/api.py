@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvchunkfs.fuse import protocol
@@ -121,13 +121,15 @@ class FileInfo:
 
 
 class ReaddirToken:
-    """A ``readdir`` reply being filled by ``readdir_reply``: at most ``size`` bytes of entries."""
+    """A ``readdir`` reply being filled by ``readdir_reply``: at most ``size`` bytes of entries;
+    ``seen`` is told each entry's attributes (the session's view of what the kernel knows)."""
 
-    __slots__ = ("buf", "size")
+    __slots__ = ("buf", "size", "seen")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, seen: Callable[[EntryAttributes], None] | None = None) -> None:
         self.buf = bytearray()
         self.size = size
+        self.seen = seen
 
 
 def readdir_reply(token: ReaddirToken, name: bytes, attr: EntryAttributes, next_id: int) -> bool:
@@ -139,6 +141,8 @@ def readdir_reply(token: ReaddirToken, name: bytes, attr: EntryAttributes, next_
         return False
     token.buf += entry
     token.size -= len(entry)
+    if token.seen is not None:
+        token.seen(attr)
     return True
 
 

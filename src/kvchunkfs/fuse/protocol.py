@@ -101,6 +101,7 @@ PARALLEL_DIROPS = 1 << 18
 HANDLE_KILLPRIV = 1 << 19
 POSIX_ACL = 1 << 20
 MAX_PAGES = 1 << 22
+HANDLE_KILLPRIV_V2 = 1 << 28
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
 
@@ -112,7 +113,11 @@ FOPEN_PASSTHROUGH = 1 << 7  # combines only with DIRECT_IO (which overrides it) 
 
 # setattr valid bits
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE, FATTR_ATIME, FATTR_MTIME, FATTR_FH = (1 << i for i in range(7))
-FATTR_ATIME_NOW, FATTR_MTIME_NOW, FATTR_CTIME = 1 << 7, 1 << 8, 1 << 10
+FATTR_ATIME_NOW, FATTR_MTIME_NOW, FATTR_CTIME, FATTR_KILL_SUIDGID = 1 << 7, 1 << 8, 1 << 10, 1 << 11
+# With HANDLE_KILLPRIV_V2 the kernel asks the filesystem to drop set-id bits: a write's, a truncate's
+# (by a caller without CAP_FSETID), a chown's (FATTR_KILL_SUIDGID), an O_TRUNC open's.
+WRITE_KILL_SUIDGID = 1 << 2  # fuse_write_in.write_flags
+OPEN_KILL_SUIDGID = 1 << 0  # fuse_open_in.open_flags, fuse_create_in.open_flags
 FSYNC_FDATASYNC = 1
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 
@@ -326,13 +331,16 @@ def negotiate(
     """Answer the kernel's INIT. The flags are those libfuse 3.14 sent for pyfuse3 (so the kernel
     behaves as it did under pyfuse3): asynchronous and big reads and writes, atomic O_TRUNC,
     lookups of "." and "..", page-cache invalidation on a changed mtime or size, READDIRPLUS
-    always, asynchronous direct I/O, 1 MiB requests, and the writeback cache if asked for.
-    Passthrough is added where the kernel offers it, unless ``no_passthrough`` says why not.
+    always, asynchronous direct I/O, 1 MiB requests, and the writeback cache if asked for. One
+    more, ``HANDLE_KILLPRIV_V2``: the filesystem drops set-id bits where the kernel tells it to
+    (the session does), so the kernel stops asking for ``security.capability`` before every
+    write. Passthrough is added where the kernel offers it, unless ``no_passthrough`` says why not.
 
     ValueError if the kernel's protocol is not one we speak."""
     if offer.major != KERNEL_MAJOR or offer.minor < OLDEST_MINOR:
         raise ValueError(f"kernel FUSE protocol {offer.major}.{offer.minor}; need {KERNEL_MAJOR}.{OLDEST_MINOR}+")
     want = ASYNC_READ | ATOMIC_O_TRUNC | BIG_WRITES | AUTO_INVAL_DATA | DO_READDIRPLUS | ASYNC_DIO | MAX_PAGES
+    want |= HANDLE_KILLPRIV_V2
     if export_support:
         want |= EXPORT_SUPPORT
     if writeback_cache:

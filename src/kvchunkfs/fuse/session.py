@@ -54,6 +54,7 @@ _OUT = protocol.OUT_HEADER.pack
 _OUT_SIZE = protocol.OUT_HEADER.size
 _WRITE_IN = protocol.WRITE_IN.unpack_from
 _READ_IN = protocol.READ_IN.unpack_from
+_SETID = stat.S_ISUID | stat.S_ISGID
 
 
 def _errno_of(e: Exception) -> int:
@@ -79,6 +80,7 @@ class Session:
         self.backing_refused = 0  # opens that named a backing file the kernel refused: served
         self._backing: dict[int, list[int]] = {}  # inode -> [backing id, passthrough opens]
         self._passed: set[tuple[int, int]] = set()  # (inode, fh) of the opens passed through
+        self._setid: set[int] = set()  # inodes whose mode, as last told to the kernel, has set-id bits
         self._exiting = False
         self._gone = False  # the kernel ended the connection
         self._idle = 0
@@ -236,8 +238,42 @@ class Session:
 
     async def _reply_entry(self, unique: int, attrs: EntryAttributes) -> None:
         """An entry answer; if the kernel no longer waits for it, it never learned the inode."""
+        self._seen(attrs)
         if not self._reply(unique, protocol.entry_out(attrs)) and attrs.st_ino:
             await self.ops.forget([(attrs.st_ino, 1)])
+
+    def _seen(self, attrs: EntryAttributes) -> None:
+        """Keep track of the inodes the kernel believes set-id: only those need ``_drop_setid``."""
+        if attrs.st_mode & _SETID:
+            self._setid.add(attrs.st_ino)
+        elif self._setid:
+            self._setid.discard(attrs.st_ino)
+
+    async def _drop_setid(self, nodeid: int, ctx: RequestContext) -> EntryAttributes | None:
+        """Clear the set-user-ID bit, and set-group-ID with group execute, as the kernel asks with
+        HANDLE_KILLPRIV_V2 (a write or truncate by a caller without CAP_FSETID, a chown, an O_TRUNC
+        open): what the kernel itself did before. Only for an inode the kernel believes set-id.
+        The new attributes, or None if nothing changed."""
+        if nodeid not in self._setid:
+            return None
+        mode = (await self.ops.getattr(nodeid, ctx)).st_mode
+        new = mode & ~stat.S_ISUID
+        if mode & stat.S_IXGRP:
+            new &= ~stat.S_ISGID
+        if new == mode:
+            return None
+        attr, fields = EntryAttributes(), SetattrFields()
+        attr.st_mode, fields.update_mode = new, True
+        out = await self.ops.setattr(nodeid, attr, fields, None, ctx)
+        self._seen(out)
+        return out
+
+    def _forget_attrs(self, nodeid: int) -> None:
+        """The kernel drops its cached attributes of ``nodeid`` (in a worker thread)."""
+        try:
+            self.invalidate_inode(nodeid, attr_only=True)
+        except OSError as e:
+            log.debug("invalidating the attributes of %d: %s", nodeid, e)
 
     def _handler_table(self) -> dict[int, Handler]:
         return {
@@ -312,6 +348,7 @@ class Session:
 
     async def _getattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         attrs = await self.ops.getattr(nodeid, RequestContext(uid, gid, pid))
+        self._seen(attrs)
         self._reply(unique, protocol.attr_out(attrs))
 
     async def _setattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
@@ -337,7 +374,11 @@ class Session:
         fields.update_gid = bool(valid & protocol.FATTR_GID)
         fields.update_size = bool(valid & protocol.FATTR_SIZE)
         handle = fh if valid & protocol.FATTR_FH else None
-        out = await self.ops.setattr(nodeid, attr, fields, handle, RequestContext(uid, gid, pid))
+        ctx = RequestContext(uid, gid, pid)
+        out = await self.ops.setattr(nodeid, attr, fields, handle, ctx)
+        self._seen(out)
+        if valid & protocol.FATTR_KILL_SUIDGID and not fields.update_mode:  # a chown, a truncate
+            out = await self._drop_setid(nodeid, ctx) or out
         self._reply(unique, protocol.attr_out(out))
 
     async def _readlink(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
@@ -390,14 +431,23 @@ class Session:
     # -- files ------------------------------------------------------------------------------
 
     async def _open(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
-        flags, _ = protocol.OPEN_IN.unpack_from(body)
-        fi = await self.ops.open(nodeid, flags, RequestContext(uid, gid, pid))
+        flags, open_flags = protocol.OPEN_IN.unpack_from(body)
+        ctx = RequestContext(uid, gid, pid)
+        fi = await self.ops.open(nodeid, flags, ctx)
+        if open_flags & protocol.OPEN_KILL_SUIDGID and nodeid in self._setid:
+            try:
+                if await self._drop_setid(nodeid, ctx):
+                    await trio.to_thread.run_sync(self._forget_attrs, nodeid)
+            except BaseException:
+                await self.ops.release(fi.fh)  # the open fails: no RELEASE will come for it
+                raise
         await self._reply_open(unique, nodeid, fi, b"")
 
     async def _create(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         flags, mode, umask, _ = protocol.CREATE_IN.unpack_from(body)
         (name,) = protocol.cstrings(body[protocol.CREATE_IN.size :], 1)
         fi, attrs = await self.ops.create(nodeid, name, mode, flags, RequestContext(uid, gid, pid, umask))
+        self._seen(attrs)  # (a new file: nothing to drop for an O_TRUNC)
         if not await self._reply_open(unique, attrs.st_ino, fi, protocol.entry_out(attrs)):
             await self.ops.forget([(attrs.st_ino, 1)])
 
@@ -412,7 +462,10 @@ class Session:
         if fi.nonseekable:
             flags |= protocol.FOPEN_NONSEEKABLE
         backing_id = 0
-        if fi.backing_fd is not None:
+        if fi.backing_fd is not None and nodeid in self._setid:
+            # A set-id file is served: the kernel drops no set-id bit for a passthrough write.
+            await trio.to_thread.run_sync(os.close, fi.backing_fd)
+        elif fi.backing_fd is not None:
             backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
             if backing_id:
                 flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
@@ -475,7 +528,10 @@ class Session:
         self._sendv([_OUT(_OUT_SIZE + n, 0, unique), data])
 
     async def _write(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
-        fh, offset, size, _, _, _ = _WRITE_IN(body)
+        fh, offset, size, write_flags, _, _ = _WRITE_IN(body)
+        if write_flags & protocol.WRITE_KILL_SUIDGID and nodeid in self._setid:  # rare: a set-id file
+            if await self._drop_setid(nodeid, RequestContext(uid, gid, pid)):
+                await trio.to_thread.run_sync(self._forget_attrs, nodeid)
         start = protocol.WRITE_IN_SIZE
         data = bytes(body[start : start + size])  # the one copy: the filesystem keeps the bytes
         written = await self.ops.write(fh, offset, data)
@@ -504,7 +560,7 @@ class Session:
 
     async def _readdirplus(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size = _READ_IN(body)
-        token = ReaddirToken(size)
+        token = ReaddirToken(size, self._seen)
         await self.ops.readdir(fh, offset, token)
         self._reply(unique, bytes(token.buf))
 

@@ -285,12 +285,14 @@ class NullOperations(fuse.Operations):
         f.data = bytearray() if self.keep_data else None
         if self.pass_files and self.backing_dir is not None:  # a file on disk for the kernel to write
             f.path = self.backing_dir / os.fsdecode(name)
-            f.backing = os.open(f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            f.backing = os.open(f.path, os.O_RDWR | os.O_CREAT, 0o600)
+            if os.fstat(f.backing).st_size:  # (no O_TRUNC of an empty file: ext4 flushes such a file at close)
+                os.ftruncate(f.backing, 0)
         self._next_ino += 1
         self.files[f.ino] = self.by_name[name] = f
         f.nlookup += 1
         f.opens += 1
-        return self._file_info(f, flags), self._attrs(f.ino)
+        return self._file_info(f, flags & ~os.O_TRUNC), self._attrs(f.ino)
 
     async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         f = self._file(inode)

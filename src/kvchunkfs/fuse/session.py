@@ -4,7 +4,7 @@ One trio thread does it all, as pyfuse3 did: the device descriptor is non-blocki
 tasks takes turns reading (one waits for the device at a time, ``wait_readable``), and each worker
 handles the request it read to the end (the handler awaits as it likes; meanwhile other workers
 read and handle others). When no worker is left waiting for the device, one more is started, up to
-``max_tasks``; a worker finding more than ``min_tasks`` others waiting retires. Each worker reads
+``max_tasks``; a worker finding ``min_tasks`` others waiting retires. Each worker reads
 into a buffer of its own, allocated once; a reply is one ``write``/``writev`` of the header and the
 payload (a read's bytes are never copied on the way). Only a write's bytes are copied out of the
 buffer, once: the filesystem keeps them.

@@ -1,10 +1,12 @@
 """Save and restore a snapshot-sized file: plain directory, nullfs (the FUSE floor) and kv-chunk-fs.
 
 The three targets are measured in the same run, interleaved (the order rotates every run), several
-runs; medians and ratios are printed. nullfs (benchmarks/nullfs.py) is a pyfuse3 filesystem with
-kv-chunk-fs's mount options and loop whose handlers do nothing: what is left between it and plain
-is the binding's cost, between kv-chunk-fs and it the store's. The plain directory and the store
-live on the same disk.
+runs; medians and ratios are printed. nullfs (benchmarks/nullfs.py) is a filesystem on kv-chunk-fs's
+front end, with its mount options and loop, whose handlers do nothing: what is left between it and
+plain is the front end's cost, between kv-chunk-fs and it the store's. The plain directory and the
+store live on the same disk. ``--baseline-src`` adds kv-chunk-fs from another tree (and that tree's
+nullfs, "baseline floor"); ``--passthrough-floor`` a nullfs whose files the kernel serves from disk
+itself (kernel passthrough: the floor of a file the daemon never sees a byte of).
 
 Operations: save of all-new bytes; the same bytes saved again under a new name (every chunk already
 stored); a "next turn" (the same state plus 8 MiB new, as a new file); cold restore (page cache
@@ -51,6 +53,7 @@ RSS_INTERVAL = 0.02
 READY_TIMEOUT = 60.0
 
 PLAIN, NULL, FS, BASE = "plain", "nullfs", "kv-chunk-fs", "baseline"
+BASE_NULL, PASS_NULL = "baseline floor", "passthrough floor"
 SAVES = {"save": "save (new)", "save_dup": "save (stored)", "save_turn": "save (turn)"}
 RESTORES = {"cold": "restore cold", "warm": "restore warm"}
 OPS = {**SAVES, **RESTORES}
@@ -253,7 +256,11 @@ def mount_config(extra: list[str]) -> cfgmod.Config:
 
 
 def make_targets(
-    work: Path, extra: list[str], baseline_src: Path | None = None, baseline_extra: list[str] | None = None
+    work: Path,
+    extra: list[str],
+    baseline_src: Path | None = None,
+    baseline_extra: list[str] | None = None,
+    passthrough_floor: bool = False,
 ) -> list[Target]:
     cfg = mount_config(extra)
     py = sys.executable
@@ -276,7 +283,26 @@ def make_targets(
             FS, work / "mnt", Mount(fs_argv, work / "mnt", work / "daemon.log", cfg.kernel_readahead_kb, "gc finished")
         ),
         *_baseline(work, extra if baseline_extra is None else baseline_extra, cfg.kernel_readahead_kb, baseline_src),
+        *_more_floors(work, null_argv, baseline_src, passthrough_floor, cfg.kernel_readahead_kb),
     ]
+
+
+def _more_floors(
+    work: Path, null_argv: list[str], baseline_src: Path | None, passthrough: bool, readahead_kb: int
+) -> list[Target]:
+    """The baseline tree's nullfs (its front end's floor), and a nullfs passing its files through."""
+    out = []
+    base_null = baseline_src.resolve().parent / "benchmarks" / "nullfs.py" if baseline_src else None
+    if base_null is not None and baseline_src is not None and base_null.exists():
+        argv = [null_argv[0], str(base_null), *null_argv[2:-1], str(work / "base-null")]
+        mount = Mount(argv, work / "base-null", work / "base-nullfs.log", readahead_kb, None, src=baseline_src)
+        out.append(Target(BASE_NULL, work / "base-null", mount))
+    if passthrough:
+        (work / "pass-back").mkdir()
+        argv = [*null_argv[:-1], "--backing", str(work / "pass-back"), "--passthrough", str(work / "pass")]
+        mount = Mount(argv, work / "pass", work / "pass-nullfs.log", readahead_kb, "passthrough mode")
+        out.append(Target(PASS_NULL, work / "pass", mount))
+    return out
 
 
 def _baseline(work: Path, extra: list[str], readahead_kb: int, src: Path | None) -> list[Target]:
@@ -339,7 +365,7 @@ def run(args: argparse.Namespace) -> dict:
     targets: list[Target] = []
     try:
         base_extra = None if args.baseline_mount_args is None else args.baseline_mount_args.split()
-        targets = make_targets(work, args.mount_args.split(), args.baseline_src, base_extra)
+        targets = make_targets(work, args.mount_args.split(), args.baseline_src, base_extra, args.passthrough_floor)
         for t in targets:
             if t.mount is not None:
                 t.mount.start()
@@ -390,6 +416,10 @@ def summarize(res: Results, runs: int) -> dict:
         entry["floor_vs_plain"] = null / plain
         if BASE in entry:
             entry["ratio_vs_baseline"] = fs / entry[BASE]["median_s"]
+        if BASE_NULL in entry:
+            entry["floor_vs_baseline_floor"] = null / entry[BASE_NULL]["median_s"]
+        if PASS_NULL in entry:
+            entry["passthrough_floor_vs_plain"] = entry[PASS_NULL]["median_s"] / plain
         s["ops"][op] = entry
     return s
 
@@ -442,11 +472,33 @@ def _baseline_rows(s: dict) -> list[str]:
     return lines
 
 
+def _floor_rows(s: dict) -> list[str]:
+    """The floors beside nullfs, when measured: the baseline tree's, and kernel passthrough."""
+    cold = s["ops"]["cold"]
+    lines = []
+    if "floor_vs_baseline_floor" in cold:
+        lines += ["", f"{'':15}{'base floor':>12}{'floor':>12}{'floor/base':>12}{'base CPU s/GB':>15}{'CPU s/GB':>10}"]
+        for op, label in OPS.items():
+            e = s["ops"][op]
+            lines.append(f"{label:15}{e[BASE_NULL]['median_s']:>11.3f}s{e[NULL]['median_s']:>11.3f}s"
+                         f"{e['floor_vs_baseline_floor']:>11.2f}x{e[BASE_NULL]['cpu_s_per_GB_median']:>15.2f}"
+                         f"{e[NULL]['cpu_s_per_GB_median']:>10.2f}")  # fmt: skip
+    if "passthrough_floor_vs_plain" in cold:
+        lines += ["", f"{'':15}{'plain':>10}{'passthrough':>13}{'pass/plain':>12}{'CPU s/GB':>10}"]
+        for op, label in OPS.items():
+            e = s["ops"][op]
+            cpu = e[PASS_NULL]["cpu_s_per_GB_median"]
+            lines.append(f"{label:15}{e[PLAIN]['median_s']:>9.3f}s{e[PASS_NULL]['median_s']:>12.3f}s"
+                         f"{e['passthrough_floor_vs_plain']:>11.2f}x{cpu:>10.2f}")  # fmt: skip
+    return lines
+
+
 def report(s: dict) -> str:
     mib = s["size_bytes"] / MiB
     title = f"{mib:.0f} MiB snapshot, {s['runs']} runs, targets interleaved (order rotated per run), medians"
     rows = [_op_row(label, s["ops"][op]) for op, label in OPS.items()]
-    return "\n".join([title, "", _row("", list(COLUMNS)), *rows, *_baseline_rows(s), "", *_notes(s)])
+    return "\n".join([title, "", _row("", list(COLUMNS)), *rows, *_baseline_rows(s), *_floor_rows(s), "",
+                      *_notes(s)])  # fmt: skip
 
 
 def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -485,6 +537,7 @@ def main() -> None:
         help="the baseline's mount flags (default: --mount-args); "
         "with --baseline-src src, an A/B of a setting in one interleaved run",
     )
+    p.add_argument("--passthrough-floor", action="store_true", help="also a nullfs the kernel passes through to disk")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (store, daemon logs)")
     p.add_argument(

@@ -11,8 +11,8 @@ llama-server mode: one llama-server (the e2e harness's build and random-weight `
 q4_0``) saves and restores its slot itself; the figures are its own ``timings.save_ms`` and
 ``timings.restore_ms``. Its ``--slot-save-path`` is a directory of symlinks, one per target and
 name, so the very same slot state is saved into every target: (a) a plain directory, (b) the
-do-nothing pyfuse3 filesystem (benchmarks/nullfs.py, "floor"; restores read a second nullfs that
-keeps the bytes, ``--keep-data``, because llama-server parses what it reads), (c) kv-chunk-fs with
+do-nothing filesystem on kv-chunk-fs's FUSE front end (benchmarks/nullfs.py, "floor"; restores read
+a second nullfs that keeps the bytes, ``--keep-data``, because llama-server parses what it reads), (c) kv-chunk-fs with
 default settings (plus (d), ``--compare-src``). Saves follow the proxy's pattern: ``NAME.tmp``,
 then renamed over ``NAME``. Restores are also read through (e) "pass-through", a nullfs serving the
 plain files from disk (``--backing``, one ``pread`` per read request, restarted with the kv-chunk-fs
@@ -597,7 +597,7 @@ def report(s: dict) -> str:
             label = ""
     lines.append("")
     lines.append("medians (min–max) over runs, ms; plain/floor/kv-chunk-fs interleaved, order balanced over runs;")
-    lines.append("pass-through: restores only, the plain files served from disk by pyfuse3, one pread per read")
+    lines.append("pass-through: restores only, the plain files served from disk by nullfs, one pread per read")
     limit = s["cache_size"] + 64 * MiB
     for config, c in s["configs"].items():
         cold = c["ops"].get(COLD, {})

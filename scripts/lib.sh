@@ -4,9 +4,6 @@
 
 # What the filesystem needs at run time: fusermount3 (and libfuse3, which it pulls in).
 RUNTIME_PKGS=(fuse3)
-# Only to build pyfuse3, which has no wheels, from its sdist (with the interpreter's headers, see
-# python_packages). Without a compiled binding this line becomes BUILD_PKGS=().
-BUILD_PKGS=(libfuse3-dev pkg-config gcc libc6-dev)
 # Only for the tests: make (the tiers), casync (interop tests), attr (setfattr in the security tests),
 # Chromium and its driver (the dashboard's browser tests).
 TEST_PKGS=(make casync attr chromium chromium-driver)
@@ -65,8 +62,7 @@ debian_python() {
 }
 
 # The system packages the interpreter $1 lacks to make a virtual environment (Debian splits ensurepip
-# into python3.X-venv) and, while BUILD_PKGS is not empty, to build a C extension (python3.X-dev).
-# Printed on one line; dies when the interpreter is not Debian's and lacks them.
+# into python3.X-venv). Printed on one line; dies when the interpreter is not Debian's and lacks them.
 python_packages() {
     local py=$1 deb need=()
     deb=$(debian_python "$py")
@@ -74,11 +70,6 @@ python_packages() {
         [ -n "$deb" ] || die "$py cannot make a virtual environment (no ensurepip module): use a Python" \
             "built with it, or PYTHON=/usr/bin/python3"
         need+=("$deb-venv")
-    fi
-    if [ ${#BUILD_PKGS[@]} -gt 0 ] && ! "$py" -c 'import os, sysconfig, sys
-sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
-        [ -n "$deb" ] || die "$py has no C headers (Python.h), which building pyfuse3 needs"
-        need+=("$deb-dev")
     fi
     echo "${need[*]}"
 }

@@ -13,7 +13,7 @@ venv=$PWD/.venv
 py=$(find_python)
 pyneed=$(python_packages "$py")
 read -ra pypkgs <<<"$pyneed"
-ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" "${TEST_PKGS[@]}" "${pypkgs[@]}"
+ensure_packages "${RUNTIME_PKGS[@]}" "${TEST_PKGS[@]}" "${pypkgs[@]}"
 make_venv "$venv" "$py"
 # The pins first, then the package without resolving its dependencies again.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r requirements.lock

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install kv-chunk-fs for running (README's first command), on Debian 12+ or Ubuntu:
-# - the system packages the filesystem needs (scripts/lib.sh: RUNTIME_PKGS, BUILD_PKGS), with apt as
+# - the system packages the filesystem needs (scripts/lib.sh: RUNTIME_PKGS), with apt as
 #   root (without root it names the missing ones and stops);
 # - the package with its runtime dependencies, at the versions requirements.lock pins, into a virtual
 #   environment of its own: /opt/kv-chunk-fs as root, else ${XDG_DATA_HOME:-~/.local/share}/kv-chunk-fs-venv
@@ -20,7 +20,7 @@ install_places
 py=$(find_python)
 pyneed=$(python_packages "$py")
 read -ra pypkgs <<<"$pyneed"
-ensure_packages "${RUNTIME_PKGS[@]}" "${BUILD_PKGS[@]}" "${pypkgs[@]}"
+ensure_packages "${RUNTIME_PKGS[@]}" "${pypkgs[@]}"
 if ! err=$("$py" -c 'import ensurepip, venv' 2>&1); then
     die "$py still cannot make a virtual environment: ${err##*$'\n'}"
 fi

@@ -34,6 +34,7 @@ UNIT_MODULES = {
     "test_fuzz_relayout",
     "test_format_cutter",
     "test_format_stream",
+    "test_fuse_protocol",
     "test_formula",
     "test_gc_changes",
     "test_layers",

@@ -31,10 +31,15 @@ import shutil
 import stat
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # run as a program by the tests
+
+from kvchunkfs.fuse import api as fuse  # noqa: E402
+from kvchunkfs.fuse.session import Session  # noqa: E402
 
 log = logging.getLogger("powerfs")
 SYNC_XATTR = b"user.powerfs.sync"
@@ -57,7 +62,7 @@ class Pending:
     undo: list[Undo] = field(default_factory=list)
 
 
-class PowerFS(pyfuse3.Operations):
+class PowerFS(fuse.Operations):
     def __init__(self, backing: str, seed: int) -> None:
         super().__init__()
         self.root = os.path.join(backing, "root")
@@ -66,7 +71,7 @@ class PowerFS(pyfuse3.Operations):
         os.makedirs(self.grave, exist_ok=True)
         self.rng = random.Random(seed)
         self.root_ino = os.lstat(self.root).st_ino
-        self.paths: dict[int, str] = {pyfuse3.ROOT_INODE: self.root}
+        self.paths: dict[int, str] = {fuse.ROOT_INODE: self.root}
         self.data: dict[int, Pending] = {}  # by backing inode number
         self.meta: list[tuple[Any, ...]] = []  # undo records, oldest first
         self.buried = 0
@@ -75,26 +80,26 @@ class PowerFS(pyfuse3.Operations):
     # -- inodes -----------------------------------------------------------------------------
 
     def _ino(self, st_ino: int) -> int:
-        return pyfuse3.ROOT_INODE if st_ino == self.root_ino else st_ino
+        return fuse.ROOT_INODE if st_ino == self.root_ino else st_ino
 
     def _path(self, ino: int) -> str:
         try:
             return self.paths[ino]
         except KeyError:
-            raise pyfuse3.FUSEError(errno.ENOENT) from None
+            raise fuse.FUSEError(errno.ENOENT) from None
 
     def _child(self, parent: int, name: bytes) -> str:
         return os.path.join(self._path(parent), os.fsdecode(name))
 
-    def _attrs(self, path: str, fd: int | None = None) -> pyfuse3.EntryAttributes:
+    def _attrs(self, path: str, fd: int | None = None) -> fuse.EntryAttributes:
         try:
             st = os.fstat(fd) if fd is not None else os.lstat(path)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         ino = self._ino(st.st_ino)
         if fd is None:
             self.paths[ino] = path
-        a = pyfuse3.EntryAttributes()
+        a = fuse.EntryAttributes()
         for name in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_atime_ns",
                      "st_mtime_ns", "st_ctime_ns"):  # fmt: skip
             setattr(a, name, getattr(st, name))
@@ -184,22 +189,22 @@ class PowerFS(pyfuse3.Operations):
 
     # -- lookups ----------------------------------------------------------------------------
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         if name == b"..":
             return self._attrs(os.path.dirname(self._path(parent_inode)))
         return self._attrs(self._child(parent_inode, name))
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         return self._attrs(self._path(inode))
 
     async def setattr(
         self,
         inode: int,
-        attr: pyfuse3.EntryAttributes,
-        fields: pyfuse3.SetattrFields,
+        attr: fuse.EntryAttributes,
+        fields: fuse.SetattrFields,
         fh: int | None,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
+        ctx: fuse.RequestContext,
+    ) -> fuse.EntryAttributes:
         path = self._path(inode)
         try:
             if fields.update_size:
@@ -231,12 +236,12 @@ class PowerFS(pyfuse3.Operations):
                     follow_symlinks=False,
                 )
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(path)
 
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+    async def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
         sv = os.statvfs(self.root)
-        out = pyfuse3.StatvfsData()
+        out = fuse.StatvfsData()
         for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail",
                      "f_namemax"):  # fmt: skip
             setattr(out, name, getattr(sv, name))
@@ -244,69 +249,67 @@ class PowerFS(pyfuse3.Operations):
 
     # -- directories ------------------------------------------------------------------------
 
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
         self._path(inode)
         return inode
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    async def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
         path = self._path(fh)
         try:
             names = sorted(os.listdir(path))
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
             try:
                 attrs = self._attrs(os.path.join(path, name))
-            except pyfuse3.FUSEError:
+            except fuse.FUSEError:
                 continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), attrs, i + 1):
+            if not fuse.readdir_reply(token, os.fsencode(name), attrs, i + 1):
                 return
 
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         self._commit_meta()
 
-    async def mkdir(
-        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         path = self._child(parent_inode, name)
         try:
             os.mkdir(path, mode)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self.meta.append(("created", path))
         return self._attrs(path)
 
     async def mknod(
-        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: fuse.RequestContext
+    ) -> fuse.EntryAttributes:
         path = self._child(parent_inode, name)
         try:
             os.mknod(path, mode, rdev)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self.meta.append(("created", path))
         return self._attrs(path)
 
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         path = self._child(parent_inode, name)
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):
-                raise pyfuse3.FUSEError(errno.ENOTDIR)
+                raise fuse.FUSEError(errno.ENOTDIR)
             if os.listdir(path):
-                raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+                raise fuse.FUSEError(errno.ENOTEMPTY)
             self.meta.append(("moved", path, self._bury(path)))
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
-    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def unlink(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         path = self._child(parent_inode, name)
         try:
             if stat.S_ISDIR(os.lstat(path).st_mode):
-                raise pyfuse3.FUSEError(errno.EISDIR)
+                raise fuse.FUSEError(errno.EISDIR)
             st_ino = os.lstat(path).st_ino
             self.meta.append(("moved", path, self._bury(path)))
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self._forget_path(st_ino, path)
 
     def _forget_path(self, st_ino: int, path: str) -> None:
@@ -321,24 +324,24 @@ class PowerFS(pyfuse3.Operations):
         parent_inode_new: int,
         name_new: bytes,
         flags: int,
-        ctx: pyfuse3.RequestContext,
+        ctx: fuse.RequestContext,
     ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
-        if flags & ~pyfuse3.RENAME_NOREPLACE:
-            raise pyfuse3.FUSEError(errno.EINVAL)
+        if flags & ~fuse.RENAME_NOREPLACE:
+            raise fuse.FUSEError(errno.EINVAL)
         aside = None
         try:
             st = os.lstat(old)
             if os.path.lexists(new):
-                if flags & pyfuse3.RENAME_NOREPLACE:
-                    raise pyfuse3.FUSEError(errno.EEXIST)
+                if flags & fuse.RENAME_NOREPLACE:
+                    raise fuse.FUSEError(errno.EEXIST)
                 if os.path.samefile(old, new):
                     return
                 target = os.lstat(new)
                 if stat.S_ISDIR(target.st_mode) and os.listdir(new):
-                    raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+                    raise fuse.FUSEError(errno.ENOTEMPTY)
                 if stat.S_ISDIR(target.st_mode) != stat.S_ISDIR(st.st_mode):
-                    raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(target.st_mode) else errno.ENOTDIR)
+                    raise fuse.FUSEError(errno.EISDIR if stat.S_ISDIR(target.st_mode) else errno.ENOTDIR)
                 aside = self._bury(new)
                 self._forget_path(target.st_ino, new)
             try:
@@ -348,7 +351,7 @@ class PowerFS(pyfuse3.Operations):
                     os.rename(aside, new)
                 raise
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         # One record: a rename over a name is atomic, a cut keeps both halves or neither.
         self.meta.append(("moved", old, new) if aside is None else ("replaced", old, new, aside))
         self._forget_path(st.st_ino, old)
@@ -360,13 +363,13 @@ class PowerFS(pyfuse3.Operations):
         self.paths[self._ino(st.st_ino)] = new
 
     async def link(
-        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: fuse.RequestContext
+    ) -> fuse.EntryAttributes:
         src, path = self._path(inode), self._child(new_parent_inode, new_name)
         try:
             os.link(src, path, follow_symlinks=False)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self.meta.append(("created", path))
         return self._attrs(path)
 
@@ -383,26 +386,26 @@ class PowerFS(pyfuse3.Operations):
             os.ftruncate(fd, 0)
         return fd
 
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         try:
-            return pyfuse3.FileInfo(fh=self._open(self._path(inode), flags))
+            return fuse.FileInfo(fh=self._open(self._path(inode), flags))
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
     async def create(
-        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: fuse.RequestContext
+    ) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
         path = self._child(parent_inode, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
             self.meta.append(("created", path))
         except FileExistsError:
             if flags & os.O_EXCL:
-                raise pyfuse3.FUSEError(errno.EEXIST) from None
+                raise fuse.FUSEError(errno.EEXIST) from None
             fd = self._open(path, flags)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        return pyfuse3.FileInfo(fh=fd), self._attrs(path)
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
+        return fuse.FileInfo(fh=fd), self._attrs(path)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         return os.pread(fh, size, off)
@@ -421,17 +424,17 @@ class PowerFS(pyfuse3.Operations):
 
     # -- extended attributes ----------------------------------------------------------------
 
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+    async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         try:
             return os.getxattr(self._path(inode), name, follow_symlinks=False)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+    async def listxattr(self, inode: int, ctx: fuse.RequestContext) -> list[bytes]:
         try:
             return [os.fsencode(n) for n in os.listxattr(self._path(inode), follow_symlinks=False)]
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
     def _old_xattr(self, path: str, name: bytes) -> bytes | None:
         try:
@@ -439,8 +442,8 @@ class PowerFS(pyfuse3.Operations):
         except OSError:
             return None
 
-    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if inode == pyfuse3.ROOT_INODE and name == SYNC_XATTR:
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: fuse.RequestContext) -> None:
+        if inode == fuse.ROOT_INODE and name == SYNC_XATTR:
             self.sync_all()
             return
         path = self._path(inode)
@@ -448,16 +451,16 @@ class PowerFS(pyfuse3.Operations):
         try:
             os.setxattr(path, name, value, follow_symlinks=False)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self.meta.append(("xattr", path, name, old))
 
-    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def removexattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         path = self._path(inode)
         old = self._old_xattr(path, name)
         try:
             os.removexattr(path, name, follow_symlinks=False)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         self.meta.append(("xattr", path, name, old))
 
 
@@ -465,12 +468,13 @@ def main() -> None:
     backing, mountpoint, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     logging.basicConfig(level=logging.INFO, format="powerfs: %(message)s")
     fs = PowerFS(backing, seed)
-    pyfuse3.init(fs, mountpoint, {"fsname=powerfs", "default_permissions", "allow_other"})
+    session = Session(fs, mountpoint, {"fsname=powerfs", "default_permissions", "allow_other"})
+    session.start()
     print("powerfs: mounted", flush=True)
     try:
-        trio.run(pyfuse3.main)
+        trio.run(session.run)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
         log.info(fs.cut())
 
 

@@ -11,8 +11,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import SRC
+from conftest import SRC, Mount
 from helpers import rand_bytes, write_in_pieces
 
 from kvchunkfs.cli import main as cli
@@ -228,3 +229,28 @@ def test_inspecting_a_missing_store_is_a_clear_error(tmp_path: Path, empty_confi
         r = run(command, "--store", str(tmp_path / "nothing"), config=empty_config)
         assert r.returncode == 1 and "no store at" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "nothing").exists(), "inspecting must not create a store"
+
+
+def test_stats_and_metrics_tell_how_the_files_bytes_travel(tmp_path: Path, empty_config: Path) -> None:
+    """The FUSE mode (passthrough where the kernel and the daemon allow it, else served) and why:
+    the mount's log line, `kv-chunk-fs stats` and the kvcfs_fuse_passthrough metric agree."""
+    store = ["--store", str(tmp_path / "store")]
+    m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
+    for extra, forced in ((["--no-fuse-passthrough"], True), ([], False)):
+        m.start(extra)
+        try:
+            live = run("stats", *store, "--json", config=empty_config)
+            fuse = json.loads(live.stdout)["fuse"]
+            logged = re.findall(r"FUSE 7\.\d+, (\w+) mode: (.*)", m.log())[-1]
+            assert (fuse["mode"], fuse["why"]) == logged
+            if forced:
+                assert fuse == {"mode": "served", "why": "passthrough is turned off (fuse_passthrough = false)"}
+            elif tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 9) and "does not offer" not in fuse["why"]:
+                assert fuse["mode"] == "passthrough", fuse  # root, Linux 6.9+: nothing stands in its way
+            text = run("stats", *store, config=empty_config).stdout
+            assert re.search(rf"fuse mode:\s+{re.escape(fuse['mode'])} \({re.escape(fuse['why'])}\)", text), text
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(m.store / "api.sock"))) as api:
+                metrics = api.get("http://daemon/metrics").text
+            assert f"kvcfs_fuse_passthrough {float(fuse['mode'] == 'passthrough')}" in metrics
+        finally:
+            m.stop()

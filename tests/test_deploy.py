@@ -60,7 +60,7 @@ def test_ready_only_once_the_mount_is_up_and_stopping_on_sigterm(tmp_path: Path,
 
 
 def test_ready_follows_the_mount_and_the_mount_works(tmp_path: Path, monkeypatch) -> None:
-    """READY comes from a statvfs answered by the FUSE loop (until pyfuse3.main runs, the kernel holds
+    """READY comes from a statvfs answered by the FUSE loop (until its session answers INIT, the kernel holds
     that request): it follows the "mounted" log line, and a save through the mount works right away."""
     sock = _notify_socket(tmp_path / "n.sock")
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "n.sock"))

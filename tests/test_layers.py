@@ -175,7 +175,7 @@ def test_the_cli_tree_command_does_not_load_the_http_stack():
 
     code = (
         "import sys, kvchunkfs.cli.ops, kvchunkfs.cli.main;"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'pyfuse3')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'trio')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONPATH": str(PKG.parent)}

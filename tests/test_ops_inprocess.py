@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-import pyfuse3
 import pytest
 import trio
 from helpers import rand_bytes
@@ -24,6 +23,7 @@ from helpers import rand_bytes
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files
 from kvchunkfs.format.chunker import BATCH
+from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import StoreCounters
@@ -40,7 +40,7 @@ class Harness:
         self.ops = Operations(self.files)
 
     async def create(self, name: str, data: bytes) -> int:
-        info, attrs = await self.ops.create(pyfuse3.ROOT_INODE, name.encode(), 0o644, os.O_WRONLY, CTX)
+        info, attrs = await self.ops.create(fuse.ROOT_INODE, name.encode(), 0o644, os.O_WRONLY, CTX)
         if data:
             await self.ops.write(info.fh, 0, data)
         await self.ops.flush(info.fh)
@@ -107,7 +107,7 @@ def test_truncate_by_path_beside_an_open(tmp_path: Path):
             update_size=True, update_mode=False, update_uid=False, update_gid=False,
             update_atime=False, update_mtime=False, update_ctime=False,
         )  # fmt: skip
-        attr = pyfuse3.EntryAttributes()
+        attr = fuse.EntryAttributes()
         attr.st_size = 1000
         fh: list[int] = []
 
@@ -139,7 +139,7 @@ def test_failed_o_trunc_open_leaves_nothing_open(tmp_path: Path, monkeypatch: py
     async def test(h: Harness) -> None:
         ino = await h.create("a", data)
         monkeypatch.setattr(FileContent, "truncate", failing_truncate)
-        with pytest.raises(pyfuse3.FUSEError) as e:
+        with pytest.raises(fuse.FUSEError) as e:
             await h.ops.open(ino, os.O_WRONLY | os.O_TRUNC, CTX)
         assert e.value.errno == errno.ENOSPC
         monkeypatch.undo()
@@ -259,8 +259,8 @@ def test_requests_are_answered_while_a_sweep_holds_the_store_lock(tmp_path: Path
                 n.start_soon(heartbeat)
                 # A cached read, a rename, an unlink and the last release of another file's handle.
                 assert await h.ops.read(info.fh, 0, MiB) == data[:MiB]
-                await h.ops.rename(pyfuse3.ROOT_INODE, b"b", pyfuse3.ROOT_INODE, b"c", 0, CTX)
-                await h.ops.unlink(pyfuse3.ROOT_INODE, b"c", CTX)
+                await h.ops.rename(fuse.ROOT_INODE, b"b", fuse.ROOT_INODE, b"c", 0, CTX)
+                await h.ops.unlink(fuse.ROOT_INODE, b"c", CTX)
                 before = beats
                 release_done = trio.Event()
 
@@ -339,10 +339,10 @@ def test_reopen_sees_a_replaced_stub_and_appends_do_not_leak_into_the_remembered
         await h.ops.release(info.fh)
         assert await h.read_all(ino) == a + tail
         ino_b = await h.create("b", b)
-        await h.ops.rename(pyfuse3.ROOT_INODE, b"b", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+        await h.ops.rename(fuse.ROOT_INODE, b"b", fuse.ROOT_INODE, b"a", 0, CTX)
         assert await h.read_all(ino_b) == b
         os.replace(h.repo.path("a"), h.repo.path("c"))  # the stub is gone behind the mount's back
-        with pytest.raises(pyfuse3.FUSEError):
+        with pytest.raises(fuse.FUSEError):
             await h.read_all(ino_b)
 
     run(tmp_path, test)
@@ -397,7 +397,7 @@ def test_a_slow_rename_stalls_only_its_own_file(tmp_path: Path, monkeypatch: pyt
         monkeypatch.setattr(h.repo, "rename", slow_rename)
         seen: dict[str, object] = {}
         async with trio.open_nursery() as n:
-            n.start_soon(h.ops.rename, pyfuse3.ROOT_INODE, b"a.tmp", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+            n.start_soon(h.ops.rename, fuse.ROOT_INODE, b"a.tmp", fuse.ROOT_INODE, b"a", 0, CTX)
             await trio.to_thread.run_sync(entered.wait)
 
             async def stat_renamed() -> None:
@@ -431,7 +431,7 @@ def test_a_rename_onto_itself_returns(tmp_path: Path):
     async def test(h: Harness) -> None:
         ino = await h.create("a", b"x" * 1000)
         with trio.fail_after(10):
-            await h.ops.rename(pyfuse3.ROOT_INODE, b"a", pyfuse3.ROOT_INODE, b"a", 0, CTX)
+            await h.ops.rename(fuse.ROOT_INODE, b"a", fuse.ROOT_INODE, b"a", 0, CTX)
         assert h.repo.exists("a") and (await h.ops.getattr(ino)).st_size == 1000
 
     run(tmp_path, test)

@@ -14,6 +14,7 @@ import pwd
 import random
 import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 import tempfile
@@ -720,3 +721,28 @@ for fd in fds:
         want = random.Random(i).randbytes(4 * MiB + 1000) if i % 30 == 0 else b"x" * (i + 1)
         assert (d / f"f{i}").read_bytes() == want, i
     assert alive(fs)
+
+
+# -- set-id bits: dropped where the kernel drops them on other file systems ---------------------------
+
+
+def test_a_write_truncate_trunc_open_or_chown_drops_set_id_bits(fs: Mount, user: User) -> None:
+    """Another user writing to a set-user-ID file must not leave it set-user-ID (nor set-group-ID if
+    group-executable): a write, a truncate, an O_TRUNC open by a caller without CAP_FSETID, and any
+    chown drop them, as the VFS does on other file systems. The mount lets the filesystem drop them
+    (HANDLE_KILLPRIV_V2, which spares a GETXATTR per write), so the daemon does."""
+    names = ("write", "truncate", "trunc_open", "chown", "root_write", "sgid_no_x")
+    for name in names:
+        (fs.mnt / name).write_bytes(b"0123456789")
+        os.chmod(fs.mnt / name, 0o2767 if name == "sgid_no_x" else 0o6777)
+    script = "printf x >> mnt/write && truncate -s 3 mnt/truncate && : > mnt/trunc_open && printf y >> mnt/sgid_no_x"
+    r = as_user(user, f"cd {fs.mnt.parent} && {script}")
+    assert r.returncode == 0, r.stderr
+    os.chown(fs.mnt / "chown", user.uid, -1)
+    with open(fs.mnt / "root_write", "ab") as f:  # root has CAP_FSETID: its write keeps them
+        f.write(b"z")
+    modes = {name: stat.S_IMODE(os.stat(fs.mnt / name).st_mode) for name in names}
+    assert modes == {"write": 0o777, "truncate": 0o777, "trunc_open": 0o777, "chown": 0o777,
+                     "root_write": 0o6777, "sgid_no_x": 0o2767}, {k: oct(v) for k, v in modes.items()}  # fmt: skip
+    assert (fs.mnt / "write").read_bytes() == b"0123456789x" and (fs.mnt / "truncate").read_bytes() == b"012"
+    assert (fs.mnt / "trunc_open").read_bytes() == b""

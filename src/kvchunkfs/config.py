@@ -248,6 +248,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
         Setting(
+            "fuse_passthrough",
+            "bool",
+            True,
+            "let the kernel serve open files from their backing files where it can (Linux 6.9+, root; "
+            "off = every byte through the daemon)",
+        ),
+        Setting(
             "memory_trim_above",
             "size",
             448 * MiB,
@@ -386,6 +393,7 @@ class Config:
     verify_reads: bool = SETTINGS["verify_reads"].default
     predict_chunks: bool = SETTINGS["predict_chunks"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default
+    fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
     stop_timeout: int = SETTINGS["stop_timeout"].default
     gc_interval: int = SETTINGS["gc_interval"].default

@@ -151,6 +151,8 @@ def render_stats(stats: dict[str, Any]) -> str:
     ]
     if "remote" in stats:
         rows.append(("remote", f"{stats['remote']['url']} ({stats['remote']['snapshots']} snapshots)"))
+    if "fuse" in stats:  # a mounted store: how its files' bytes travel
+        rows.append(("fuse mode", f"{stats['fuse']['mode']} ({stats['fuse']['why']})"))
     for name, value in sorted(stats.get("counters", {}).items()):
         rows.append((name.replace("_", " "), str(value)))
     width = max(len(name) for name, _ in rows)

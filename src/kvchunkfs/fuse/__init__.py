@@ -1,4 +1,4 @@
 """Layer 5, FUSE: ``Operations`` (inodes, handles, errno mapping) and the daemon's event loop.
 
-POSIX and pyfuse3 semantics live here and nowhere else. Imports the layers below.
+The kernel's FUSE protocol and POSIX semantics live here and nowhere else. Imports the layers below.
 """

@@ -13,15 +13,16 @@ import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import cast
 
-import pyfuse3
 import trio
 
 from kvchunkfs.file.files import Files
-from kvchunkfs.fuse import mounts
+from kvchunkfs.fuse import api, mounts
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
+from kvchunkfs.fuse.session import Session
 from kvchunkfs.fuse.stop import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def raise_fd_limit() -> int:
 def mount_options(allow_other: bool, store: Path | None = None) -> set[str]:
     """``store``: named in the mount table (fuse/mounts.py)."""
     name = mounts.fsname(store) if store is not None else mounts.FSNAME
-    opts = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=kv-chunk-fs"}
+    opts = set(api.default_options) | {f"fsname={name}", "subtype=kv-chunk-fs"}
     if allow_other:
         opts.add("allow_other")  # llama-server may run as another user than the daemon
     return opts
@@ -145,7 +146,8 @@ def serve(
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.mountpoint = str(mountpoint.resolve())
-    pyfuse3.init(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
+    session = Session(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
+    session.start()
     log.info("mounted %s on %s", files.repo.root, mountpoint)
     try:
         tasks: list[BackgroundTask] = [
@@ -154,10 +156,10 @@ def serve(
             close_lingering,
             *(background or []),
         ]
-        tasks.append(partial(stop_on_signals, terminate=pyfuse3.terminate, bound=stop_timeout))
-        trio.run(_main, ops, mountpoint, kernel_readahead_kb, tasks)
+        tasks.append(partial(stop_on_signals, terminate=session.terminate, bound=stop_timeout))
+        trio.run(_main, session, mountpoint, kernel_readahead_kb, tasks)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
         log.info("unmounted %s", mountpoint)
     return ops
 
@@ -213,15 +215,17 @@ async def close_lingering(ops: Operations) -> None:
             ops.lingered = trio.Event()
 
 
-async def _main(ops: Operations, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
+async def _main(session: Session, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
+    ops = cast(Operations, session.ops)  # or nullfs's (benchmarks/nullfs.py), which runs no background task
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
         for task in background:
             nursery.start_soon(task, ops)
-        await pyfuse3.main(min_tasks=4, max_tasks=64)
+        await session.run(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
-    await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
+    if isinstance(ops, Operations):  # (benchmarks/nullfs.py runs this loop too)
+        await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
 
 
 async def _ready(mountpoint: Path) -> None:

@@ -1,8 +1,8 @@
 """Whose close is a FUSE FLUSH? Looking at the opener's descriptor table in ``/proc``.
 
 The kernel sends FLUSH whenever any copy of a file description is closed: the writer's own
-``close()``, but also the close of a ``dup()``, a child's close-on-exec, a child's exit. pyfuse3's
-``flush`` gets no request context and the lock owner is the same for every copy in one process, so
+``close()``, but also the close of a ``dup()``, a child's close-on-exec, a child's exit. ``flush``
+gets no request context and the lock owner is the same for every copy in one process, so
 the daemon asks the opener's descriptor table instead. The kernel removes a descriptor from the
 table *before* it calls flush (``close_fd`` takes it out, then ``filp_close``; the same for
 close-on-exec, ``dup2`` over it and exit), so at the FLUSH of the writer's own last close the

@@ -36,13 +36,13 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import pyfuse3
 import trio
 
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files
 from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.format.index import IndexFormatError
+from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse import openers
 from kvchunkfs.fuse.gate import PathGate
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
@@ -129,15 +129,16 @@ def _level(e: BaseException) -> int:
 def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
     """``handler`` that answers an unexpected exception with an errno and a log line.
 
-    pyfuse3 answers only FUSEError; anything else would stop its main loop and so the daemon.
+    The session answers anything else with EIO too, but without saying which handler failed and
+    why; and an exception in ``forget`` (no reply to carry it) is logged here and dropped.
     """
 
     @functools.wraps(handler)
     async def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return await handler(self, *args, **kwargs)
-        except pyfuse3.FUSEError:
-            if name == "forget":  # no reply to carry it: pyfuse3 would stop
+        except fuse.FUSEError:
+            if name == "forget":  # no reply to carry it
                 log.error("forget failed with a FUSEError; ignored")
                 return None
             raise
@@ -155,32 +156,33 @@ def _guarded(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
             )
             if name == "forget":
                 return None
-            raise pyfuse3.FUSEError(code) from None
+            raise fuse.FUSEError(code) from None
 
     return guard
 
 
 def guard_handlers(cls: type[T]) -> type[T]:
-    """Wrap every request handler of ``cls`` (all async methods pyfuse3 calls) with ``_guarded``."""
-    for name, value in vars(pyfuse3.Operations).items():
+    """Wrap every request handler of ``cls`` (all async methods the session calls) with ``_guarded``."""
+    for name, value in vars(fuse.Operations).items():
         if inspect.iscoroutinefunction(value):
             setattr(cls, name, _guarded(name, getattr(cls, name)))
     return cls
 
 
 @guard_handlers
-class Operations(pyfuse3.Operations):
+class Operations(fuse.Operations):
     def __init__(self, files: Files) -> None:
         super().__init__()
         self.files = files
         self.repo = repo = files.repo
         self.enable_writeback_cache = repo.settings.writeback_cache
+        self.enable_passthrough = repo.settings.fuse_passthrough
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
-        self._next_ino = pyfuse3.ROOT_INODE + 1
+        self._next_ino = fuse.ROOT_INODE + 1
         self._next_fh = 1
-        root = Node(pyfuse3.ROOT_INODE, "", True, nlookup=1)
+        root = Node(fuse.ROOT_INODE, "", True, nlookup=1)
         self.nodes[root.ino] = root
         self.by_path[""] = root
         self.saves = 0
@@ -224,7 +226,7 @@ class Operations(pyfuse3.Operations):
         """While stopping, no new write starts: the stop waits only for those under way."""
         if self.stopping:
             log.info("stopping: %s refused (read-only until the next mount)", what)
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise fuse.FUSEError(errno.EROFS)
 
     async def _start_write(self, what: str, flags: int, call: Callable[..., Awaitable[T]], *args: Any) -> T:
         """An open or create that may write: refused while stopping; a writer is counted from the
@@ -248,13 +250,13 @@ class Operations(pyfuse3.Operations):
     def _node(self, ino: int) -> Node:
         node = self.nodes.get(ino)
         if node is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         return node
 
     def _child(self, parent: int, name: bytes) -> str:
         base = self._node(parent).path
         if base is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         sname = os.fsdecode(name)
         return f"{base}/{sname}" if base else sname
 
@@ -275,7 +277,7 @@ class Operations(pyfuse3.Operations):
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
-        if node.nlookup <= 0 and node.opens == 0 and node.lingering is None and node.ino != pyfuse3.ROOT_INODE:
+        if node.nlookup <= 0 and node.opens == 0 and node.lingering is None and node.ino != fuse.ROOT_INODE:
             self.nodes.pop(node.ino, None)
             if node.path is not None and self.by_path.get(node.path) is node:
                 del self.by_path[node.path]
@@ -330,18 +332,18 @@ class Operations(pyfuse3.Operations):
     def _stat_node(self, node: Node) -> os.stat_result:
         if node.path is None:
             if node.last_stat is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise fuse.FUSEError(errno.ENOENT)
             return node.last_stat
         try:
             st = self.repo.lstat(node.path)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         node.last_stat = st
         return st
 
-    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+    def _attrs(self, node: Node) -> fuse.EntryAttributes:
         st = self._stat_node(node)
-        a = pyfuse3.EntryAttributes()
+        a = fuse.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
         a.entry_timeout = ATTR_TIMEOUT
@@ -371,7 +373,7 @@ class Operations(pyfuse3.Operations):
 
     # -- lookup and attributes --------------------------------------------------------------
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         if name == b".":
             return self._attrs(self._node(parent_inode))
         if name == b"..":
@@ -387,13 +389,13 @@ class Operations(pyfuse3.Operations):
             st = self.repo.lstat(rel)
         except FileNotFoundError:
             if not await self._from_remote(self.repo.remote, "lookup", rel):
-                raise pyfuse3.FUSEError(errno.ENOENT) from None
+                raise fuse.FUSEError(errno.ENOENT) from None
             try:
                 st = self.repo.lstat(rel)
             except OSError as e:  # gone again meanwhile
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+                raise fuse.FUSEError(e.errno or errno.EIO) from None
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, stat.S_ISDIR(st.st_mode))
         attrs = self._attrs(node)
         node.nlookup += 1
@@ -406,7 +408,7 @@ class Operations(pyfuse3.Operations):
                 node.nlookup -= n
                 self._maybe_drop(node)
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         node = self._node(inode)
         await node.gate.settled()
         return self._attrs(node)
@@ -414,11 +416,11 @@ class Operations(pyfuse3.Operations):
     async def setattr(
         self,
         inode: int,
-        attr: pyfuse3.EntryAttributes,
-        fields: pyfuse3.SetattrFields,
+        attr: fuse.EntryAttributes,
+        fields: fuse.SetattrFields,
         fh: int | None,
-        ctx: pyfuse3.RequestContext,
-    ) -> pyfuse3.EntryAttributes:
+        ctx: fuse.RequestContext,
+    ) -> fuse.EntryAttributes:
         node = self._node(inode)
         if fields.update_size:
             self._refuse_writes_if_stopping(f"truncate of {node.path}")
@@ -443,12 +445,12 @@ class Operations(pyfuse3.Operations):
                 if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
                     node.set_times = (*times, node.content.gen)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(node)
 
     async def _truncate(self, node: Node, size: int) -> None:
         if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise fuse.FUSEError(errno.EISDIR)
         if node.content is not None and node.opens:
             async with node.lock:
                 await self._apply_truncate(node.content, size)
@@ -471,17 +473,17 @@ class Operations(pyfuse3.Operations):
             await truncate(content, size)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:  # a damaged snapshot: EIO for this file only
             log.log(_level(e), "truncate failed: %s", e)
-            raise pyfuse3.FUSEError(_errno_of(e)) from None
+            raise fuse.FUSEError(_errno_of(e)) from None
 
     # -- directories ------------------------------------------------------------------------
 
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
         node = self._node(inode)
         if not node.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise fuse.FUSEError(errno.ENOTDIR)
         return inode
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    async def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
         node = self._node(fh)
         if node.path is None:
             return
@@ -490,7 +492,7 @@ class Operations(pyfuse3.Operations):
         try:
             names = self.repo.list_dir(node.path)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         for i, name in enumerate(names[start_id:], start_id):
             rel = f"{node.path}/{name}" if node.path else name
             try:
@@ -500,40 +502,38 @@ class Operations(pyfuse3.Operations):
             child = self._remember(rel, stat.S_ISDIR(st.st_mode))
             try:
                 attrs = self._attrs(child)
-            except pyfuse3.FUSEError:
+            except fuse.FUSEError:
                 self._maybe_drop(child)
                 continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), attrs, i + 1):
+            if not fuse.readdir_reply(token, os.fsencode(name), attrs, i + 1):
                 self._maybe_drop(child)
                 return
             child.nlookup += 1
 
-    async def mkdir(
-        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         rel = self._child(parent_inode, name)
         try:
             self.repo.mkdir(rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         await self._sync_dirs(rel)
         node = self._remember(rel, True)
         attrs = self._attrs(node)
         node.nlookup += 1
         return attrs
 
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         rel = self._child(parent_inode, name)
         try:
             self.repo.rmdir(rel)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         node = self.by_path.get(rel)
         if node is not None:
             self._detach(node)
         await self._sync_dirs(rel)
 
-    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def unlink(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         rel = self._child(parent_inode, name)
         node = self.by_path.get(rel)
         async with AsyncExitStack() as stack:
@@ -544,7 +544,7 @@ class Operations(pyfuse3.Operations):
             try:
                 await self._thread(self.repo.unlink, rel)  # a journal wait must not stall the loop
             except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+                raise fuse.FUSEError(e.errno or errno.EIO) from None
             if node is not None:
                 self._detach(node)
                 await self.drop_lingering(node)
@@ -557,16 +557,16 @@ class Operations(pyfuse3.Operations):
         parent_inode_new: int,
         name_new: bytes,
         flags: int,
-        ctx: pyfuse3.RequestContext,
+        ctx: fuse.RequestContext,
     ) -> None:
         old, new = self._child(parent_inode_old, name_old), self._child(parent_inode_new, name_new)
-        if flags & ~pyfuse3.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
-            raise pyfuse3.FUSEError(errno.EINVAL)
+        if flags & ~fuse.RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT (overlayfs's): not ours
+            raise fuse.FUSEError(errno.EINVAL)
         if old == new:  # POSIX: the same file, nothing to do (the kernel does not ask; be safe)
             if not self.repo.exists(old):
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            if flags & pyfuse3.RENAME_NOREPLACE:
-                raise pyfuse3.FUSEError(errno.EEXIST)  # as Linux answers renameat2 there
+                raise fuse.FUSEError(errno.ENOENT)
+            if flags & fuse.RENAME_NOREPLACE:
+                raise fuse.FUSEError(errno.EEXIST)  # as Linux answers renameat2 there
             return
         source, target = self.by_path.get(old), self.by_path.get(new)
         moved = [n for n in (source, target) if n is not None]
@@ -578,8 +578,8 @@ class Operations(pyfuse3.Operations):
                 for n in sorted(moved, key=lambda n: n.ino):
                     await stack.enter_async_context(n.gate.change())
             try:
-                if flags & pyfuse3.RENAME_NOREPLACE and self.repo.exists(new):
-                    raise pyfuse3.FUSEError(errno.EEXIST)
+                if flags & fuse.RENAME_NOREPLACE and self.repo.exists(new):
+                    raise fuse.FUSEError(errno.EEXIST)
                 if target is not None and target.content is not None:
                     target.last_stat = self._stat_node(target)
                 if in_thread:
@@ -587,7 +587,7 @@ class Operations(pyfuse3.Operations):
                 else:
                     self.repo.rename(old, new)
             except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+                raise fuse.FUSEError(e.errno or errno.EIO) from None
             if target is not None:
                 self._detach(target)
             self._move(old, new)
@@ -601,7 +601,7 @@ class Operations(pyfuse3.Operations):
             try:
                 await self._thread(self.repo.sync_dirs, *rels)
             except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+                raise fuse.FUSEError(e.errno or errno.EIO) from None
 
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         node = self._node(fh)
@@ -610,7 +610,7 @@ class Operations(pyfuse3.Operations):
         try:
             await self._thread(self.repo.sync_entries, node.path)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
     def _move(self, old: str, new: str) -> None:
         prefix = old + "/"
@@ -620,34 +620,34 @@ class Operations(pyfuse3.Operations):
             self.by_path[node.path] = node
 
     async def link(
-        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EPERM)  # hard links would share one stub between names
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: fuse.RequestContext
+    ) -> fuse.EntryAttributes:
+        raise fuse.FUSEError(errno.EPERM)  # hard links would share one stub between names
 
     async def symlink(
-        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EPERM)  # a snapshot is a file; the store follows no symlink
+        self, parent_inode: int, name: bytes, target: bytes, ctx: fuse.RequestContext
+    ) -> fuse.EntryAttributes:
+        raise fuse.FUSEError(errno.EPERM)  # a snapshot is a file; the store follows no symlink
 
     async def mknod(
-        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.EntryAttributes:
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: fuse.RequestContext
+    ) -> fuse.EntryAttributes:
         """A regular file: an empty snapshot, as create and close make. FIFOs, sockets, devices: EPERM."""
         if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
-            raise pyfuse3.FUSEError(errno.EPERM)
+            raise fuse.FUSEError(errno.EPERM)
         rel = self._child(parent_inode, name)
         try:  # in a thread, as create
             await self._thread(self.repo.create, rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, False)
         attrs = self._attrs(node)
         node.nlookup += 1
         return attrs
 
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+    async def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
         sv = os.statvfs(self.repo.snapshots)
-        out = pyfuse3.StatvfsData()
+        out = fuse.StatvfsData()
         for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail"):
             setattr(out, name, getattr(sv, name))
         out.f_namemax = sv.f_namemax
@@ -667,7 +667,7 @@ class Operations(pyfuse3.Operations):
                 return await self._thread(self.files.content, self.repo.empty_index())
             gone = isinstance(e, FileNotFoundError)  # unlinked behind the open (or the truncate): ENOENT
             log.log(logging.DEBUG if gone else logging.ERROR, "cannot open snapshot %s: %s", node.path, e)
-            raise pyfuse3.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
+            raise fuse.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
     async def _acquire(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
         """The node's shared content, loaded by the first of concurrent opens; counts one open.
@@ -709,7 +709,7 @@ class Operations(pyfuse3.Operations):
             try:
                 if commit:
                     await self._commit(node)
-            except pyfuse3.FUSEError:
+            except fuse.FUSEError:
                 pass  # already logged; the previous version of the snapshot stays
             except Exception:
                 log.exception("saving %s on release failed; the previous version stays", node.path)
@@ -778,7 +778,7 @@ class Operations(pyfuse3.Operations):
             return None
         return max(0.0, min(self.lingering.values()) - trio.current_time())
 
-    async def _new_handle(self, node: Node, flags: int, ctx: pyfuse3.RequestContext) -> int:
+    async def _new_handle(self, node: Node, flags: int, ctx: fuse.RequestContext) -> int:
         """A handle for an open already counted by ``_acquire``."""
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         # The process, not the thread: its descriptor table tells which FLUSH is its last close.
@@ -791,16 +791,16 @@ class Operations(pyfuse3.Operations):
         node.writers += writer
         return fh
 
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         if flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY:
             what = f"open of {self._node(inode).path} for writing"
             return await self._start_write(what, flags, self._open, inode, flags, ctx)
         return await self._open(inode, flags, ctx)
 
-    async def _open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def _open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         node = self._node(inode)
         if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise fuse.FUSEError(errno.EISDIR)
         start = time.monotonic()
         truncating = bool(flags & os.O_TRUNC)
         noted = False
@@ -830,7 +830,7 @@ class Operations(pyfuse3.Operations):
             await self._count_restore(node, self.handles[fh], start, source, noted)
         else:
             self._end_restore(node)  # its content is taken for writing: that restore is over
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return fuse.FileInfo(fh=fh, keep_cache=True)
 
     async def _count_restore(self, node: Node, handle: Handle, start: float, source: str, noted: bool) -> None:
         """Make ``handle`` part of the node's restore: a new one (counted, a use of the snapshot), or
@@ -863,26 +863,26 @@ class Operations(pyfuse3.Operations):
                  restore.source, restore.opens, "" if restore.opens == 1 else "s")  # fmt: skip
 
     async def create(
-        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: fuse.RequestContext
+    ) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
         what = f"create of {self._child(parent_inode, name)}"
         return await self._start_write(what, flags, self._create, parent_inode, name, mode, flags, ctx)
 
     async def _create(
-        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: fuse.RequestContext
+    ) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
         rel = self._child(parent_inode, name)
         args = (rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
         try:  # in a thread: a create may wait in the file system's journal (durable: and its fsyncs)
             await self._thread(self.repo.create, *args)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, False)
         await self._acquire(node)  # loads the empty stub just made, or joins an open that did
         fh = await self._new_handle(node, flags, ctx)
         attrs = self._attrs(node)
         node.nlookup += 1
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), attrs
+        return fuse.FileInfo(fh=fh, keep_cache=True), attrs
 
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
@@ -951,7 +951,7 @@ class Operations(pyfuse3.Operations):
         parent_rel, _, name = rel.rpartition("/")
         parent = self.by_path.get(parent_rel)
         if parent is not None:  # before the failing close() returns, so no new open finds the old inode
-            await self._thread(_invalidate_entry, parent.ino, os.fsencode(name))
+            await self._thread(self._invalidate_entry, parent.ino, os.fsencode(name))
 
     async def _commit(self, node: Node, durable: bool = False) -> None:
         """Save the node's content as its stub if it changed (the atomic replace)."""
@@ -975,7 +975,7 @@ class Operations(pyfuse3.Operations):
             except (ChunkMissing, ChunkCorrupt, OSError) as e:
                 log.error("saving %s failed, previous version kept: %s", node.path, e)
                 await self._forget_unsaved(node)
-                raise pyfuse3.FUSEError(_errno_of(e)) from None
+                raise fuse.FUSEError(_errno_of(e)) from None
             self.saves += 1
             seconds, new_bytes = time.monotonic() - start, pending.new_bytes
             self._observe("on_save", seconds, pending.index.size, new_bytes)
@@ -992,6 +992,12 @@ class Operations(pyfuse3.Operations):
         except OSError as e:  # the save stands; only its times are the save's
             log.warning("times set on %s not kept: %s", rel, e)
 
+    def _invalidate_entry(self, parent_ino: int, name: bytes) -> None:
+        try:
+            self.invalidate_entry(parent_ino, name)
+        except OSError as e:  # the kernel does not know the name: nothing to drop
+            log.debug("invalidating %r: %s", name, e)
+
     def _observe(self, event: str, *args: float) -> None:
         if self.observer is None:
             return
@@ -1002,14 +1008,14 @@ class Operations(pyfuse3.Operations):
 
     # -- data -------------------------------------------------------------------------------
 
-    # pyfuse3 replies with any buffer; its stub says bytes. A memoryview spares a copy.
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+    # The session replies with any buffer: a memoryview spares a copy.
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self.handles[fh]
         try:
             return await handle.file.read(off, size)  # a restore's prefetched chunks: no thread hop
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.error("read of %s at %d failed: %s", handle.node.path, off, e)
-            raise pyfuse3.FUSEError(_errno_of(e)) from None
+            raise fuse.FUSEError(_errno_of(e)) from None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self.handles[fh]
@@ -1020,7 +1026,7 @@ class Operations(pyfuse3.Operations):
             await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.log(_level(e), "write to %s at %d failed: %s", node.path, off, e)
-            raise pyfuse3.FUSEError(_errno_of(e)) from None
+            raise fuse.FUSEError(_errno_of(e)) from None
         return len(buf)
 
     # -- extended attributes ----------------------------------------------------------------
@@ -1030,32 +1036,32 @@ class Operations(pyfuse3.Operations):
         node = self.nodes.get(inode)
         return node.path if node is not None else None
 
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+    async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         sname = os.fsdecode(name)
-        if inode == pyfuse3.ROOT_INODE and sname == STATS_XATTR:
+        if inode == fuse.ROOT_INODE and sname == STATS_XATTR:
             return json.dumps(self.stats()).encode()
         try:
             return self.repo.get_xattr(self._path_of(inode), sname)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
-    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: fuse.RequestContext) -> None:
         try:
             self.repo.set_xattr(self._path_of(inode), os.fsdecode(name), value)
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+    async def listxattr(self, inode: int, ctx: fuse.RequestContext) -> list[bytes]:
         try:
             return [os.fsencode(n) for n in self.repo.list_xattrs(self._path_of(inode))]
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
-    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def removexattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         try:
             self.repo.remove_xattr(self._path_of(inode), os.fsdecode(name))
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise fuse.FUSEError(e.errno or errno.EIO) from None
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -1087,6 +1093,13 @@ class Operations(pyfuse3.Operations):
             "checksum_mismatches": self.files.checks.mismatches,
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
+    def fuse_mode(self) -> dict[str, str]:
+        """How the kernel's requests are served: "passthrough" (the kernel may serve an open file
+        from its backing file) or "served" (every byte through the daemon), and why."""
+        if self.session is None:
+            return {"mode": "unmounted", "why": ""}
+        return {"mode": "passthrough" if self.session.passthrough else "served", "why": self.session.why}
+
 
 def _mib(n: int) -> str:
     """A byte count for a log line: MiB with a decimal, or bytes below one."""
@@ -1099,10 +1112,3 @@ def _and_then(fn: Callable[[str], T], rel: str, then: OnPath | None) -> T:
     if then is not None and out is not False:
         then(rel)
     return out
-
-
-def _invalidate_entry(parent_ino: int, name: bytes) -> None:
-    try:
-        pyfuse3.invalidate_entry(parent_ino, name)
-    except OSError as e:  # the kernel does not know the name: nothing to drop
-        log.debug("invalidating %r: %s", name, e)

@@ -1,8 +1,8 @@
 """Fault in the daemon's library code at start, so that its first restore after a boot does not
 wait for code pages to be read from disk.
 
-A fresh daemon has mapped its shared libraries (the interpreter, numpy, OpenSSL's SHA-256, SQLite,
-libfuse) but touched only the pages its start-up ran. The first restore then runs code nothing has
+A fresh daemon has mapped its shared libraries (the interpreter, numpy, OpenSSL's SHA-256, SQLite)
+but touched only the pages its start-up ran. The first restore then runs code nothing has
 run yet, and with a cold page cache every such page is a disk read on the request's path: measured
 here, a few milliseconds for each of the first numpy slicing, the first group decode and the first
 header parse. ``MADV_POPULATE_READ`` maps every page of a library now; a page mapped by a process

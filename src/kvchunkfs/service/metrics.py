@@ -185,6 +185,9 @@ class StoreCollector(Collector):
                            "which its content still loaded ties together, count once)", stats["restores"])  # fmt: skip
         if "open_files" in stats:
             yield _gauge("kvcfs_open_files", "Snapshots open", stats["open_files"])
+        if "fuse_passthrough" in stats:
+            doc = "1 if the kernel may serve open files from backing files (FUSE passthrough), 0 if served"
+            yield _gauge("kvcfs_fuse_passthrough", doc, stats["fuse_passthrough"])
         for key, kind, doc in _REMOTE:  # with a remote (store/remote.py) only
             if key in stats:
                 yield (_gauge if kind == "gauge" else _counter)(f"kvcfs_{key}", doc, stats[key])

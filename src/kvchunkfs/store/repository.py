@@ -49,6 +49,7 @@ class StoreSettings:
     predict_chunks: bool = True  # skip the cut for chunks that repeat a known sequence (file/predict.py)
     durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
     writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
+    fuse_passthrough: bool = True  # the daemon's (fuse/): negotiate kernel passthrough where possible
     reopen_linger: int = 1  # seconds a closed, unchanged content stays loaded (the daemon's, fuse/)
 
     @classmethod

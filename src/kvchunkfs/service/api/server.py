@@ -218,6 +218,7 @@ class MountApi:
     async def task(self, ops: Any) -> None:
         """Background task of the FUSE loop: serve the API while the filesystem runs."""
         self.service.stats_source = ops.stats
+        self.service.fuse_source = ops.fuse_mode
         ops.observer = self.service.metrics
         self.server.start()
         try:

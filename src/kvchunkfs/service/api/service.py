@@ -53,6 +53,7 @@ class Service:
     collector: Collector | None = None
     logs: logbuffer.LogBuffer | None = None
     stats_source: Callable[[], Mapping[str, int]] | None = None
+    fuse_source: Callable[[], Mapping[str, str]] | None = None  # the FUSE mode and why
     metrics: Metrics | None = None
 
     def __post_init__(self) -> None:
@@ -143,6 +144,8 @@ class Service:
         out["catalog_generation"] = self.live.generation  # moves with every row added or dropped (fsck)
         out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
         out["counters"] = self.stats()
+        if self.fuse_source is not None:
+            out["fuse"] = dict(self.fuse_source())
         remote = self.repo.remote
         if remote is not None:  # the bucket as last listed: its snapshots and their index bytes
             names = remote.listing()

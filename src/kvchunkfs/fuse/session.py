@@ -1,0 +1,629 @@
+"""The FUSE front end: a mount's requests read from ``/dev/fuse`` and answered by an ``Operations``.
+
+One trio thread does it all, as pyfuse3 did: the device descriptor is non-blocking, a pool of worker
+tasks takes turns reading (one waits for the device at a time, ``wait_readable``), and each worker
+handles the request it read to the end (the handler awaits as it likes; meanwhile other workers
+read and handle others). When no worker is left waiting for the device, one more is started, up to
+``max_tasks``; a worker finding ``min_tasks`` others waiting retires. Each worker reads
+into a buffer of its own, allocated once; a reply is one ``write``/``writev`` of the header and the
+payload (a read's bytes are never copied on the way). Only a write's bytes are copied out of the
+buffer, once: the filesystem keeps them.
+
+**Modes.** At INIT the session negotiates passthrough where the kernel offers it (Linux 6.9+), the
+daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *served*. In both,
+an open whose ``FileInfo`` names no backing file is served: its reads and writes come here. In
+passthrough mode an open naming one is registered with the kernel (``FUSE_DEV_IOC_BACKING_OPEN``,
+one backing id per inode shared by its opens, closed at the last RELEASE) and the kernel serves
+its reads, writes and mmap from that file. The mode and why are logged at INIT (``why``).
+
+``start`` mounts, ``run`` serves until the kernel ends the connection (unmounted) or
+``terminate``; ``unmount`` detaches the mount while serving (the open files are served until closed,
+then ``run`` returns); ``close`` ends it all.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import trio
+
+from kvchunkfs.fuse import kernel, protocol
+from kvchunkfs.fuse.api import (
+    EntryAttributes,
+    FileInfo,
+    FUSEError,
+    Operations,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+)
+from kvchunkfs.fuse.protocol import Op
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[int, int, int, int, int, memoryview], Awaitable[None]]  # unique nodeid uid gid pid body
+_FH = protocol.FH_IN.unpack_from
+_HEADER = protocol.IN_HEADER.unpack_from
+_OUT = protocol.OUT_HEADER.pack
+_OUT_SIZE = protocol.OUT_HEADER.size
+_WRITE_IN = protocol.WRITE_IN.unpack_from
+_READ_IN = protocol.READ_IN.unpack_from
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
+def _errno_of(e: Exception) -> int:
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    return errno.EINVAL if isinstance(e, ValueError) else errno.EIO  # ValueError: a malformed request
+
+
+class Session:
+    """Serves ``ops`` on ``mountpoint`` (see the module's docstring)."""
+
+    def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str]) -> None:
+        self.ops = ops
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.options = set(options)
+        self.fd = -1
+        self.max_write = 1 << 20
+        self._bufsize = self.max_write + protocol.BUFFER_HEADROOM
+        self.passthrough = False  # negotiated at INIT
+        self.why = "not initialized yet"  # the mode and why
+        self.initialized = False
+        self.requests = [0] * protocol.OPCODES  # requests read, by opcode
+        self.backing_refused = 0  # opens that named a backing file the kernel refused: served
+        self._backing: dict[int, list[int]] = {}  # inode -> [backing id, passthrough opens]
+        self._passed: set[tuple[int, int]] = set()  # (inode, fh) of the opens passed through
+        self._setid: set[int] = set()  # inodes whose mode, as last told to the kernel, has set-id bits
+        self._exiting = False
+        self._gone = False  # the kernel ended the connection
+        self._idle = 0
+        self._tasks = 0
+        self._min_tasks = 1
+        self._max_tasks = 1
+        self._read_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._handlers = self._handler_table()
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Mount (OSError if that fails). The kernel's first request, INIT, is answered by ``run``."""
+        self.fd = kernel.mount(self.mountpoint, self.options)
+        os.set_blocking(self.fd, False)
+        self.ops.session = self
+
+    async def run(self, min_tasks: int = 1, max_tasks: int = 99) -> None:
+        """Serve until the kernel ends the connection or ``terminate``; returns once every request
+        read has been answered."""
+        if self.fd < 0:
+            raise RuntimeError("start() the session before run()")
+        self._min_tasks, self._max_tasks = max(1, min_tasks), max(1, max_tasks)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._tasks = 1
+            nursery.start_soon(self._worker)
+        self._nursery = None
+
+    def terminate(self) -> None:
+        """Stop reading requests (on the trio thread); ``run`` returns once the ones read are answered."""
+        self._exiting = True
+        if self.fd >= 0:
+            trio.lowlevel.notify_closing(self.fd)
+
+    def unmount(self) -> None:
+        """Detach the mount (blocking: from a worker thread while ``run`` serves). Files still open
+        are served until closed; then the kernel ends the connection and ``run`` returns."""
+        kernel.unmount(self.mountpoint)
+
+    def close(self, unmount: bool = True) -> None:
+        """Close the device (requests still waiting fail with ENOTCONN) and, unless the kernel ended
+        the connection already, detach the mount."""
+        if self.fd < 0:
+            return
+        gone = self._gone or kernel.connection_gone(self.fd)
+        os.close(self.fd)  # first: a synchronous unmount would wait for this very daemon
+        self.fd = -1
+        self.ops.session = None
+        if unmount and not gone:
+            try:
+                kernel.unmount(self.mountpoint)
+            except OSError as e:
+                log.warning("unmounting %s: %s", self.mountpoint, e)
+
+    # -- notifications (blocking: the kernel takes the directory's lock) --------------------
+
+    def invalidate_entry(self, parent_inode: int, name: bytes) -> None:
+        os.write(self.fd, protocol.notify_inval_entry(parent_inode, name))
+
+    def invalidate_inode(self, inode: int, attr_only: bool = False) -> None:
+        os.write(self.fd, protocol.notify_inval_inode(inode, -1 if attr_only else 0, 0))
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        buf = bytearray(self._bufsize)
+        view = memoryview(buf)
+        try:
+            while not self._exiting:
+                if self._idle >= self._min_tasks and self._tasks > self._min_tasks:
+                    break  # enough others wait for requests
+                self._idle += 1
+                try:
+                    n = await self._receive(buf)
+                finally:
+                    self._idle -= 1
+                if n <= 0:
+                    break
+                if self._idle == 0 and self._tasks < self._max_tasks and self._nursery is not None:
+                    self._tasks += 1  # nobody left to read the next request: one more worker
+                    self._nursery.start_soon(self._worker)
+                await self._handle(view, n)
+        finally:
+            self._tasks -= 1
+
+    async def _receive(self, buf: bytearray) -> int:
+        """Read one request into ``buf``: its length, or 0 once the session ends."""
+        async with self._read_lock:  # one task waits for the device at a time
+            while not self._exiting:
+                try:
+                    return os.readv(self.fd, (buf,))
+                except BlockingIOError:
+                    try:
+                        await trio.lowlevel.wait_readable(self.fd)
+                    except trio.ClosedResourceError:  # terminate()
+                        return 0
+                except OSError as e:
+                    if e.errno == errno.ENOENT:  # the request was interrupted before we read it
+                        continue
+                    if e.errno in (errno.ENODEV, errno.ECONNABORTED):  # unmounted, or aborted
+                        log.debug("FUSE connection ended (%s)", errno.errorcode.get(e.errno))
+                        self._gone = self._exiting = True
+                        return 0
+                    raise
+            return 0
+
+    async def _handle(self, view: memoryview, n: int) -> None:
+        _, opcode, unique, nodeid, uid, gid, pid, _, _ = _HEADER(view)
+        if opcode < protocol.OPCODES:
+            self.requests[opcode] += 1
+        handler = self._handlers.get(opcode)
+        try:
+            if handler is None:
+                if opcode not in protocol.NO_REPLY:
+                    self._send(protocol.error_reply(unique, errno.ENOSYS))
+                return
+            await handler(unique, nodeid, uid, gid, pid, view[protocol.HEADER_SIZE : n])
+        except FUSEError as e:
+            if opcode not in protocol.NO_REPLY:
+                self._send(protocol.error_reply(unique, e.errno))
+        except Exception as e:  # a bug, or bad input: this request fails, the session goes on
+            name = Op(opcode).name if opcode in Op._value2member_map_ else str(opcode)
+            log.error("%s failed: %s: %s", name, type(e).__name__, e, exc_info=not isinstance(e, OSError | ValueError))
+            if opcode not in protocol.NO_REPLY:
+                self._send(protocol.error_reply(unique, _errno_of(e)))
+
+    def _send(self, data: Any) -> bool:
+        """Write one reply; False if the kernel no longer waits for it."""
+        try:
+            os.write(self.fd, data)
+            return True
+        except OSError as e:
+            return self._send_failed(e)
+
+    def _sendv(self, parts: list[Any]) -> bool:
+        try:
+            os.writev(self.fd, parts)
+            return True
+        except OSError as e:
+            return self._send_failed(e)
+
+    def _send_failed(self, e: OSError) -> bool:
+        if e.errno == errno.ENOENT:  # the request ended meanwhile (aborted, timed out)
+            log.debug("reply dropped: the request is gone")
+        elif e.errno in (errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
+            self._gone = True
+        else:  # EINVAL: a malformed reply, a bug
+            log.error("FUSE reply refused: %s", e)
+        return False
+
+    def _reply(self, unique: int, payload: bytes = b"") -> bool:
+        return self._send(_OUT(_OUT_SIZE + len(payload), 0, unique) + payload)
+
+    async def _reply_entry(self, unique: int, attrs: EntryAttributes) -> None:
+        """An entry answer; if the kernel no longer waits for it, it never learned the inode."""
+        self._seen(attrs)
+        if not self._reply(unique, protocol.entry_out(attrs)) and attrs.st_ino:
+            await self.ops.forget([(attrs.st_ino, 1)])
+
+    def _seen(self, attrs: EntryAttributes) -> None:
+        """Keep track of the inodes the kernel believes set-id: only those need ``_drop_setid``."""
+        if attrs.st_mode & _SETID:
+            self._setid.add(attrs.st_ino)
+        elif self._setid:
+            self._setid.discard(attrs.st_ino)
+
+    async def _drop_setid(self, nodeid: int, ctx: RequestContext) -> EntryAttributes | None:
+        """Clear the set-user-ID bit, and set-group-ID with group execute, as the kernel asks with
+        HANDLE_KILLPRIV_V2 (a write or truncate by a caller without CAP_FSETID, a chown, an O_TRUNC
+        open): what the kernel itself did before. Only for an inode the kernel believes set-id.
+        The new attributes, or None if nothing changed."""
+        if nodeid not in self._setid:
+            return None
+        mode = (await self.ops.getattr(nodeid, ctx)).st_mode
+        new = mode & ~stat.S_ISUID
+        if mode & stat.S_IXGRP:
+            new &= ~stat.S_ISGID
+        if new == mode:
+            return None
+        attr, fields = EntryAttributes(), SetattrFields()
+        attr.st_mode, fields.update_mode = new, True
+        out = await self.ops.setattr(nodeid, attr, fields, None, ctx)
+        self._seen(out)
+        return out
+
+    def _forget_attrs(self, nodeid: int) -> None:
+        """The kernel drops its cached attributes of ``nodeid`` (in a worker thread)."""
+        try:
+            self.invalidate_inode(nodeid, attr_only=True)
+        except OSError as e:
+            log.debug("invalidating the attributes of %d: %s", nodeid, e)
+
+    def _handler_table(self) -> dict[int, Handler]:
+        return {
+            Op.INIT: self._init, Op.DESTROY: self._destroy, Op.INTERRUPT: self._interrupt,
+            Op.LOOKUP: self._lookup, Op.FORGET: self._forget, Op.BATCH_FORGET: self._batch_forget,
+            Op.GETATTR: self._getattr, Op.SETATTR: self._setattr, Op.READLINK: self._readlink,
+            Op.SYMLINK: self._symlink, Op.MKNOD: self._mknod, Op.MKDIR: self._mkdir,
+            Op.UNLINK: self._unlink, Op.RMDIR: self._rmdir, Op.RENAME: self._rename, Op.RENAME2: self._rename2,
+            Op.LINK: self._link, Op.OPEN: self._open, Op.CREATE: self._create, Op.READ: self._read,
+            Op.WRITE: self._write, Op.STATFS: self._statfs, Op.RELEASE: self._release, Op.FLUSH: self._flush,
+            Op.FSYNC: self._fsync, Op.SETXATTR: self._setxattr, Op.GETXATTR: self._getxattr,
+            Op.LISTXATTR: self._listxattr, Op.REMOVEXATTR: self._removexattr, Op.OPENDIR: self._opendir,
+            Op.READDIRPLUS: self._readdirplus, Op.RELEASEDIR: self._releasedir, Op.FSYNCDIR: self._fsyncdir,
+            Op.ACCESS: self._access,
+        }  # fmt: skip
+
+    # -- the handshake and requests without an inode ---------------------------------------
+
+    async def _init(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        offer = protocol.parse_init(body)
+        if offer.major > protocol.KERNEL_MAJOR:  # the kernel asks again with ours
+            self._reply(unique, protocol.INIT_OUT.pack(protocol.KERNEL_MAJOR, protocol.KERNEL_MINOR, *[0] * 11))
+            return
+        if not self.ops.enable_passthrough:
+            no_passthrough: str | None = "passthrough is turned off (fuse_passthrough = false)"
+        else:
+            no_passthrough = kernel.may_pass_through()
+        try:
+            negotiated = protocol.negotiate(
+                offer,
+                page_size=os.sysconf("SC_PAGE_SIZE"),
+                max_write=self.max_write,
+                writeback_cache=self.ops.enable_writeback_cache,
+                export_support=self.ops.supports_dot_lookup,
+                no_passthrough=no_passthrough,
+            )
+        except ValueError as e:
+            log.error("cannot serve: %s", e)
+            self._send(protocol.error_reply(unique, errno.EPROTO))
+            self._exiting = True
+            return
+        self.passthrough, self.why = negotiated.passthrough, negotiated.why
+        self.max_write = negotiated.max_write
+        self.ops.init()
+        self._reply(unique, negotiated.reply)
+        self.initialized = True
+        mode = "passthrough" if self.passthrough else "served"
+        log.info("FUSE %d.%d, %s mode: %s", protocol.KERNEL_MAJOR, negotiated.minor, mode, self.why)
+
+    async def _destroy(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        self._reply(unique)
+
+    async def _interrupt(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        """Ignored (as libfuse does for a filesystem without interrupt handlers): the request runs
+        to its end and is answered; the kernel waits for that answer."""
+
+    async def _statfs(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        sv = await self.ops.statfs(RequestContext(uid, gid, pid))
+        self._reply(unique, protocol.statfs_out(sv))
+
+    # -- names and attributes ---------------------------------------------------------------
+
+    async def _lookup(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (name,) = protocol.cstrings(body, 1)
+        await self._reply_entry(unique, await self.ops.lookup(nodeid, name, RequestContext(uid, gid, pid)))
+
+    async def _forget(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        await self.ops.forget([(nodeid, protocol.FORGET_IN.unpack_from(body)[0])])
+
+    async def _batch_forget(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        await self.ops.forget(protocol.forgets(body))
+
+    async def _getattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        attrs = await self.ops.getattr(nodeid, RequestContext(uid, gid, pid))
+        self._seen(attrs)
+        self._reply(unique, protocol.attr_out(attrs))
+
+    async def _setattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (valid, _, fh, size, _, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, _, s_uid, s_gid,
+         _) = protocol.SETATTR_IN.unpack_from(body)  # fmt: skip
+        attr = EntryAttributes()
+        fields = SetattrFields()
+        attr.st_size, attr.st_mode, attr.st_uid, attr.st_gid = size, mode, s_uid, s_gid
+        attr.st_atime_ns = atime * 1_000_000_000 + atimensec
+        attr.st_mtime_ns = mtime * 1_000_000_000 + mtimensec
+        attr.st_ctime_ns = ctime * 1_000_000_000 + ctimensec
+        if valid & (protocol.FATTR_ATIME_NOW | protocol.FATTR_MTIME_NOW):
+            now = time.time_ns()
+            if valid & protocol.FATTR_ATIME_NOW:
+                attr.st_atime_ns = now
+            if valid & protocol.FATTR_MTIME_NOW:
+                attr.st_mtime_ns = now
+        fields.update_atime = bool(valid & (protocol.FATTR_ATIME | protocol.FATTR_ATIME_NOW))
+        fields.update_mtime = bool(valid & (protocol.FATTR_MTIME | protocol.FATTR_MTIME_NOW))
+        fields.update_ctime = bool(valid & protocol.FATTR_CTIME)
+        fields.update_mode = bool(valid & protocol.FATTR_MODE)
+        fields.update_uid = bool(valid & protocol.FATTR_UID)
+        fields.update_gid = bool(valid & protocol.FATTR_GID)
+        fields.update_size = bool(valid & protocol.FATTR_SIZE)
+        handle = fh if valid & protocol.FATTR_FH else None
+        ctx = RequestContext(uid, gid, pid)
+        out = await self.ops.setattr(nodeid, attr, fields, handle, ctx)
+        self._seen(out)
+        if valid & protocol.FATTR_KILL_SUIDGID and not fields.update_mode:  # a chown, a truncate
+            out = await self._drop_setid(nodeid, ctx) or out
+        self._reply(unique, protocol.attr_out(out))
+
+    async def _readlink(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        self._reply(unique, bytes(await self.ops.readlink(nodeid, RequestContext(uid, gid, pid))))
+
+    async def _symlink(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        name, target = protocol.cstrings(body, 2)
+        await self._reply_entry(unique, await self.ops.symlink(nodeid, name, target, RequestContext(uid, gid, pid)))
+
+    async def _mknod(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        mode, rdev, umask, _ = protocol.MKNOD_IN.unpack_from(body)
+        (name,) = protocol.cstrings(body[protocol.MKNOD_IN.size :], 1)
+        ctx = RequestContext(uid, gid, pid, umask)
+        await self._reply_entry(unique, await self.ops.mknod(nodeid, name, mode, rdev, ctx))
+
+    async def _mkdir(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        mode, umask = protocol.MKDIR_IN.unpack_from(body)
+        (name,) = protocol.cstrings(body[protocol.MKDIR_IN.size :], 1)
+        mode = (mode & ~stat.S_IFMT(mode)) | stat.S_IFDIR  # the kernel sends the permission bits only
+        ctx = RequestContext(uid, gid, pid, umask)
+        await self._reply_entry(unique, await self.ops.mkdir(nodeid, name, mode, ctx))
+
+    async def _unlink(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (name,) = protocol.cstrings(body, 1)
+        await self.ops.unlink(nodeid, name, RequestContext(uid, gid, pid))
+        self._reply(unique)
+
+    async def _rmdir(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (name,) = protocol.cstrings(body, 1)
+        await self.ops.rmdir(nodeid, name, RequestContext(uid, gid, pid))
+        self._reply(unique)
+
+    async def _rename(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (newdir,) = protocol.RENAME_IN.unpack_from(body)
+        old, new = protocol.cstrings(body[protocol.RENAME_IN.size :], 2)
+        await self.ops.rename(nodeid, old, newdir, new, 0, RequestContext(uid, gid, pid))
+        self._reply(unique)
+
+    async def _rename2(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        newdir, flags, _ = protocol.RENAME2_IN.unpack_from(body)
+        old, new = protocol.cstrings(body[protocol.RENAME2_IN.size :], 2)
+        await self.ops.rename(nodeid, old, newdir, new, flags, RequestContext(uid, gid, pid))
+        self._reply(unique)
+
+    async def _link(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (oldnodeid,) = protocol.LINK_IN.unpack_from(body)
+        (name,) = protocol.cstrings(body[protocol.LINK_IN.size :], 1)
+        await self._reply_entry(unique, await self.ops.link(oldnodeid, nodeid, name, RequestContext(uid, gid, pid)))
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def _open(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        flags, open_flags = protocol.OPEN_IN.unpack_from(body)
+        ctx = RequestContext(uid, gid, pid)
+        fi = await self.ops.open(nodeid, flags, ctx)
+        if open_flags & protocol.OPEN_KILL_SUIDGID and nodeid in self._setid:
+            try:
+                if await self._drop_setid(nodeid, ctx):
+                    await trio.to_thread.run_sync(self._forget_attrs, nodeid)
+            except BaseException:
+                await self.ops.release(fi.fh)  # the open fails: no RELEASE will come for it
+                raise
+        await self._reply_open(unique, nodeid, fi, b"")
+
+    async def _create(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        flags, mode, umask, _ = protocol.CREATE_IN.unpack_from(body)
+        (name,) = protocol.cstrings(body[protocol.CREATE_IN.size :], 1)
+        fi, attrs = await self.ops.create(nodeid, name, mode, flags, RequestContext(uid, gid, pid, umask))
+        self._seen(attrs)  # (a new file: nothing to drop for an O_TRUNC)
+        if not await self._reply_open(unique, attrs.st_ino, fi, protocol.entry_out(attrs)):
+            await self.ops.forget([(attrs.st_ino, 1)])
+
+    async def _reply_open(self, unique: int, nodeid: int, fi: FileInfo, entry: bytes) -> bool:
+        """Answer an open or create; if the kernel no longer waits for it, release the open (as
+        libfuse does: the kernel will send no RELEASE for it)."""
+        flags = 0
+        if fi.direct_io:
+            flags |= protocol.FOPEN_DIRECT_IO
+        if fi.keep_cache:
+            flags |= protocol.FOPEN_KEEP_CACHE
+        if fi.nonseekable:
+            flags |= protocol.FOPEN_NONSEEKABLE
+        backing_id = 0
+        if fi.backing_fd is not None and nodeid in self._setid:
+            # A set-id file is served: the kernel drops no set-id bit for a passthrough write.
+            await trio.to_thread.run_sync(os.close, fi.backing_fd)
+        elif fi.backing_fd is not None:
+            backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
+            if backing_id:
+                flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
+        if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
+            return True
+        await self._detach_backing(nodeid, fi.fh)
+        await self.ops.release(fi.fh)
+        return False
+
+    async def _attach_backing(self, nodeid: int, fh: int, fd: int) -> int:
+        """The backing id for an open of ``nodeid`` through ``fd`` (closed here), or 0 if the open
+        is to be served."""
+        backing_id = 0
+        held: list[int] | None = None
+        if self.passthrough:
+            held = self._backing.get(nodeid)
+            if held is None:
+                try:
+                    held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0]
+                except OSError as e:
+                    self._backing_refused(e)
+            if held is not None:
+                held[1] += 1
+                self._passed.add((nodeid, fh))
+                backing_id = held[0]
+        if backing_id and held is not None and held[1] == 1:
+            os.close(fd)  # the kernel holds the file now: not its last close
+        else:  # perhaps its last close, which may wait for the file system: not on this thread
+            await trio.to_thread.run_sync(os.close, fd)
+        return backing_id
+
+    def _backing_refused(self, e: OSError) -> None:
+        self.backing_refused += 1
+        if e.errno == errno.EPERM:  # the kernel dropped passthrough at INIT after all
+            self.passthrough = False
+            self.why = f"the kernel refused to register a backing file ({e.strerror}); every file is served"
+            log.warning("FUSE: served mode from now on: %s", self.why)
+        else:  # this file (its file system: ELOOP stacked too deep, EINVAL no read_iter/write_iter)
+            log.warning("FUSE: backing file refused (%s); this open is served", e.strerror)
+
+    async def _detach_backing(self, nodeid: int, fh: int) -> None:
+        """An open passed through ends: the inode's backing id is closed with its last open (in a
+        thread: it may be the backing file's last reference, whose close may wait for its disk)."""
+        if (nodeid, fh) not in self._passed:
+            return
+        self._passed.discard((nodeid, fh))
+        held = self._backing[nodeid]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._backing[nodeid]
+            try:
+                await trio.to_thread.run_sync(kernel.backing_close, self.fd, held[0])
+            except OSError as e:
+                log.warning("FUSE: closing backing id %d: %s", held[0], e)
+
+    async def _read(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh, offset, size = _READ_IN(body)
+        data = await self.ops.read(fh, offset, size)
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+        self._sendv([_OUT(_OUT_SIZE + n, 0, unique), data])
+
+    async def _write(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh, offset, size, write_flags, _, _ = _WRITE_IN(body)
+        if write_flags & protocol.WRITE_KILL_SUIDGID and nodeid in self._setid:  # rare: a set-id file
+            if await self._drop_setid(nodeid, RequestContext(uid, gid, pid)):
+                await trio.to_thread.run_sync(self._forget_attrs, nodeid)
+        start = protocol.WRITE_IN_SIZE
+        data = bytes(body[start : start + size])  # the one copy: the filesystem keeps the bytes
+        written = await self.ops.write(fh, offset, data)
+        self._send(_OUT(_OUT_SIZE + 8, 0, unique) + protocol.WRITE_OUT.pack(written, 0))
+
+    async def _flush(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        await self.ops.flush(_FH(body)[0])
+        self._reply(unique)
+
+    async def _release(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (fh,) = _FH(body)
+        await self._detach_backing(nodeid, fh)
+        await self.ops.release(fh)
+        self._reply(unique)
+
+    async def _fsync(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh, flags = protocol.FSYNC_IN.unpack_from(body)
+        await self.ops.fsync(fh, bool(flags & protocol.FSYNC_FDATASYNC))
+        self._reply(unique)
+
+    # -- directories ------------------------------------------------------------------------
+
+    async def _opendir(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh = await self.ops.opendir(nodeid, RequestContext(uid, gid, pid))
+        self._reply(unique, protocol.open_out(fh, 0))
+
+    async def _readdirplus(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh, offset, size = _READ_IN(body)
+        token = ReaddirToken(size, self._seen)
+        await self.ops.readdir(fh, offset, token)
+        self._reply(unique, bytes(token.buf))
+
+    async def _releasedir(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        await self.ops.releasedir(_FH(body)[0])
+        self._reply(unique)
+
+    async def _fsyncdir(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        fh, flags = protocol.FSYNC_IN.unpack_from(body)
+        await self.ops.fsyncdir(fh, bool(flags & protocol.FSYNC_FDATASYNC))
+        self._reply(unique)
+
+    async def _access(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (mask,) = protocol.ACCESS_IN.unpack_from(body)
+        allowed = await self.ops.access(nodeid, mask, RequestContext(uid, gid, pid))
+        self._send(protocol.error_reply(unique, 0 if allowed else errno.EACCES))
+
+    # -- extended attributes ----------------------------------------------------------------
+
+    async def _setxattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        size, flags = protocol.SETXATTR_IN.unpack_from(body)
+        rest = body[protocol.SETXATTR_IN.size :]
+        (name,) = protocol.cstrings(rest, 1)
+        value = bytes(rest[len(name) + 1 : len(name) + 1 + size])
+        if flags & ~(protocol.XATTR_CREATE | protocol.XATTR_REPLACE):
+            raise FUSEError(errno.EINVAL)
+        ctx = RequestContext(uid, gid, pid)
+        if flags & (protocol.XATTR_CREATE | protocol.XATTR_REPLACE):  # as pyfuse3: asked of getxattr
+            try:
+                await self.ops.getxattr(nodeid, name, ctx)
+                exists = True
+            except FUSEError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+                exists = False
+            if flags & protocol.XATTR_CREATE and exists:
+                raise FUSEError(errno.EEXIST)
+            if flags & protocol.XATTR_REPLACE and not exists:
+                raise FUSEError(errno.ENODATA)
+        await self.ops.setxattr(nodeid, name, value, ctx)
+        self._reply(unique)
+
+    def _reply_sized(self, unique: int, size: int, value: bytes) -> None:
+        """A getxattr/listxattr answer: the length if asked with size 0, else the bytes if they fit."""
+        if size == 0:
+            self._reply(unique, protocol.XATTR_SIZE_OUT.pack(len(value), 0))
+        elif len(value) <= size:
+            self._reply(unique, value)
+        else:
+            self._send(protocol.error_reply(unique, errno.ERANGE))
+
+    async def _getxattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (size,) = protocol.GETXATTR_IN.unpack_from(body)
+        (name,) = protocol.cstrings(body[8:], 1)
+        value = await self.ops.getxattr(nodeid, name, RequestContext(uid, gid, pid))
+        self._reply_sized(unique, size, bytes(value))
+
+    async def _listxattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (size,) = protocol.GETXATTR_IN.unpack_from(body)
+        names = await self.ops.listxattr(nodeid, RequestContext(uid, gid, pid))
+        self._reply_sized(unique, size, b"".join(bytes(n) + b"\0" for n in names))
+
+    async def _removexattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
+        (name,) = protocol.cstrings(body, 1)
+        await self.ops.removexattr(nodeid, name, RequestContext(uid, gid, pid))
+        self._reply(unique)

@@ -1091,6 +1091,7 @@ class Operations(fuse.Operations):
             "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
             "file_order_saves": self.files.checks.file_order_saves,
             "checksum_mismatches": self.files.checks.mismatches,
+            "fuse_passthrough": int(self.session is not None and self.session.passthrough),
         } | (self.repo.remote.stats() if self.repo.remote is not None else {})
 
     def fuse_mode(self) -> dict[str, str]:

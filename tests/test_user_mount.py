@@ -42,21 +42,23 @@ def home(user: User) -> Iterator[Path]:  # noqa: F811
 
 @pytest.fixture
 def python(user: User, home: Path) -> Iterator[tuple[str, dict[str, str]]]:  # noqa: F811
-    """An interpreter the user may run and its environment: this one, or this one's installation
-    bound to a place the user can reach (a pyenv under root's home is not)."""
+    """An interpreter the user may run and its environment: this one, or this one's base
+    installation bound to a place the user can reach (a pyenv under root's home is not; a virtual
+    environment's interpreter is a link into it), with this one's packages on the path."""
     packages = [p for p in sys.path if p.endswith("-packages")]
     probe = as_user(user, f"test -x {sys.executable} && echo yes")
     if probe.stdout.strip() == "yes":
         yield sys.executable, {"PYTHONPATH": os.pathsep.join([str(SRC), *packages])}
         return
     prefix = Path(sys.base_prefix)
+    base = prefix / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     place = home / "python"
     place.mkdir()
     subprocess.run(["mount", "--bind", "-o", "ro", str(prefix), str(place)], check=True)
     try:
-        moved = [str(place / Path(p).relative_to(prefix)) for p in packages if Path(p).is_relative_to(prefix)]
+        moved = [str(place / Path(p).relative_to(prefix)) if Path(p).is_relative_to(prefix) else p for p in packages]
         env = {"PYTHONPATH": os.pathsep.join([str(SRC), *moved]), "LD_LIBRARY_PATH": str(place / "lib")}
-        yield str(place / Path(sys.executable).relative_to(prefix)), env
+        yield str(place / base.relative_to(prefix)), env
     finally:
         subprocess.run(["umount", "-l", str(place)], check=False)
 

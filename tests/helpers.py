@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import PackStore
@@ -25,6 +26,19 @@ def write_in_pieces(path: Path, data: bytes, piece: int, mode: str = "wb") -> No
     with open(path, mode) as f:
         for i in range(0, len(data), piece):
             f.write(data[i : i + piece])
+
+
+def write_content(content: FileContent, off: int, data: bytes) -> None:
+    """What the FUSE write does, in this thread: start the stream or copy to staging as the content's
+    plan asks, then write."""
+    while True:
+        action = content.plan_write(off, len(data))
+        if action is Action.START_STREAM:
+            content.start_stream()
+        elif action is Action.TO_STAGING:
+            content.to_staging()
+        elif content.write(off, data):
+            return
 
 
 def sha(data: bytes) -> str:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import xxhash
 from ggsq_shapes import ISSUE_FILE, ggsq_files, tiny_ggsq_files
+from helpers import write_content
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format import llama_state as ls
@@ -144,17 +144,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Repository
 _names = itertools.count()
 
 
-def write(files: Files, content: FileContent, off: int, data: bytes) -> None:
-    while True:
-        action = content.plan_write(off, len(data))
-        if action is Action.START_STREAM:
-            content.start_stream()
-        elif action is Action.TO_STAGING:
-            content.to_staging()
-        elif content.write(off, data):
-            return
-
-
 def save(repo: Repository, files: Files, data: bytes, pieces: list[int], name: str | None = None) -> str:
     """Write ``data`` as a new snapshot in pieces of those sizes; its name."""
     name = name or f"f{next(_names)}"
@@ -163,7 +152,7 @@ def save(repo: Repository, files: Files, data: bytes, pieces: list[int], name: s
     try:
         pos = 0
         for n in [*pieces, len(data)]:
-            write(files, content, pos, data[pos : pos + n])
+            write_content(content, pos, data[pos : pos + n])
             pos = min(len(data), pos + n)
         assert files.save(content, name)
     finally:
@@ -246,7 +235,7 @@ def test_an_append_continues_the_record(store, data, draw, remembered):
         files.resumes.put(record_of(repo, name, len(first)).file_sum, [])  # forgotten: read back
     content = files.load(name)
     try:
-        write(files, content, len(first), rest)
+        write_content(content, len(first), rest)
         assert files.save(content, name)
     finally:
         content.close()
@@ -277,7 +266,7 @@ def test_a_file_put_back_whole_is_checked(store, how):
     content = files.load(name)
     try:
         with pytest.raises(OSError) as e:
-            write(files, content, 3, b"x")
+            write_content(content, 3, b"x")
         assert e.value.errno == 5
     finally:
         content.close()
@@ -332,7 +321,7 @@ def test_an_append_right_after_the_save_reads_back_only_the_end(store):
         before = counters.pack_bytes_read
         content = files.load(name)
         try:
-            write(files, content, len(data), blob)
+            write_content(content, len(data), blob)
             assert files.save(content, name)
         finally:
             content.close()

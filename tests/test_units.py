@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import rand_bytes
+from helpers import rand_bytes, write_content
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,14 +143,7 @@ def test_file_content_matches_model(tmp_path_factory, script, seed):
             if op[0] in ("append", "write"):
                 off = len(model) if op[0] == "append" else op[1]
                 data = rand_bytes(op[-1], seed * 100 + rnd)
-                while True:
-                    action = content.plan_write(off, len(data))
-                    if action is Action.START_STREAM:
-                        content.start_stream()
-                    elif action is Action.TO_STAGING:
-                        content.to_staging()
-                    elif content.write(off, data):
-                        break
+                write_content(content, off, data)
                 if off > len(model):
                     model += bytes(off - len(model))
                 model[off : off + len(data)] = data

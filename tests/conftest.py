@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +89,10 @@ class Mount:
         self.proc: subprocess.Popen[bytes] | None = None
         self._catalogs_before = 0
         mnt.mkdir(parents=True, exist_ok=True)
+        # Staged saves and hot copies: in memory as by default, one directory per test's store,
+        # all removed at the end of the session (``whole_files_root``).
+        WHOLE_ROOT.mkdir(mode=0o700, exist_ok=True)
+        self.whole = WHOLE_ROOT / uuid.uuid4().hex
 
     def start(self, extra: list[str] | None = None) -> None:
         if extra is not None:
@@ -95,7 +101,8 @@ class Mount:
         self._catalogs_before = self.log().count(CATALOG_LOADED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
-        cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), *self.extra, str(self.mnt)]
+        cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), "--whole-files-dir", str(self.whole),
+               *self.extra, str(self.mnt)]  # fmt: skip
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
@@ -176,11 +183,28 @@ class Mount:
     def stats(self) -> dict[str, int]:
         return json.loads(os.getxattr(self.mnt, "user.kvcfs.stats"))
 
+    def ingested(self, timeout: float = 60) -> None:
+        """Wait until every closed save is stored as chunks (ingestion runs behind the close)."""
+        deadline = time.monotonic() + timeout
+        while self.stats().get("ingest_queue", 0):
+            assert time.monotonic() < deadline, f"saves not stored after {timeout} s: {self.log()[-3000:]}"
+            time.sleep(0.02)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def path(self, name: str) -> Path:
         return self.mnt / name
+
+
+WHOLE_ROOT = Path("/dev/shm") / f"kvcfs-tests-{os.getpid()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def whole_files_root() -> Iterator[None]:
+    """The tests' whole-file directories go with the session."""
+    yield
+    shutil.rmtree(WHOLE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -205,6 +229,7 @@ def kvfs(tmp_path: Path) -> Iterator[Mount]:
         yield m
     finally:
         m.stop()
+        shutil.rmtree(m.whole, ignore_errors=True)
 
 
 @pytest.fixture

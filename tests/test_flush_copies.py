@@ -19,9 +19,13 @@ from kvchunkfs.store import stubs
 MiB = 1 << 20
 
 
-def stub_of(m: Mount, name: str) -> tuple[bytes, int | None]:
-    """The stub as the store holds it: what a crash right now would leave."""
-    return stubs.read_stub(m.store / "snapshots" / name)
+def stub_of(m: Mount, name: str) -> tuple[bytes, int | None, str | None]:
+    """The stub as the store holds it, what a crash right now would leave: its index, the size of
+    the content (its staged save's if it names one) and the staged save's file."""
+    path = m.store / "snapshots" / name
+    data, size = stubs.read_stub(path)
+    staged = stubs.read_staged(path)
+    return (data, size, None) if staged is None else (data, staged.size, staged.name)
 
 
 def write_all(fd: int, data: bytes, offset: int = 0) -> None:
@@ -51,6 +55,7 @@ def test_other_copy_closed_during_o_trunc_rewrite_commits_nothing(
 ) -> None:
     old, new = rand_bytes(6 * MiB, 1), rand_bytes(5 * MiB, 2)
     kvfs.path("s").write_bytes(old)
+    kvfs.ingested()
     before = stub_of(kvfs, "s")
     assert before[1] == len(old)
     fd = os.open(kvfs.path("s"), os.O_WRONLY | os.O_TRUNC)
@@ -67,6 +72,7 @@ def test_other_copy_closed_during_o_trunc_rewrite_commits_nothing(
 def test_other_copy_closed_during_in_place_rewrite_commits_nothing(kvfs: Mount) -> None:
     old, patch = rand_bytes(6 * MiB, 3), rand_bytes(3 * MiB, 4)
     kvfs.path("s").write_bytes(old)
+    kvfs.ingested()
     before = stub_of(kvfs, "s")
     fd = os.open(kvfs.path("s"), os.O_WRONLY)
     write_all(fd, patch, 2 * MiB)  # not yet the whole new version: the writer goes on after the child
@@ -81,6 +87,7 @@ def test_dup_closed_by_another_thread_after_the_opening_thread_ended(kvfs: Mount
     """FUSE names the thread that opened the file; its process's table is the one that counts."""
     old, new = rand_bytes(2 * MiB, 5), rand_bytes(3 * MiB, 6)
     kvfs.path("s").write_bytes(old)
+    kvfs.ingested()
     before = stub_of(kvfs, "s")
     fds: list[int] = []
     opener = threading.Thread(target=lambda: fds.append(os.open(kvfs.path("s"), os.O_WRONLY | os.O_TRUNC)))

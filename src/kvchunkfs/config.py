@@ -255,6 +255,28 @@ SETTINGS: dict[str, Setting] = {
             "off = every byte through the daemon)",
         ),
         Setting(
+            "whole_files_dir",
+            "file",
+            None,
+            "where staged saves and the hot tier's whole copies live, a private directory (empty = "
+            "/dev/shm/kv-chunk-fs-UID/STORE-KEY: memory, kept across daemon restarts, not reboots)",
+        ),
+        Setting(
+            "hot_tier_size",
+            "size",
+            8 << 30,
+            "bytes of whole copies of recent snapshots kept for plain-speed restores, least recently used "
+            "evicted (0 = keep none; at most half of the directory's file system)",
+            lo=0,
+        ),
+        Setting(
+            "ingest_backlog",
+            "size",
+            4 << 30,
+            "bytes of closed saves not yet stored as chunks beyond which the next close waits",
+            lo=1 << 20,
+        ),
+        Setting(
             "memory_trim_above",
             "size",
             448 * MiB,
@@ -394,6 +416,9 @@ class Config:
     predict_chunks: bool = SETTINGS["predict_chunks"].default
     writeback_cache: bool = SETTINGS["writeback_cache"].default
     fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
+    whole_files_dir: Path | None = SETTINGS["whole_files_dir"].default
+    hot_tier_size: int = SETTINGS["hot_tier_size"].default
+    ingest_backlog: int = SETTINGS["ingest_backlog"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
     stop_timeout: int = SETTINGS["stop_timeout"].default
     gc_interval: int = SETTINGS["gc_interval"].default

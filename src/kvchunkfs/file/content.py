@@ -58,6 +58,8 @@ from kvchunkfs.format.index import Index
 from kvchunkfs.format.llama_state import Segment
 from kvchunkfs.store.chunkstore import ChunkStore
 from kvchunkfs.store.packs import Location
+from kvchunkfs.store.stubs import Staged
+from kvchunkfs.store.wholefiles import WholeFiles
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,20 @@ def _extents(fd: int) -> Iterator[bytes | int]:
             pos += len(piece)
 
 
+def _copy_file(src: int, dst: int, keep: int | None) -> int:
+    """Copy ``src``'s first ``keep`` bytes (None: all) to the empty ``dst``; the bytes copied.
+    copy_file_range: no bytes through Python (a reflink where the file system has them)."""
+    size = os.fstat(src).st_size if keep is None else min(keep, os.fstat(src).st_size)
+    pos = 0
+    while pos < size:
+        n = os.copy_file_range(src, dst, size - pos, pos, pos)
+        if n == 0:
+            break  # shorter meanwhile
+        pos += n
+    os.ftruncate(dst, size if keep is None else keep)
+    return size
+
+
 class Mode(enum.Enum):
     CLEAN = "clean"
     STREAM = "stream"
@@ -119,6 +135,7 @@ class FileContent:
         decoders: Executor | None = None,
         checks: FileChecks | None = None,
         resumes: Resumes | None = None,
+        whole: WholeFiles | None = None,
     ) -> None:
         self.store = store
         self.chunker = chunker
@@ -157,6 +174,14 @@ class FileContent:
         self._reset_stream(index, b"")
         self.staging_fd = -1
         self.staging_path: Path | None = None
+        # Whole-file mode (a mounted store): the content is a plain file under ``whole`` from its
+        # first write on (a staged file the kernel may write directly: no stream); ``shared``: that
+        # file is not this content's to change (a hot copy, a save handed to ingestion), so the
+        # next write or truncate copies it first.
+        self.whole = whole
+        self.shared = False
+        self.staged: Staged | None = None  # the stub's staged save when loaded (Files sets it)
+        self.source: str | None = None  # where a restore found the bytes (Files: log lines)
         self._retired_fds: list[int] = []
         self._active = False  # the worker is started and has not yet seen ``_stop``
         self._scheduled = False  # a turn of this file is queued or running in the pool
@@ -221,7 +246,9 @@ class FileContent:
             if self.error:
                 raise self.error
             if self.mode is Mode.STAGING:
-                return Action.DIRECT
+                return Action.TO_STAGING if self.shared else Action.DIRECT
+            if self.whole is not None:
+                return Action.TO_STAGING
             if self.mode is Mode.CLEAN:
                 # Appends, including the kernel rewriting the last partial page, continue the chunk list.
                 last = len(self.index) - 1
@@ -378,6 +405,13 @@ class FileContent:
         with self.cond:
             if self.error:
                 raise self.error
+            if self.whole is not None or self.mode is Mode.STAGING:
+                if self.mode is not Mode.STAGING or self.shared:
+                    return Action.TO_STAGING  # a file of its own first (``to_staging(length)``)
+                if length != self.size:
+                    os.ftruncate(self.staging_fd, length)
+                self._changed()
+                return Action.DIRECT
             if length == 0:
                 self._close_staging()
                 self._reset_stream(Index(self.chunker.min, self.chunker.avg, self.chunker.max), b"")
@@ -395,8 +429,84 @@ class FileContent:
 
     # -- staging ----------------------------------------------------------------------------
 
-    def to_staging(self) -> None:
-        """Copy the whole content into a staging file (blocking; run in a thread)."""
+    def write_whole(self, fd: int) -> int:
+        """Write the loaded snapshot's bytes in file order into the empty ``fd``, checked against
+        its file record's checksum (EIO, logged and counted, if they differ); the size. Blocking."""
+        with self.cond:
+            index = self.index
+            record = self._loaded_record()
+        segs = [x.seg for x in record.groups] if record is not None and record.form.groups_given else []
+        hasher = file_hasher()
+        pos = 0
+        for piece in self._file_pieces(index, 0, index.size, segs):
+            hasher.update(piece)
+            view = memoryview(piece)
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view = view[n:]
+                pos += n
+        if record is not None and hasher.digest() != record.file_sum:
+            raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file put back for a restore")
+        return pos
+
+    def use_whole(self, fd: int, path: Path | None) -> None:
+        """The content is the plain file ``fd``: this content's own (``path``: deleted at close)
+        or shared (None: a hot copy, a staged save; copied before any change). Before any handle."""
+        with self.cond:
+            self.staging_fd, self.staging_path = fd, path
+            self.shared = path is None
+            self.mode = Mode.STAGING
+
+    def whole_fd(self) -> int:
+        """The whole file the content is (-1: none)."""
+        with self.cond:
+            return self.staging_fd if self.mode is Mode.STAGING else -1
+
+    def mark_changed(self) -> None:
+        """Count the content as changed (a handle that may write it without telling us)."""
+        with self.cond:
+            self._changed()
+
+    def own_file(self) -> bool:
+        """Whether the content is a plain file this content may change (a handle may write it directly)."""
+        with self.cond:
+            return self.mode is Mode.STAGING and not self.shared
+
+    def seal(self, copy: bool) -> tuple[Path, int, int]:
+        """A save of the content as it is: its staged file (path, size, generation) handed to the
+        caller (ingestion), the content keeping it open read-only; with ``copy`` (other writers
+        still have the file open) a copy of it instead. Blocking: a copy runs in a worker thread."""
+        assert self.whole is not None
+        with self.cond:
+            if self.mode is not Mode.STAGING or self.shared or self.staging_path is None:
+                raise OSError(errno.EIO, "nothing staged to save")
+            gen, fd, path = self.gen, self.staging_fd, self.staging_path
+            if not copy:
+                self.staging_path, self.shared = None, True
+                return path, os.fstat(fd).st_size, gen
+        new, out = self.whole.new_staged()
+        try:
+            size = _copy_file(fd, out, None)
+        except BaseException:
+            os.close(out)
+            self.whole.drop_staged(new)
+            raise
+        os.close(out)
+        return new, size, gen
+
+    def to_staging(self, keep: int | None = None) -> None:
+        """Copy the content (its first ``keep`` bytes: a truncate) into a staging file of its own
+        (blocking; run in a thread)."""
+        with self.cond:
+            if self.mode is Mode.STAGING and not self.shared:
+                return
+            if self.mode is Mode.STAGING:  # a shared whole file: copied as it is
+                source = self.staging_fd
+            else:
+                source = -1
+        if source >= 0:
+            self._copy_whole(source, keep)
+            return
         with self.cond:
             if self.mode is Mode.STAGING:
                 return
@@ -404,8 +514,15 @@ class FileContent:
             index, isize, pending, ahead = self.index, self.index.size, self._pending(), dict(self.ahead)
             size = self.size
             record = self._loaded_record()
-        path = self.staging_dir / f"{uuid.uuid4().hex}.staging"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if self.whole is not None:
+            path, fd = self.whole.new_staged()
+        else:
+            path = self.staging_dir / f"{uuid.uuid4().hex}.staging"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if keep is not None:
+            isize = min(isize, keep)
+            size = min(size, keep)
+            record = None  # part of the file: each group read is still checked whole
         try:
             pos = 0
             hasher = file_hasher() if record is not None else None  # the whole snapshot is copied
@@ -418,16 +535,36 @@ class FileContent:
                 pos += n
             if record is not None and hasher is not None and hasher.digest() != record.file_sum:
                 raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file copied for a rewrite")
-            os.pwrite(fd, pending, isize)
-            for off, data in ahead.items():
-                os.pwrite(fd, data, off)
+            if keep is None:
+                os.pwrite(fd, pending, isize)
+                for off, data in ahead.items():
+                    os.pwrite(fd, data, off)
             os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
+        self._staged(fd, path)
+
+    def _copy_whole(self, source: int, keep: int | None) -> None:
+        """A shared whole file -> a staged copy of this content's own."""
+        assert self.whole is not None
+        path, fd = self.whole.new_staged()
+        try:
+            _copy_file(source, fd, keep)
+        except BaseException:
+            os.close(fd)
+            self.whole.drop_staged(path)
+            raise
+        with self.cond:
+            old = self.staging_fd
+        self._retired_fds.append(old)  # a read on a worker thread may still use it: closed at close()
+        self._staged(fd, path)
+
+    def _staged(self, fd: int, path: Path) -> None:
         with self.cond:
             self.staging_fd, self.staging_path = fd, path
+            self.shared = False
             self.mode = Mode.STAGING
             self.epoch += 1
             self._stop = True

@@ -7,6 +7,7 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -145,6 +146,7 @@ class Files:
             decoders=self.decoders,
             checks=self.checks,
             resumes=self.resumes,
+            whole=repo.whole,
         )
 
     def replacement(self, rel: str) -> FileContent:
@@ -154,7 +156,15 @@ class Files:
         one is renamed over it, which copies its metadata as any save does."""
         if not os.path.lexists(self.repo.path(rel)):
             raise FileNotFoundError(rel)
-        return self.content(self.repo.empty_index())
+        content = self.content(self.repo.empty_index())
+        if self.repo.whole is not None:
+            try:
+                path, fd = self.repo.whole.new_staged()
+                content.use_whole(fd, path)
+            except BaseException:
+                content.close()
+                raise
+        return content
 
     def load(self, rel: str) -> FileContent:
         """Content of an existing snapshot; StubError for a stub that is not an index, or whose chunk
@@ -164,6 +174,72 @@ class Files:
         remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
         content = self._load(rel)
+        try:
+            if self._whole_copy(content, rel):
+                return content  # its staged save, or a hot copy: no chunk is read
+            content = self._fetch_missing(rel, content)
+            self._put_back(content, rel)
+        except BaseException:
+            content.close()
+            raise
+        return content
+
+    def _whole_copy(self, content: FileContent, rel: str) -> bool:
+        """Back ``content`` by a whole file that already holds it: the snapshot's staged save (the
+        snapshot itself until ingested), else the hot copy of its checksum. False if none."""
+        whole = self.repo.whole
+        if whole is None:
+            return False
+        staged = content.staged
+        if staged is not None:
+            try:
+                fd = whole.open_staged(staged.name)
+            except (OSError, ValueError) as e:  # recovery clears a lost one: here it is damage
+                raise StubError(f"{rel}: its staged save {staged.name} cannot be opened: {e}") from e
+            content.use_whole(fd, None)
+            content.source = "its staged save"
+            return True
+        record = content.record
+        if record is None or whole.budget <= 0:
+            return False
+        hot = whole.hot_open(whole.key(record.file_sum, content.index.size))
+        if hot is None:
+            return False
+        fd = hot
+        if os.fstat(fd).st_size != content.index.size:
+            os.close(fd)
+            raise OSError(errno.EIO, f"{rel}: its hot copy has the wrong size")
+        content.use_whole(fd, None)
+        content.source = "a hot copy"
+        return True
+
+    def _put_back(self, content: FileContent, rel: str) -> None:
+        """Write the snapshot's bytes into a new whole file, checked against its file record, and
+        back ``content`` by it (kept in the hot tier if the record names it)."""
+        whole = self.repo.whole
+        if whole is None:
+            return
+        record = content.record
+        # Checked against its record: a hot copy; else (saved before records) this open's own copy.
+        path, fd = whole.new_part() if record is not None else whole.new_staged()
+        try:
+            size = content.write_whole(fd)
+        except BaseException:
+            os.close(fd)
+            whole.drop_staged(path)
+            raise
+        if record is None:
+            content.use_whole(fd, path)
+            return
+        try:
+            whole.hot_commit(path, whole.key(record.file_sum, size), size)
+        except OSError:
+            os.close(fd)
+            whole.drop_staged(path)
+            raise
+        content.use_whole(fd, None)
+
+    def _fetch_missing(self, rel: str, content: FileContent) -> FileContent:
         remote = self.repo.remote
         if remote is None:
             return content
@@ -187,8 +263,9 @@ class Files:
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found, loaded_from, record = self._checked_index(rel)
+            index, found, loaded_from, record, staged = self._checked_index(rel)
             content = self.content(index)
+        content.staged = staged
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
         content.loaded_from = loaded_from
         content.use_record(record, rel)
@@ -201,22 +278,25 @@ class Files:
         if content.loaded_from is None:
             return False
         try:
-            data, size, record = self._read_stub(self.repo.path(rel))
+            data, size, record, staged = self._read_stub(self.repo.path(rel))
         except OSError:
             return False
-        return self._same_load((data + record, self.repo.store.drop_gen), size, content.loaded_from, content.index)
+        now = (data + record + _staged_mark(staged), self.repo.store.drop_gen)
+        return self._same_load(now, size, content.loaded_from, content.index)
 
     @staticmethod
-    def _read_stub(path: Path) -> tuple[bytes, int | None, bytes]:
-        """(index bytes, size xattr, file record bytes with a length mark: b"" if none)."""
+    def _read_stub(path: Path) -> tuple[bytes, int | None, bytes, stubs.Staged | None]:
+        """(index bytes, size xattr, file record bytes with a length mark: b"" if none, staged
+        save), all from one open of the stub."""
         fd = stubs.open_stub(path)
         try:
             data, size = stubs.read_stub(fd)
             record = stubs.read_record(fd)
+            staged = stubs.read_staged(fd)
         finally:
             os.close(fd)
         mark = b"" if record is None else record + len(record).to_bytes(4, "little") + b"\x01"
-        return data, size, mark
+        return data, size, mark, staged
 
     @staticmethod
     def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int], index: Index) -> bool:
@@ -225,19 +305,21 @@ class Files:
         replaced, never edited, but an inode number can be reused)."""
         return now == then and size in (None, index.size)
 
-    def _checked_index(self, rel: str) -> tuple[Index, dict[bytes, Location], tuple[bytes, int], FileRecord | None]:
+    def _checked_index(
+        self, rel: str
+    ) -> tuple[Index, dict[bytes, Location], tuple[bytes, int], FileRecord | None, stubs.Staged | None]:
         """The snapshot's index (a copy: an open file may change it), its chunks' locations,
-        checked against the map, and its file record; remembered while the stub's bytes (its
+        checked against the map, its file record and its staged save; remembered while the stub's bytes (its
         record's too) stay the same, if the map had every chunk (one it lacked may arrive later: a
         fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
-        raw, size, mark = self._read_stub(path)
-        data = raw + mark  # what the content was loaded from: the index and the record
+        raw, size, mark, staged = self._read_stub(path)
+        data = raw + mark + _staged_mark(staged)  # what the content was loaded from
         gen = self.repo.store.drop_gen
         hit = self._loaded.get(rel)
         if hit is not None and self._same_load((data, gen), size, (hit[0], hit[1]), hit[2]):
             self._loaded.move_to_end(rel)
-            return hit[2].copy(), hit[3], (data, gen), _record(mark, hit[2].size, path)
+            return hit[2].copy(), hit[3], (data, gen), _record(mark, hit[2].size, path), staged
         index = stubs.decode_stub(raw, size, path)
         record = _record(mark, index.size, path)
         found = self.repo.store.locate_many(index.ids)
@@ -249,7 +331,7 @@ class Files:
             self._loaded.move_to_end(rel)
             while len(self._loaded) > LOADS_KEPT:
                 self._loaded.popitem(last=False)
-        return index, found, (data, gen), record
+        return index, found, (data, gen), record, staged
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).
@@ -265,6 +347,12 @@ class Files:
         record = p.record.encode() if p.record is not None else None
         tmp = self.repo.prepare_stub(p.index, rel, durable, record) if rel is not None else None
         return PendingSave(content, p.index, p.gen, tmp, durable, p.record, p.marks)
+
+    def finish_staged(self, pending: PendingSave, rel: str) -> None:
+        """``finish_save`` of an ingested staged save: its metadata is the snapshot's now."""
+        assert pending.tmp is not None
+        self.repo.install_staged(pending.tmp, rel)
+        pending.content.committed(pending.gen)
 
     def finish_save(self, pending: PendingSave, rel: str | None) -> bool:
         """The commit point: rename the new stub over ``rel``, the file's path at this moment.
@@ -300,6 +388,11 @@ class Files:
         self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
+
+
+def _staged_mark(staged: stubs.Staged | None) -> bytes:
+    """A staged save's part of what a content was loaded from (``Files._same_load``)."""
+    return b"" if staged is None else b"\x02" + staged.encode()
 
 
 def _record(mark: bytes, size: int, path: Path) -> FileRecord | None:

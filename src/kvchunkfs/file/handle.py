@@ -34,7 +34,7 @@ async def truncate(content: FileContent, size: int) -> None:
     """Truncate ``content`` (its file's writes, truncates and commits ordered by the caller); a
     truncate the content cannot apply in place first copies it to staging, in a worker thread."""
     if content.truncate(size) is Action.TO_STAGING:
-        await _thread(content.to_staging)
+        await _thread(content.to_staging, size)
         content.truncate(size)
 
 

@@ -24,6 +24,7 @@ from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
 from kvchunkfs.fuse.session import Session
 from kvchunkfs.fuse.stop import stop_on_signals
+from kvchunkfs.store.wholefiles import open_whole_files
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,11 @@ def serve(
     clear_stale_mount(mountpoint)
     tune_process()
     log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
+    s = files.repo.settings
+    files.repo.whole = open_whole_files(files.repo.root, s.whole_files_dir, s.hot_tier_size)
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
+    ops.stop_timeout = stop_timeout
     ops.mountpoint = str(mountpoint.resolve())
     session = Session(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
     session.start()
@@ -217,6 +221,9 @@ async def close_lingering(ops: Operations) -> None:
 
 async def _main(session: Session, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
     ops = cast(Operations, session.ops)  # or nullfs's (benchmarks/nullfs.py), which runs no background task
+    if isinstance(ops, Operations) and ops.repo.whole is not None:
+        ops.start_ingestion()
+        await ops.resume_staged()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
@@ -226,6 +233,7 @@ async def _main(session: Session, mountpoint: Path, readahead_kb: int, backgroun
         nursery.cancel_scope.cancel()
     if isinstance(ops, Operations):  # (benchmarks/nullfs.py runs this loop too)
         await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
+        await ops.stop_ingestion()
 
 
 async def _ready(mountpoint: Path) -> None:

@@ -21,6 +21,7 @@ system's journal may hold them), each node's path gated meanwhile (fuse/gate.py)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import inspect
@@ -34,13 +35,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import trio
 
 from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.files import Files
+from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.handle import FileHandle, truncate
+from kvchunkfs.file.ingest import Ingester, Job, Outcome
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse import openers
@@ -90,6 +93,7 @@ class Node:
     # Times set (utimensat/futimens) on the open file, with the content's generation then: the
     # save's new stub gets them too, unless the file was written after they were set.
     set_times: tuple[int | None, int | None, int] | None = None
+    ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
 
 
 @dataclass(eq=False)
@@ -208,6 +212,62 @@ class Operations(fuse.Operations):
         self.writing = 0
         self.last_write_end = -math.inf  # trio time the last of them ended
         self.write_activity = trio.Event()  # set (and replaced) whenever one ends
+        # Staged saves (store/wholefiles.py): a writer's close hands its file to ingestion, which
+        # the daemon starts (``start_ingestion``); None: every save is stored before its close returns.
+        self.ingester: Ingester | None = None
+        self.staged_saves = 0  # saves handed to ingestion
+        self.stop_timeout = 60.0  # the daemon's: how long an unmount waits for staged saves to be stored
+
+    # -- staged saves ------------------------------------------------------------------------
+
+    def start_ingestion(self, workers: int = 1) -> None:
+        """Saves of whole files are stored behind their close from now on (on the trio thread,
+        with a whole-file directory set up)."""
+        self._token = trio.lowlevel.current_trio_token()
+        self.ingester = Ingester(
+            self.files, self.install_ingested, self.ingestion_done, self.repo.settings.ingest_backlog, workers
+        )
+
+    async def stop_ingestion(self) -> None:
+        """At unmount: store what is staged, for up to ``stop_timeout`` seconds (a reboot after
+        the stop would lose it); what is left is stored by the next mount."""
+        ingester = self.ingester
+        if ingester is None:
+            return
+        count, size = ingester.backlog()
+        if count:
+            log.info("storing %d staged saves (%s) before stopping", count, _mib(size))
+        bound = self.stop_timeout
+        if not await self._thread(ingester.drain, bound):
+            log.warning("staged saves still not stored after %.0f s: the next mount stores them", bound)
+        await self._thread(ingester.close)
+        self.ingester = None
+
+    async def resume_staged(self) -> int:
+        """Queue the staged saves a previous daemon left (killed before storing them); clear the
+        stubs' names of staged files that are gone (a reboot: the previous version stays) and
+        delete staged files no stub names. Costs nothing when nothing is staged. The saves queued."""
+        whole = self.repo.whole
+        if whole is None or not await self._thread(whole.staged_names):
+            return 0
+        found = await self._thread(self.repo.staged_saves)
+        present = set(await self._thread(whole.staged_names))
+        queued = 0
+        for rel, staged in found:
+            if staged.name in present and staged.boot == whole.boot:
+                node = self._remember(rel, False)
+                self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0)
+                present.discard(staged.name)
+                queued += 1
+                continue
+            log.warning("the save of %s was lost (%s): its previous version stays", rel,
+                        "another boot" if staged.boot != whole.boot else "its staged copy is gone")  # fmt: skip
+            await self._thread(self.repo.unstage, rel)
+        for name in present:  # written but never closed, or superseded
+            await self._thread(whole.drop_staged, whole.staged_path(name))
+        if queued:
+            log.info("%d saves staged before the last stop are being stored", queued)
+        return queued
 
     # -- a graceful stop (fuse/stop.py) -----------------------------------------------------
 
@@ -277,7 +337,13 @@ class Operations(fuse.Operations):
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
-        if node.nlookup <= 0 and node.opens == 0 and node.lingering is None and node.ino != fuse.ROOT_INODE:
+        if (
+            node.nlookup <= 0
+            and node.opens == 0
+            and node.lingering is None
+            and node.ingesting == 0
+            and node.ino != fuse.ROOT_INODE
+        ):
             self.nodes.pop(node.ino, None)
             if node.path is not None and self.by_path.get(node.path) is node:
                 del self.by_path[node.path]
@@ -451,11 +517,8 @@ class Operations(fuse.Operations):
     async def _truncate(self, node: Node, size: int) -> None:
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
-        if node.content is not None and node.opens:
-            async with node.lock:
-                await self._apply_truncate(node.content, size)
-            return
-        # No handle open: as an open, truncate, close (it shares the content with an open meanwhile).
+        # As an open, truncate, close: it shares the content of the handles open, and counts as
+        # one more open meanwhile, so their last release cannot close it under the truncate.
         self.writing += 1
         try:
             content = await self._acquire(node, allow_broken=size == 0)
@@ -823,14 +886,39 @@ class Operations(fuse.Operations):
             except BaseException:
                 await self._drop_open(node, commit=False)
                 raise
+        writer = flags & os.O_ACCMODE != os.O_RDONLY
+        if writer:
+            try:
+                await self._own_file(node, content)
+            except BaseException:
+                await self._drop_open(node, commit=False)
+                raise
         fh = await self._new_handle(node, flags, ctx)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
-            source = "memory" if content is held else "remote" if partial else "local packs"
+            whence = content.source or ("remote" if partial else "local packs")
+            source = "memory" if content is held else whence
             await self._count_restore(node, self.handles[fh], start, source, noted)
         else:
             self._end_restore(node)  # its content is taken for writing: that restore is over
-        return fuse.FileInfo(fh=fh, keep_cache=True)
+        return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content))
+
+    async def _own_file(self, node: Node, content: FileContent) -> None:
+        """Before a handle that may write: the content is a whole file of its own, which the kernel
+        may write directly (passthrough), so it counts as changed from now on."""
+        if content.whole is None:
+            return
+        async with node.lock:
+            if not content.own_file():
+                await self._thread(content.to_staging)
+            content.mark_changed()
+
+    @staticmethod
+    def _backing(content: FileContent) -> int | None:
+        """A new fd of the whole file the content is, for the kernel to serve the open from
+        (passthrough); None for a content that is not one (the session closes the fd)."""
+        fd = content.whole_fd()
+        return os.dup(fd) if fd >= 0 else None
 
     async def _count_restore(self, node: Node, handle: Handle, start: float, source: str, noted: bool) -> None:
         """Make ``handle`` part of the node's restore: a new one (counted, a use of the snapshot), or
@@ -878,11 +966,16 @@ class Operations(fuse.Operations):
         except OSError as e:
             raise fuse.FUSEError(e.errno or errno.EIO) from None
         node = self._remember(rel, False)
-        await self._acquire(node)  # loads the empty stub just made, or joins an open that did
+        content = await self._acquire(node)  # loads the empty stub just made, or joins an open that did
+        try:
+            await self._own_file(node, content)
+        except BaseException:
+            await self._drop_open(node, commit=False)
+            raise
         fh = await self._new_handle(node, flags, ctx)
         attrs = self._attrs(node)
         node.nlookup += 1
-        return fuse.FileInfo(fh=fh, keep_cache=True), attrs
+        return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content)), attrs
 
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
@@ -897,7 +990,7 @@ class Operations(fuse.Operations):
             # release) commits.
             log.debug("flush of %s from another copy of the descriptor: not a commit", handle.node.path)
             return
-        await self._commit(handle.node)
+        await self._commit(handle.node, closing=True)
 
     def _other_copy_closed(self, handle: Handle) -> bool:
         """True if the handle's opener still holds the file open for writing, so this FLUSH came
@@ -953,8 +1046,10 @@ class Operations(fuse.Operations):
         if parent is not None:  # before the failing close() returns, so no new open finds the old inode
             await self._thread(self._invalidate_entry, parent.ino, os.fsencode(name))
 
-    async def _commit(self, node: Node, durable: bool = False) -> None:
-        """Save the node's content as its stub if it changed (the atomic replace)."""
+    async def _commit(self, node: Node, durable: bool = False, closing: bool = False) -> None:
+        """Save the node's content as its stub if it changed (the atomic replace): stored now, or,
+        a whole file handed to ingestion, its staged file named on the stub (``_stage``).
+        ``closing``: a writer's own close (its handle still counts among the node's writers)."""
         content = node.content
         if content is None or not (content.dirty or durable):
             return
@@ -962,6 +1057,12 @@ class Operations(fuse.Operations):
             if not content.dirty and not durable:
                 return
             start = time.monotonic()
+            others = node.writers - closing  # handles still open that may write on
+            if not durable and not self.repo.durable and self.ingester is not None and content.own_file():
+                await self._stage(node, content, start, copy=others > 0)
+                if others > 0:
+                    content.mark_changed()  # their close saves what they write (passthrough: unseen)
+                return
             try:
                 pending = await self._thread(self.files.prepare_save, content, node.path, durable)
                 await node.gate.settled()  # no rename of it in flight, and none starts before the install
@@ -981,6 +1082,88 @@ class Operations(fuse.Operations):
             self._observe("on_save", seconds, pending.index.size, new_bytes)
             log.info("saved %s: %s, %s new, in %.0f ms", rel, _mib(pending.index.size), _mib(new_bytes),
                      seconds * 1000)  # fmt: skip
+            if node.writers - closing > 0 and content.whole is not None:
+                content.mark_changed()  # still open for writing: passthrough writes are unseen
+
+    async def _stage(self, node: Node, content: FileContent, start: float, copy: bool) -> None:
+        """A save by its staged file: the commit point is naming the file on the stub (from then
+        on it is the snapshot, through a kill -9 too); ingestion stores it behind the close."""
+        assert self.ingester is not None
+        path, size, gen = await self._thread(content.seal, copy)
+        whole = self.repo.whole
+        assert whole is not None
+        try:
+            async with node.gate.use():
+                rel = node.path
+                if rel is None:  # unlinked while open: nothing to save
+                    await self._thread(whole.drop_staged, path)
+                    content.committed(gen)
+                    return
+                await self._thread(self.repo.stage, rel, path.name, size)
+                self._carry_set_times(node, gen, rel)
+        except OSError as e:
+            await self._thread(whole.drop_staged, path)
+            log.error("saving %s failed, previous version kept: %s", node.path, e)
+            await self._forget_unsaved(node)
+            raise fuse.FUSEError(_errno_of(e)) from None
+        content.committed(gen)
+        self.staged_saves += 1
+        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        if self.ingester.backlogged():  # bounded: the client waits rather than the backlog growing
+            log.info("ingestion is %s behind: the close of %s waits", _mib(self.ingester.backlog()[1]), node.path)
+            await self._thread(self.ingester.wait_below)
+
+    def _queue_ingestion(self, node: Node, path: Path, size: int, closed_ms: float) -> None:
+        assert self.ingester is not None
+        node.ingesting += 1
+        self.ingester.submit(Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms))
+
+    # -- ingestion's callbacks (worker threads) ---------------------------------------------
+
+    def install_ingested(self, job: Job, pending: PendingSave) -> Outcome:
+        """From an ingestion worker: install its new stub on the trio thread (``_install``)."""
+        try:
+            return trio.from_thread.run(self._install, job, pending, trio_token=self._token)
+        except trio.RunFinishedError:
+            _discard(pending)
+            return Outcome.LATER
+
+    async def _install(self, job: Job, pending: PendingSave) -> Outcome:
+        node = job.owner
+        assert isinstance(node, Node)
+        async with node.gate.use():
+            rel = node.path
+            try:
+                current = None if rel is None else await self._thread(self.repo.staged, rel)
+            except OSError:
+                current = None
+            if rel is None or current is None or current.name != job.name:
+                await self._thread(_discard, pending)
+                return Outcome.SUPERSEDED
+            try:
+                self.files.finish_staged(pending, rel)  # the stub replaced: no staged save named any more
+            except OSError as e:
+                await self._thread(_discard, pending)
+                log.error("storing the save of %s failed, its staged copy stays the snapshot: %s", rel, e)
+                return Outcome.LATER
+        return Outcome.INSTALLED
+
+    def ingestion_done(self, job: Job, outcome: Outcome, new_bytes: int, seconds: float) -> None:
+        """From an ingestion worker: the job is over (metrics, the log line, the node let go)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            trio.from_thread.run_sync(self._ingested, job, outcome, new_bytes, seconds, trio_token=self._token)
+
+    def _ingested(self, job: Job, outcome: Outcome, new_bytes: int, seconds: float) -> None:
+        node = job.owner
+        assert isinstance(node, Node)
+        node.ingesting -= 1
+        self._maybe_drop(node)
+        if outcome is not Outcome.INSTALLED:
+            return
+        self.saves += 1
+        self._observe("on_save", job.closed_ms / 1000, job.size, new_bytes)
+        log.info("saved %s: %s, %s new, closed in %.0f ms, stored in %.0f ms", node.path or job.where() or job.name,
+                 _mib(job.size), _mib(new_bytes), job.closed_ms, seconds * 1000)  # fmt: skip
 
     def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
         """Give the saved stub the times set on the open file, if nothing was written after them."""
@@ -1092,7 +1275,30 @@ class Operations(fuse.Operations):
             "file_order_saves": self.files.checks.file_order_saves,
             "checksum_mismatches": self.files.checks.mismatches,
             "fuse_passthrough": int(self.session is not None and self.session.passthrough),
-        } | (self.repo.remote.stats() if self.repo.remote is not None else {})
+        } | self.whole_stats() | (self.repo.remote.stats() if self.repo.remote is not None else {})
+
+    def whole_stats(self) -> dict[str, int]:
+        """The staged saves and the hot tier: ingestion's backlog, the tier's size and traffic."""
+        whole, ingester = self.repo.whole, self.ingester
+        if whole is None:
+            return {}
+        queued, queued_bytes = ingester.backlog() if ingester is not None else (0, 0)
+        files, size = whole.hot_usage()
+        h = whole.stats
+        return {
+            "staged_saves": self.staged_saves,
+            "ingest_queue": queued,
+            "ingest_queue_bytes": queued_bytes,
+            "ingest_waits": ingester.waits if ingester is not None else 0,
+            "ingest_failures": ingester.failures if ingester is not None else 0,
+            "hot_files": files,
+            "hot_bytes": size,
+            "hot_budget": whole.budget,
+            "hot_hits": h.hits,
+            "hot_misses": h.misses,
+            "hot_put_backs": h.put_backs,
+            "hot_evictions": h.evictions,
+        }
 
     def fuse_mode(self) -> dict[str, str]:
         """How the kernel's requests are served: "passthrough" (the kernel may serve an open file
@@ -1105,6 +1311,13 @@ class Operations(fuse.Operations):
 def _mib(n: int) -> str:
     """A byte count for a log line: MiB with a decimal, or bytes below one."""
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+def _discard(pending: PendingSave) -> None:
+    """A prepared stub that is not installed (blocking)."""
+    if pending.tmp is not None:
+        with contextlib.suppress(FileNotFoundError):
+            pending.tmp.unlink()
 
 
 def _and_then(fn: Callable[[str], T], rel: str, then: OnPath | None) -> T:

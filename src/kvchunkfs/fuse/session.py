@@ -469,6 +469,8 @@ class Session:
             backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
             if backing_id:
                 flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
+            elif nodeid in self._backing:  # other opens pass through: a cached open would fail (EIO)
+                flags = (flags | protocol.FOPEN_DIRECT_IO) & ~protocol.FOPEN_KEEP_CACHE
         if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
             return True
         await self._detach_backing(nodeid, fi.fh)
@@ -482,9 +484,14 @@ class Session:
         held: list[int] | None = None
         if self.passthrough:
             held = self._backing.get(nodeid)
-            if held is None:
+            st = os.fstat(fd)
+            if held is not None and (held[2], held[3]) != (st.st_dev, st.st_ino):
+                # The inode's open files pass through to another file (a version being read while
+                # a new one is written): the kernel takes one backing file per inode; served.
+                held = None
+            elif held is None:
                 try:
-                    held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0]
+                    held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0, st.st_dev, st.st_ino]
                 except OSError as e:
                     self._backing_refused(e)
             if held is not None:

@@ -27,6 +27,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, fsync_dir, fsync_path
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.remote import RemoteTier
+from kvchunkfs.store.wholefiles import WholeFiles
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class StoreSettings:
     writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
     fuse_passthrough: bool = True  # the daemon's (fuse/): negotiate kernel passthrough where possible
     reopen_linger: int = 1  # seconds a closed, unchanged content stays loaded (the daemon's, fuse/)
+    whole_files_dir: Path | None = None  # staged saves and hot copies (None: under /dev/shm)
+    hot_tier_size: int = 8 << 30  # bytes of whole copies kept for restores (0: none)
+    ingest_backlog: int = 4 << 30  # staged bytes waiting for ingestion beyond which a close waits
 
     @classmethod
     def from_config(cls, cfg: Any) -> StoreSettings:
@@ -88,6 +92,9 @@ class Repository:
         # every committed namespace change, after it (it only queues the path: never blocks).
         self.remote: RemoteTier | None = None
         self.chunker = self._chunker()
+        # Staged saves and the hot tier of whole copies (store/wholefiles.py): set by the daemon
+        # at mount; offline tools work on stubs and chunks alone.
+        self.whole: WholeFiles | None = None
 
     def _chunker(self) -> Cutter:
         """Chunk sizes and the cutter are fixed per store at creation, so later saves keep
@@ -130,8 +137,45 @@ class Repository:
         return os.path.lexists(self.path(rel))
 
     def stub_size(self, rel: str) -> int | None:
-        """The size of the snapshot's content (its stub's size attribute); None if it has no valid one."""
-        return stubs.stub_size(self.path(rel))
+        """The size of the snapshot's content: its staged save's if it has one, else its stub's size
+        attribute; None if it has no valid one."""
+        path = self.path(rel)
+        staged = stubs.read_staged(path)
+        return staged.size if staged is not None else stubs.stub_size(path)
+
+    def staged(self, rel: str) -> stubs.Staged | None:
+        """The snapshot's save not yet ingested (its staged whole file is the snapshot), or None."""
+        return stubs.read_staged(self.path(rel))
+
+    def staged_saves(self) -> list[tuple[str, stubs.Staged]]:
+        """Every stub naming a staged save: a walk of all stubs (a mount after a stop that left
+        staged files behind)."""
+        out = []
+        for entry in stubs.walk(self.snapshots):
+            if entry.skipped is not None or entry.error is not None:
+                continue
+            try:
+                staged = stubs.read_staged(self.path(entry.rel))
+            except OSError:
+                continue
+            if staged is not None:
+                out.append((entry.rel, staged))
+        return out
+
+    def stage(self, rel: str, name: str, size: int) -> None:
+        """The commit point of a staged save: one xattr on the stub names its staged file (``name``,
+        ``size`` bytes, written in this boot)."""
+        assert self.whole is not None
+        path = self.path(rel)
+        stubs.set_staged(path, stubs.Staged(name, size, self.whole.boot))
+        os.utime(path, follow_symlinks=False)  # modified now, as a stub renamed over it would be
+        self.touched(rel)  # the catalog shows the new size
+
+    def unstage(self, rel: str) -> None:
+        """Forget a staged save that is lost (its file gone, or from another boot): the stub's
+        index, the previous version, is the snapshot again."""
+        stubs.set_staged(self.path(rel), None)
+        self.touched(rel)
 
     # -- names and metadata a client makes (through the mount) ---------------------------------
     # Those that change what the catalog shows (a create, the use count, xattrs) tell the watchers
@@ -213,6 +257,11 @@ class Repository:
         if durable:
             fsync_path(tmp)
         return tmp
+
+    def install_staged(self, tmp: Path, rel: str) -> None:
+        """Install a staged save's new stub, with the metadata the snapshot has now."""
+        stubs.refresh_metadata(tmp, self.path(rel))
+        self.install(tmp, rel)
 
     def install(self, tmp: Path, rel: str) -> None:
         """The commit point of a save: the complete new stub replaces the old one."""

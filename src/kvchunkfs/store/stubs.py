@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import time
@@ -30,9 +31,12 @@ LAST_USE = "user.kvcfs.last_use"
 LABEL_PREFIX = "user.kvcfs.label."
 BROKEN = "user.kvcfs.broken"  # set by fsck --repair on a snapshot that cannot be read
 RECORD = "user.kvcfs.file"  # internal: the file record, written with the index it describes
-INTERNAL = frozenset({SIZE, RECORD})
+# internal: a save not yet ingested, whose staged whole file (store/wholefiles.py) is the snapshot
+# until the stub is replaced; the index beside it is the previous version (kept after a reboot)
+STAGED = "user.kvcfs.staged"
+INTERNAL = frozenset({SIZE, RECORD, STAGED})
 # Metadata the filesystem maintains; users may read but not set these.
-MANAGED = frozenset({SIZE, CREATED, USE_COUNT, LAST_USE, BROKEN, RECORD})
+MANAGED = frozenset({SIZE, CREATED, USE_COUNT, LAST_USE, BROKEN, RECORD, STAGED})
 
 
 class StubError(OSError):
@@ -104,6 +108,62 @@ def stub_size(path: Path | str | int) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A stub's staged save: the staged file's name, its size, the boot it was closed in."""
+
+    name: str
+    size: int
+    boot: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"file": self.name, "size": self.size, "boot": self.boot}).encode()
+
+
+def read_staged(path: Path | str | int) -> Staged | None:
+    """The stub's staged save, or None; a value that is not one reads as None (and is logged by the
+    caller's recovery, which clears it)."""
+    try:
+        raw = os.getxattr(path, STAGED) if isinstance(path, int) else os.getxattr(path, STAGED, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+            return None
+        raise
+    try:
+        v = json.loads(raw)
+        staged = Staged(str(v["file"]), int(v["size"]), str(v["boot"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return staged if staged.size >= 0 else None
+
+
+def set_staged(path: Path | str, staged: Staged | None) -> None:
+    """Name a staged save on the stub (one xattr write: atomic), or clear it (None)."""
+    if staged is not None:
+        os.setxattr(path, STAGED, staged.encode(), follow_symlinks=False)
+        return
+    with contextlib.suppress(OSError):
+        os.removexattr(path, STAGED, follow_symlinks=False)
+
+
+def refresh_metadata(tmp: Path, like: Path) -> None:
+    """Give the new stub ``tmp`` the metadata ``like`` has now: mode, owner, times and user xattrs
+    (not the internal ones, which describe ``like``'s own content). A staged save's new stub is
+    written long after its close; what changed on the snapshot meanwhile (a chmod, a label, a
+    touch) must not be undone by its install."""
+    st = os.lstat(like)
+    attrs = {k: v for k, v in user_xattrs(like).items() if k not in INTERNAL}
+    for name in os.listxattr(tmp, follow_symlinks=False):
+        if name.startswith("user.") and name not in INTERNAL and name not in attrs:
+            os.removexattr(tmp, name, follow_symlinks=False)
+    for name, value in attrs.items():
+        os.setxattr(tmp, name, value, follow_symlinks=False)
+    os.chmod(tmp, st.st_mode & 0o7777, follow_symlinks=False)
+    if (st.st_uid, st.st_gid) != (os.lstat(tmp).st_uid, os.lstat(tmp).st_gid):
+        os.chown(tmp, st.st_uid, st.st_gid, follow_symlinks=False)
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
 def read_record(path: Path | str | int) -> bytes | None:
     """The stub's file record as stored (None: it has none, e.g. saved before records existed)."""
     try:
@@ -154,6 +214,7 @@ def prepare(
         attrs.setdefault(CREATED, str(time.time()).encode())
         attrs[SIZE] = str(index.size).encode()
         attrs.pop(RECORD, None)
+        attrs.pop(STAGED, None)  # the new stub is the ingested content itself
         if record is not None:  # first: labels must not take the room it needs
             os.setxattr(fd, RECORD, record)
         for name, value in attrs.items():

@@ -1,0 +1,187 @@
+"""Ingestion: a staged save becomes chunks and a new stub, behind the client's close.
+
+A save's last close names its staged file on the stub (``Repository.set_staged``: from then on
+that file is the snapshot) and queues it here. A worker thread, at low CPU priority, cuts the file
+exactly as a streaming save would (format-aware, only the chunks the store lacks written), writes
+the new stub under ``tmp/`` and asks the mount to install it (``Install``): on the thread that
+orders namespace changes, and only if the stub still names this staged file (a later save, an
+unlink or a rename over it wins). The installed file then joins the hot tier, checked again
+against the checksum it was stored with, so a later restore of it is a plain read.
+
+If the daemon dies meanwhile, the staged file and the stub's name of it remain: the next mount
+queues it again (``pending``). A failure leaves both too, logged; the next mount retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvchunkfs.file.files import Files, PendingSave
+from kvchunkfs.format.filerecord import file_hasher
+
+log = logging.getLogger(__name__)
+
+NICE = 10  # the workers' CPU priority: below the client whose next request waits on the daemon
+
+
+class Outcome(enum.Enum):
+    INSTALLED = "installed"
+    SUPERSEDED = "superseded"  # the stub names another save, or is gone: this one is dropped
+    LATER = "later"  # the mount is stopping: left for the next one
+
+
+@dataclass(eq=False)
+class Job:
+    path: Path  # the staged file
+    size: int
+    where: Callable[[], str | None]  # the file's path now, for the metadata its new stub carries
+    owner: object = None  # the mount's handle on the file (its node)
+    closed_ms: float = 0.0  # how long the close took
+    queued: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+Install = Callable[[Job, PendingSave], Outcome]
+Done = Callable[[Job, Outcome, int, float], None]  # job, outcome, new bytes, seconds queued to stored
+
+
+class Ingester:
+    def __init__(self, files: Files, install: Install, done: Done, backlog: int, workers: int = 1) -> None:
+        self.files = files
+        self.install = install
+        self.done = done
+        self.limit = backlog  # staged bytes queued beyond which a close waits
+        self.queue: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.pending_bytes = 0
+        self.running = 0
+        self.waits = 0  # closes that waited for the backlog
+        self.ingested = 0
+        self.failures = 0
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ingest-{i}", daemon=True) for i in range(max(1, workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- the mount's side -------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            self.queue.append(job)
+            self.pending_bytes += job.size
+            self.cond.notify_all()
+
+    def backlogged(self) -> bool:
+        with self.cond:
+            return self.pending_bytes > self.limit
+
+    def wait_below(self) -> None:
+        """Block until the queued bytes are within the bound again (blocking: a worker thread)."""
+        with self.cond:
+            self.waits += 1
+            self.cond.wait_for(lambda: self.pending_bytes <= self.limit or self._stop)
+
+    def backlog(self) -> tuple[int, int]:
+        """(saves queued or being stored, their bytes)."""
+        with self.cond:
+            return len(self.queue) + self.running, self.pending_bytes
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.queue and not self.running, timeout)
+
+    def close(self) -> None:
+        """Stop: a job under way finishes or is left for the next mount."""
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # -- the workers ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.queue or self._stop)
+                if self._stop:
+                    return
+                job = self.queue.popleft()
+                self.running += 1
+            try:
+                self._ingest(job)
+            except Exception:  # the staged file stays the snapshot; the next mount retries
+                self.failures += 1
+                log.exception("storing the save of %s failed; its staged copy stays the snapshot", job.where())
+            finally:
+                with self.cond:
+                    self.running -= 1
+                    self.pending_bytes -= job.size
+                    self.cond.notify_all()
+
+    def _ingest(self, job: Job) -> None:
+        files = self.files
+        whole = files.repo.whole
+        assert whole is not None
+        try:
+            fd = os.open(job.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            log.error("the staged save %s is gone: %s keeps its previous version", job.name, job.where())
+            self.done(job, Outcome.SUPERSEDED, 0, 0.0)
+            return
+        content = files.content(files.repo.empty_index())
+        content.use_whole(fd, None)
+        try:
+            rel = job.where()
+            if rel is None:
+                whole.drop_staged(job.path)
+                self.done(job, Outcome.SUPERSEDED, 0, 0.0)
+                return
+            pending = files.prepare_save(content, rel, durable=False)
+            outcome = self.install(job, pending)
+            seconds = time.monotonic() - job.queued
+            if outcome is Outcome.INSTALLED:
+                self.ingested += 1
+                self._to_hot_tier(job, fd, pending)
+            elif outcome is Outcome.SUPERSEDED:
+                whole.drop_staged(job.path)
+            self.done(job, outcome, pending.new_bytes, seconds)
+        finally:
+            content.close()
+
+    def _to_hot_tier(self, job: Job, fd: int, pending: PendingSave) -> None:
+        """The installed save's staged file becomes a hot copy, if its bytes still have the
+        checksum they were stored with (a writable mapping could change them after the close)."""
+        whole = self.files.repo.whole
+        assert whole is not None
+        record = pending.record
+        if record is None or not _same_sum(fd, record.file_sum):
+            whole.drop_staged(job.path)
+            return
+        whole.hot_commit(job.path, whole.key(record.file_sum, job.size), job.size, put_back=False)
+
+
+def _same_sum(fd: int, file_sum: bytes) -> bool:
+    hasher = file_hasher()
+    pos = 0
+    while piece := os.pread(fd, 8 << 20, pos):
+        hasher.update(piece)
+        pos += len(piece)
+    return hasher.digest() == file_sum

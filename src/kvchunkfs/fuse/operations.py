@@ -1250,32 +1250,36 @@ class Operations(fuse.Operations):
 
     def stats(self) -> dict[str, int]:
         c = self.repo.store.counters
-        return {
-            "chunks_written": c.chunks_written,
-            "bytes_written": c.bytes_written,
-            "chunks_deduped": c.chunks_deduped,
-            "bytes_deduped": c.bytes_deduped,
-            "pack_reads": c.pack_reads,
-            "pack_bytes_read": c.pack_bytes_read,
-            "pack_direct_reads": c.direct_reads,
-            "chunks_read": self.files.fetcher.chunks_read,
-            "cache_hits": self.files.cache.hits,
-            "cache_misses": self.files.cache.misses,
-            "restore_buffers_reused": self.files.buffers.reused,
-            "saves": self.saves,
-            "restores": self.restores,
-            "write_requests": self.write_requests,
-            "write_request_bytes": self.write_bytes,
-            "open_files": self.open_files,
-            "lingering_files": len(self.lingering),
-            "reopens": self.reopens,
-            "memory_trims": self.memory_trims,
-            "idle_checks": self.idle_checks,
-            "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
-            "file_order_saves": self.files.checks.file_order_saves,
-            "checksum_mismatches": self.files.checks.mismatches,
-            "fuse_passthrough": int(self.session is not None and self.session.passthrough),
-        } | self.whole_stats() | (self.repo.remote.stats() if self.repo.remote is not None else {})
+        return (
+            {
+                "chunks_written": c.chunks_written,
+                "bytes_written": c.bytes_written,
+                "chunks_deduped": c.chunks_deduped,
+                "bytes_deduped": c.bytes_deduped,
+                "pack_reads": c.pack_reads,
+                "pack_bytes_read": c.pack_bytes_read,
+                "pack_direct_reads": c.direct_reads,
+                "chunks_read": self.files.fetcher.chunks_read,
+                "cache_hits": self.files.cache.hits,
+                "cache_misses": self.files.cache.misses,
+                "restore_buffers_reused": self.files.buffers.reused,
+                "saves": self.saves,
+                "restores": self.restores,
+                "write_requests": self.write_requests,
+                "write_request_bytes": self.write_bytes,
+                "open_files": self.open_files,
+                "lingering_files": len(self.lingering),
+                "reopens": self.reopens,
+                "memory_trims": self.memory_trims,
+                "idle_checks": self.idle_checks,
+                "bytes_predicted": self.files.successors.predicted_bytes if self.files.successors else 0,
+                "file_order_saves": self.files.checks.file_order_saves,
+                "checksum_mismatches": self.files.checks.mismatches,
+                "fuse_passthrough": int(self.session is not None and self.session.passthrough),
+            }
+            | self.whole_stats()
+            | (self.repo.remote.stats() if self.repo.remote is not None else {})
+        )
 
     def whole_stats(self) -> dict[str, int]:
         """The staged saves and the hot tier: ingestion's backlog, the tier's size and traffic."""

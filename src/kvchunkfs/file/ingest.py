@@ -31,6 +31,7 @@ from kvchunkfs.format.filerecord import file_hasher
 log = logging.getLogger(__name__)
 
 NICE = 10  # the workers' CPU priority: below the client whose next request waits on the daemon
+HOLD_ENV = "KVCFS_INGEST_HOLD"  # tests: while the file it names exists, no job starts (a crash before ingestion)
 
 
 class Outcome(enum.Enum):
@@ -125,6 +126,9 @@ class Ingester:
                     return
                 job = self.queue.popleft()
                 self.running += 1
+            hold = os.environ.get(HOLD_ENV)
+            while hold and os.path.exists(hold) and not self._stop:
+                time.sleep(0.02)
             try:
                 self._ingest(job)
             except Exception:  # the staged file stays the snapshot; the next mount retries

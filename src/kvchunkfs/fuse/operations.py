@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 OnPath = Callable[[str], None]  # run on a snapshot's path in a worker thread
 ATTR_TIMEOUT = 1.0
+BUSY_WAIT = 2.0  # seconds a writer waits for the opens of the version it replaces (passthrough)
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
 
 
@@ -248,7 +249,7 @@ class Operations(fuse.Operations):
         stubs' names of staged files that are gone (a reboot: the previous version stays) and
         delete staged files no stub names. Costs nothing when nothing is staged. The saves queued."""
         whole = self.repo.whole
-        if whole is None or not await self._thread(whole.staged_names):
+        if whole is None or not (whole.rebooted or await self._thread(whole.staged_names)):
             return 0
         found = await self._thread(self.repo.staged_saves)
         present = set(await self._thread(whole.staged_names))
@@ -864,6 +865,8 @@ class Operations(fuse.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            await self._wait_for_version_readers(node)
         start = time.monotonic()
         truncating = bool(flags & os.O_TRUNC)
         noted = False
@@ -902,6 +905,21 @@ class Operations(fuse.Operations):
         else:
             self._end_restore(node)  # its content is taken for writing: that restore is over
         return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content))
+
+    async def _wait_for_version_readers(self, node: Node) -> None:
+        """Passed through, a writer needs a file of its own, and the kernel takes one backing file
+        per inode: while other opens read a version that is not the writer's to change (a hot copy,
+        a save being stored), the writer waits for them a moment (a writer's own release follows its
+        close), then gets EBUSY. Checked before the open changes anything."""
+        if self.session is None or not self.session.passthrough:
+            return
+        deadline = trio.current_time() + BUSY_WAIT
+        while node.opens > 0 and node.content is not None and not node.content.own_file():
+            if trio.current_time() >= deadline:
+                log.warning("open of %s for writing refused (EBUSY): %d opens read its current version",
+                            node.path, node.opens)  # fmt: skip
+                raise fuse.FUSEError(errno.EBUSY)
+            await trio.sleep(0.01)
 
     async def _own_file(self, node: Node, content: FileContent) -> None:
         """Before a handle that may write: the content is a whole file of its own, which the kernel
@@ -1058,6 +1076,12 @@ class Operations(fuse.Operations):
                 return
             start = time.monotonic()
             others = node.writers - closing  # handles still open that may write on
+            limit = self.repo.settings.max_file_size
+            if content.whole is not None and content.size > limit:
+                # Written past it through the backing file (passthrough): refused here, at the save.
+                log.debug("saving %s refused: %d bytes, max_file_size is %d", node.path, content.size, limit)
+                await self._forget_unsaved(node)
+                raise fuse.FUSEError(errno.EFBIG)
             if not durable and not self.repo.durable and self.ingester is not None and content.own_file():
                 await self._stage(node, content, start, copy=others > 0)
                 if others > 0:
@@ -1089,6 +1113,9 @@ class Operations(fuse.Operations):
         """A save by its staged file: the commit point is naming the file on the stub (from then
         on it is the snapshot, through a kill -9 too); ingestion stores it behind the close."""
         assert self.ingester is not None
+        if self.ingester.backlogged():  # bounded: the client waits rather than the backlog growing
+            log.info("ingestion is %s behind: the close of %s waits", _mib(self.ingester.backlog()[1]), node.path)
+            await self._thread(self.ingester.wait_below)
         path, size, gen = await self._thread(content.seal, copy)
         whole = self.repo.whole
         assert whole is not None
@@ -1109,9 +1136,6 @@ class Operations(fuse.Operations):
         content.committed(gen)
         self.staged_saves += 1
         self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
-        if self.ingester.backlogged():  # bounded: the client waits rather than the backlog growing
-            log.info("ingestion is %s behind: the close of %s waits", _mib(self.ingester.backlog()[1]), node.path)
-            await self._thread(self.ingester.wait_below)
 
     def _queue_ingestion(self, node: Node, path: Path, size: int, closed_ms: float) -> None:
         assert self.ingester is not None

@@ -63,6 +63,13 @@ def _errno_of(e: Exception) -> int:
     return errno.EINVAL if isinstance(e, ValueError) else errno.EIO  # ValueError: a malformed request
 
 
+BUSY_WAIT = 2.0  # seconds an open waits for the inode's opens of another backing file to end
+
+
+class _Busy(Exception):
+    """The inode's open files pass through to another file."""
+
+
 class Session:
     """Serves ``ops`` on ``mountpoint`` (see the module's docstring)."""
 
@@ -80,6 +87,7 @@ class Session:
         self.backing_refused = 0  # opens that named a backing file the kernel refused: served
         self._backing: dict[int, list[int]] = {}  # inode -> [backing id, passthrough opens]
         self._passed: set[tuple[int, int]] = set()  # (inode, fh) of the opens passed through
+        self._backing_gone: dict[int, trio.Event] = {}  # inode -> set when its backing id is closed
         self._setid: set[int] = set()  # inodes whose mode, as last told to the kernel, has set-id bits
         self._exiting = False
         self._gone = False  # the kernel ended the connection
@@ -466,11 +474,14 @@ class Session:
             # A set-id file is served: the kernel drops no set-id bit for a passthrough write.
             await trio.to_thread.run_sync(os.close, fi.backing_fd)
         elif fi.backing_fd is not None:
-            backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
+            try:
+                backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
+            except _Busy:
+                await self.ops.release(fi.fh)
+                log.warning("FUSE: open of inode %d refused (EBUSY): its open files read another version", nodeid)
+                raise FUSEError(errno.EBUSY) from None
             if backing_id:
                 flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
-            elif nodeid in self._backing:  # other opens pass through: a cached open would fail (EIO)
-                flags = (flags | protocol.FOPEN_DIRECT_IO) & ~protocol.FOPEN_KEEP_CACHE
         if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
             return True
         await self._detach_backing(nodeid, fi.fh)
@@ -486,10 +497,15 @@ class Session:
             held = self._backing.get(nodeid)
             st = os.fstat(fd)
             if held is not None and (held[2], held[3]) != (st.st_dev, st.st_ino):
-                # The inode's open files pass through to another file (a version being read while
-                # a new one is written): the kernel takes one backing file per inode; served.
-                held = None
-            elif held is None:
+                # The inode's open files pass through to another file (the version they read, while
+                # this open writes a new one). The kernel takes one backing file per inode, and no
+                # open of it that is not passed through: wait for them to close, a moment (a writer's
+                # release follows its close), then the open fails with EBUSY.
+                held = await self._other_backing_gone(nodeid)
+                if held is not None:
+                    await trio.to_thread.run_sync(os.close, fd)
+                    raise _Busy
+            if held is None:
                 try:
                     held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0, st.st_dev, st.st_ino]
                 except OSError as e:
@@ -503,6 +519,14 @@ class Session:
         else:  # perhaps its last close, which may wait for the file system: not on this thread
             await trio.to_thread.run_sync(os.close, fd)
         return backing_id
+
+    async def _other_backing_gone(self, nodeid: int) -> list[int] | None:
+        """Wait up to ``BUSY_WAIT`` seconds for the inode's passthrough opens to end; what is still
+        held then (None: released)."""
+        gone = self._backing_gone.setdefault(nodeid, trio.Event())
+        with trio.move_on_after(BUSY_WAIT):
+            await gone.wait()
+        return self._backing.get(nodeid)
 
     def _backing_refused(self, e: OSError) -> None:
         self.backing_refused += 1
@@ -523,6 +547,9 @@ class Session:
         held[1] -= 1
         if held[1] == 0:
             del self._backing[nodeid]
+            gone = self._backing_gone.pop(nodeid, None)
+            if gone is not None:
+                gone.set()
             try:
                 await trio.to_thread.run_sync(kernel.backing_close, self.fd, held[0])
             except OSError as e:

@@ -140,8 +140,9 @@ class WholeFiles:
     # -- start ------------------------------------------------------------------------------
 
     def _check_boot(self) -> bool:
-        """After a reboot (or with no boot id on record) every file here is deleted: one not fsynced
-        may hold torn bytes. True if that happened to files that were here."""
+        """After a reboot (or with no boot id on record: the directory is new, as after a reboot
+        empties /dev/shm) every file here is deleted: one not fsynced may hold torn bytes. True then:
+        stubs may name staged saves that are gone (the mount clears them)."""
         now = self.boot
         mark = self.root / "boot_id"
         try:
@@ -160,7 +161,7 @@ class WholeFiles:
             tmp = self.root / f"boot_id.{uuid.uuid4().hex}"
             tmp.write_text(now + "\n")
             os.rename(tmp, mark)
-        return wiped
+        return was != now
 
     def _load_hot(self) -> None:
         """The hot copies a previous daemon kept, least recently used first (by atime, which

@@ -4,7 +4,7 @@
 PYTHON = $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup lock lint format unit slow fuse busy full
+.PHONY: setup lock lint format unit slow fuse served busy full
 
 setup:  # the test-only system packages and .venv (scripts/setup.sh installs for running)
 	bash scripts/setup-dev.sh
@@ -35,8 +35,15 @@ slow:  # no root, no FUSE: the exhaustive interleavings of the streaming writer,
 fuse:  # real mounts: root and /dev/fuse
 	$(PYTEST) -m "not unit"
 
+# The core, crash, flush, stop and staged-save tests again with passthrough off: every byte through
+# the daemon, as on kernels before 6.9 or a daemon without CAP_SYS_ADMIN.
+SERVED_TESTS = tests/test_fs_core.py tests/test_recovery.py tests/test_flush_copies.py tests/test_staged.py \
+	tests/test_stop.py tests/test_stream_stress.py tests/test_linger.py tests/test_powerloss.py
+served:
+	KV_CHUNK_FS_FUSE_PASSTHROUGH=false $(PYTEST) $(SERVED_TESTS)
+
 busy:  # the core streaming tests again beside a CPU hog, the chunker worker slowed and sped at random
 	KVCFS_TEST_BUSY=1 KVCFS_STRESS_ROUNDS=100 $(PYTEST) \
 		tests/test_fs_core.py tests/test_stream_stress.py tests/test_stream_interleave.py
 
-full: setup lint unit slow fuse busy
+full: setup lint unit slow fuse served busy

@@ -212,7 +212,11 @@ def check(found: dict[str, str], rec: Record, mode: str, baseline: dict[str, str
 
 
 @pytest.fixture
-def layers(tmp_path: Path) -> Iterator[tuple[PowerFS, Mount]]:
+def layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[PowerFS, Mount]]:
+    # A cut is a reboot: the daemons see a new boot id after each (staged saves and whole copies,
+    # in memory, are gone or not to be trusted).
+    (tmp_path / "boot_id").write_text("boot-0\n")
+    monkeypatch.setenv("KVCFS_BOOT_ID_FILE", str(tmp_path / "boot_id"))
     power = PowerFS(tmp_path / "backing", tmp_path / "power", tmp_path / "powerfs.log")
     store = power.mnt / "store"
     m = Mount(store, tmp_path / "mnt", tmp_path / "daemon.log", jitter=False)
@@ -254,6 +258,7 @@ def test_power_cut_keeps_whole_versions(layers: tuple[PowerFS, Mount], mode: str
         m.kill()
         calls += work.calls
         cuts.append(power.cut())
+        Path(os.environ["KVCFS_BOOT_ID_FILE"]).write_text(f"boot-{rnd + 1}\n")
         power.start(rng.randrange(1 << 30))
         m.start_settled()
         found = read_all(m.mnt)

@@ -133,6 +133,22 @@ _REMOTE = (
 )
 
 
+_WHOLE = (
+    ("staged_saves", "counter", "Saves handed to ingestion at their close (their staged file was the snapshot)"),
+    ("ingest_queue", "gauge", "Closed saves not yet stored as chunks (queued or being stored)"),
+    ("ingest_queue_bytes", "gauge", "Bytes of closed saves not yet stored as chunks"),
+    ("ingest_waits", "counter", "Closes that waited because ingestion was more than ingest_backlog behind"),
+    ("ingest_failures", "counter", "Ingestions that failed (the staged file stays the snapshot; retried at mount)"),
+    ("hot_files", "gauge", "Whole copies in the hot tier"),
+    ("hot_bytes", "gauge", "Bytes of whole copies in the hot tier"),
+    ("hot_budget", "gauge", "hot_tier_size in effect (capped at half the whole-file directory's file system)"),
+    ("hot_hits", "counter", "Opens served from a whole copy kept in the hot tier"),
+    ("hot_misses", "counter", "Opens of a snapshot with a checksum but no whole copy (put back from chunks)"),
+    ("hot_put_backs", "counter", "Whole copies put back from the chunk store, checked against the file checksum"),
+    ("hot_evictions", "counter", "Whole copies evicted, least recently used first"),
+)
+
+
 class StoreCollector(Collector):
     """Reads the store's and the filesystem's own counters at scrape time."""
 
@@ -188,7 +204,7 @@ class StoreCollector(Collector):
         if "fuse_passthrough" in stats:
             doc = "1 if the kernel may serve open files from backing files (FUSE passthrough), 0 if served"
             yield _gauge("kvcfs_fuse_passthrough", doc, stats["fuse_passthrough"])
-        for key, kind, doc in _REMOTE:  # with a remote (store/remote.py) only
+        for key, kind, doc in (*_WHOLE, *_REMOTE):  # a mount's whole files; a remote (store/remote.py)
             if key in stats:
                 yield (_gauge if kind == "gauge" else _counter)(f"kvcfs_{key}", doc, stats[key])
 

@@ -161,6 +161,18 @@ function renderOverview(s) {
   const rate = lookups ? c.cache_hits / lookups : null;
   setVal("ov-cache", rate, rate === null ? "–" : (100 * rate).toFixed(1) + " %");
   $("#ov-cache-sub").textContent = num(c.cache_hits) + " hits, " + num(c.cache_misses) + " misses";
+  if (c.hot_budget !== undefined) {
+    setVal("ov-hot", c.hot_bytes, bytes(c.hot_bytes) + " of " + bytes(c.hot_budget));
+    $("#ov-hot-sub").textContent = num(c.hot_files) + " copies · " + num(c.hot_hits) + " hits, " + num(c.hot_misses) +
+      " misses · " + num(c.hot_evictions) + " evicted";
+    setVal("ov-ingest", c.ingest_queue_bytes, bytes(c.ingest_queue_bytes));
+    $("#ov-ingest-sub").textContent = num(c.ingest_queue) + " saves queued · " + num(c.ingest_waits) + " closes waited";
+  } else {
+    $("#ov-hot").textContent = "–";
+    $("#ov-hot-sub").textContent = "not mounted";
+    $("#ov-ingest").textContent = "–";
+    $("#ov-ingest-sub").textContent = "not mounted";
+  }
   const gc = s.gc || {};
   const last = gc.last;
   const parts = [

@@ -249,10 +249,12 @@ class Operations(fuse.Operations):
         stubs' names of staged files that are gone (a reboot: the previous version stays) and
         delete staged files no stub names. Costs nothing when nothing is staged. The saves queued."""
         whole = self.repo.whole
-        if whole is None or not (whole.rebooted or await self._thread(whole.staged_names)):
+        if whole is None:
+            return 0
+        present = set(await self._thread(whole.staged_names))
+        if not present and not whole.rebooted:
             return 0
         found = await self._thread(self.repo.staged_saves)
-        present = set(await self._thread(whole.staged_names))
         queued = 0
         for rel, staged in found:
             if staged.name in present and staged.boot == whole.boot:

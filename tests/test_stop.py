@@ -92,7 +92,9 @@ def test_a_signal_lets_the_save_in_flight_finish(tmp_path: Path, cpu_hog_beside:
             assert names == sorted(saved), f"round {n} (signal after {at} writes): {names}"
             for other, want in saved.items():
                 assert digest(m.path(other)) == want, f"round {n} (signal after {at} writes): {other} is not whole"
-        assert m.log().count(STOPPING) == len(POINTS) - POINTS.count(PIECES + 1)
+        # A signal after the close may still find the handle's release in flight (it follows the
+        # close, which no longer waits for the save to be stored): then it waits for it too.
+        assert len(POINTS) - POINTS.count(PIECES + 1) <= m.log().count(STOPPING) <= len(POINTS)
     finally:
         m.stop()
 
@@ -124,7 +126,9 @@ def test_past_the_bound_the_previous_version_stays(tmp_path: Path) -> None:
         assert m.wait_exit(timeout=30) == 0  # the bound ends the wait
         log = m.log()
         assert "2 file(s) still open for writing: fresh.tmp, held" in log, log[-3000:]
-        with pytest.raises(OSError):  # unmounted: the writer's unsaved bytes are not taken
+        # Unmounted: the writer's unsaved bytes are not taken. Served, its write fails; passed
+        # through, the kernel may still write its (orphaned) staged file, which no stub names.
+        with contextlib.suppress(OSError):
             os.write(held, b"late")
         m.start()
         assert m.path("held").read_bytes() == first  # the previous version, whole

@@ -8,6 +8,7 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from kvchunkfs.store.layout import fsync_dir
 from kvchunkfs.store.packs import Location
 from kvchunkfs.store.repository import Repository
 from kvchunkfs.store.stubs import StubError
+from kvchunkfs.store.wholefiles import WholeFiles
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +201,10 @@ class Files:
             content.use_whole(fd, None)
             content.source = "its staged save"
             return True
-        record = content.record
-        if record is None or whole.budget <= 0:
+        key = _hot_key(content)
+        if key is None or whole.budget <= 0:
             return False
-        hot = whole.hot_open(whole.key(record.file_sum, content.index.size))
+        hot = whole.hot_open(key)
         if hot is None:
             return False
         fd = hot
@@ -215,24 +217,23 @@ class Files:
 
     def _put_back(self, content: FileContent, rel: str) -> None:
         """Write the snapshot's bytes into a new whole file, checked against its file record, and
-        back ``content`` by it (kept in the hot tier if the record names it)."""
+        back ``content`` by it, kept in the hot tier."""
         whole = self.repo.whole
         if whole is None:
             return
-        record = content.record
-        # Checked against its record: a hot copy; else (saved before records) this open's own copy.
-        path, fd = whole.new_part() if record is not None else whole.new_staged()
+        key = _hot_key(content)
+        path, fd = whole.new_part() if key is not None else whole.new_staged()
         try:
             size = content.write_whole(fd)
         except BaseException:
             os.close(fd)
             whole.drop_staged(path)
             raise
-        if record is None:
+        if key is None:  # an empty stub (a new file): this open's own
             content.use_whole(fd, path)
             return
         try:
-            whole.hot_commit(path, whole.key(record.file_sum, size), size)
+            whole.hot_commit(path, key, size)
         except OSError:
             os.close(fd)
             whole.drop_staged(path)
@@ -316,6 +317,8 @@ class Files:
         raw, size, mark, staged = self._read_stub(path)
         data = raw + mark + _staged_mark(staged)  # what the content was loaded from
         gen = self.repo.store.drop_gen
+        if staged is not None:  # the staged file is the snapshot; the index beside it is the version before
+            return self.repo.empty_index(), {}, (data, gen), None, staged
         hit = self._loaded.get(rel)
         if hit is not None and self._same_load((data, gen), size, (hit[0], hit[1]), hit[2]):
             self._loaded.move_to_end(rel)
@@ -388,6 +391,21 @@ class Files:
         self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
+
+
+def _hot_key(content: FileContent) -> str | None:
+    """The hot tier's name for the content loaded: its file record's checksum and size; for a
+    snapshot without a record (saved before records, or fetched from the bucket), the SHA-256 of
+    its stub's index (chunk ids name the bytes) and size. None for an empty file."""
+    size = content.index.size
+    if not size:
+        return None
+    record = content.record
+    if record is not None:
+        return WholeFiles.key(record.file_sum, size)
+    if content.loaded_from is None:
+        return None
+    return "i" + WholeFiles.key(hashlib.sha256(content.loaded_from[0]).digest()[:16], size)
 
 
 def _staged_mark(staged: stubs.Staged | None) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -80,6 +81,13 @@ class FileHandle:
         return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
+        content = self.content
+        fd = content.whole_fd()
+        if fd >= 0:  # a whole file (served mode): in memory, read here; else in a worker thread
+            whole = content.whole
+            if whole is not None and whole.in_memory:
+                return os.pread(fd, size, offset)
+            return await _thread(os.pread, fd, size, offset)
         data = self.read_ready(offset, size)
         if data is None and self.content.mode is Mode.CLEAN:
             data = await self._group_bytes(offset, size)

@@ -135,6 +135,7 @@ class WholeFiles:
             _private_dir(d, False)
         self.boot = boot_id()
         self.rebooted = self._check_boot()
+        self.in_memory = _fs_type(root) in ("tmpfs", "ramfs")  # a read or write here never waits for a disk
         self._load_hot()
 
     # -- start ------------------------------------------------------------------------------
@@ -303,6 +304,25 @@ class WholeFiles:
     def remove_all(self) -> None:
         """Delete the directory (tests, a store being removed)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system ``path`` lives on (/proc/self/mountinfo: the longest mount point
+    that holds it); "" if unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[4].replace("\\040", " ")
+                fstype = fields[fields.index("-") + 1]
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fstype
+    except (OSError, ValueError, IndexError):
+        return ""
+    return kind
 
 
 def _now_ns() -> int:

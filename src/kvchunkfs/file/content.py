@@ -462,6 +462,12 @@ class FileContent:
         with self.cond:
             return self.staging_fd if self.mode is Mode.STAGING else -1
 
+    def whole_mtime(self) -> int:
+        """The whole file's modification time in ns (-1: none): it moves with writes the kernel
+        makes to it directly."""
+        fd = self.whole_fd()
+        return os.fstat(fd).st_mtime_ns if fd >= 0 else -1
+
     def mark_changed(self) -> None:
         """Count the content as changed (a handle that may write it without telling us)."""
         with self.cond:

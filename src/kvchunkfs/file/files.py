@@ -130,8 +130,9 @@ class Files:
         except (OSError, sqlite3.Error) as e:
             log.warning("could not note the restore buffers' sizes: %s", e)
 
-    def content(self, index: Index) -> FileContent:
-        """A new open-file content (pins the index's chunks: blocking, call in a thread)."""
+    def content(self, index: Index, whole: bool = True) -> FileContent:
+        """A new open-file content (pins the index's chunks: blocking, call in a thread); with
+        ``whole`` false, one that streams its writes to the chunker (ingestion's)."""
         repo = self.repo
         return FileContent(
             repo.store,
@@ -148,7 +149,7 @@ class Files:
             decoders=self.decoders,
             checks=self.checks,
             resumes=self.resumes,
-            whole=repo.whole,
+            whole=repo.whole if whole else None,
         )
 
     def replacement(self, rel: str) -> FileContent:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import os
 import threading
@@ -25,11 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.format.filerecord import file_hasher
 
 log = logging.getLogger(__name__)
 
+PIECE = 4 << 20  # bytes read from a staged file at a time
 NICE = 10  # the workers' CPU priority: below the client whose next request waits on the daemon
 HOLD_ENV = "KVCFS_INGEST_HOLD"  # tests: while the file it names exists, no job starts (a crash before ingestion)
 
@@ -150,14 +153,14 @@ class Ingester:
             log.error("the staged save %s is gone: %s keeps its previous version", job.name, job.where())
             self.done(job, Outcome.SUPERSEDED, 0, 0.0)
             return
-        content = files.content(files.repo.empty_index())
-        content.use_whole(fd, None)
+        content = files.content(files.repo.empty_index(), whole=False)
         try:
             rel = job.where()
             if rel is None:
                 whole.drop_staged(job.path)
                 self.done(job, Outcome.SUPERSEDED, 0, 0.0)
                 return
+            _stream(content, fd)
             pending = files.prepare_save(content, rel, durable=False)
             outcome = self.install(job, pending)
             seconds = time.monotonic() - job.queued
@@ -169,6 +172,7 @@ class Ingester:
             self.done(job, outcome, pending.new_bytes, seconds)
         finally:
             content.close()
+            os.close(fd)
 
     def _to_hot_tier(self, job: Job, fd: int, pending: PendingSave) -> None:
         """The installed save's staged file becomes a hot copy, if its bytes still have the
@@ -180,6 +184,25 @@ class Ingester:
             whole.drop_staged(job.path)
             return
         whole.hot_commit(job.path, whole.key(record.file_sum, job.size), job.size, put_back=False)
+
+
+def _stream(content: FileContent, fd: int) -> None:
+    """Feed the staged file to ``content`` as a client's sequential save would reach it: cut by the
+    chunker pool on every core (and predicted chunks taken without a cut), while this thread reads
+    on; bounded by the content's backlog (its memory does not grow with the file)."""
+    pos = 0
+    while piece := os.pread(fd, PIECE, pos):
+        while True:
+            action = content.plan_write(pos, len(piece))
+            if action is Action.START_STREAM:
+                content.start_stream()
+            elif action is not Action.DIRECT:
+                raise OSError(errno.EIO, f"ingestion: an unexpected write plan {action}")
+            elif content.write(pos, piece):
+                break
+        if content.backlogged():
+            content.wait_backlog()
+        pos += len(piece)
 
 
 def _same_sum(fd: int, file_sum: bytes) -> bool:

@@ -4,6 +4,7 @@ waiting for the chunker)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -15,13 +16,23 @@ class ChunkPool:
 
     def __init__(self, workers: int = 0) -> None:
         self.workers = workers or os.cpu_count() or 2
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker")
+        # Below the client's priority: a save is stored behind its close, while the client goes on.
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker", initializer=lower_priority)
 
     def submit(self, turn: Callable[[], None]) -> None:
         self._executor.submit(turn)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+NICE = 10
+
+
+def lower_priority() -> None:
+    """The calling thread at nice ``NICE`` (Linux: per thread)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
 def prestart(executor: ThreadPoolExecutor, n: int) -> None:

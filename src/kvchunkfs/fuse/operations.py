@@ -93,7 +93,9 @@ class Node:
     restore: Restore | None = None  # the restore its content serves (open or lingering), if any
     # Times set (utimensat/futimens) on the open file, with the content's generation then: the
     # save's new stub gets them too, unless the file was written after they were set.
-    set_times: tuple[int | None, int | None, int] | None = None
+    # (atime, mtime, generation, whole file's mtime): a write passed through to the whole file moves
+    # no generation, only the file's own mtime.
+    set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
 
 
@@ -512,7 +514,7 @@ class Operations(fuse.Operations):
                 )
                 self.repo.set_times(rel, *times)
                 if node.content is not None and node.content.dirty:  # cp -a, tar -x: kept by the save
-                    node.set_times = (*times, node.content.gen)
+                    node.set_times = (*times, node.content.gen, node.content.whole_mtime())
         except OSError as e:
             raise fuse.FUSEError(e.errno or errno.EIO) from None
         return self._attrs(node)
@@ -1194,7 +1196,7 @@ class Operations(fuse.Operations):
     def _carry_set_times(self, node: Node, gen: int, rel: str) -> None:
         """Give the saved stub the times set on the open file, if nothing was written after them."""
         times, node.set_times = node.set_times, None
-        if times is None or times[2] != gen:
+        if times is None or times[2] != gen or times[3] != (node.content.whole_mtime() if node.content else -1):
             return
         try:
             self.repo.set_times(rel, times[0], times[1])

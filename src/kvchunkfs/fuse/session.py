@@ -577,8 +577,10 @@ class Session:
 
     async def _release(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         (fh,) = _FH(body)
-        await self._detach_backing(nodeid, fh)
-        await self.ops.release(fh)
+        try:  # first: an open right after sees the handle gone (a writer's close, then a restore)
+            await self.ops.release(fh)
+        finally:
+            await self._detach_backing(nodeid, fh)
         self._reply(unique)
 
     async def _fsync(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:

@@ -145,6 +145,7 @@ def fill(kvfs) -> dict[str, bytes]:  # noqa: ANN001 - the conftest Mount
     }
     for name, data in files.items():
         write_in_pieces(kvfs.path(name), data, MiB)
+    kvfs.ingested()  # the stubs and the packs hold the saves once ingestion has stored them
     os.setxattr(kvfs.path("one"), "user.kvcfs.label.model", b"qwen")
     kvfs.path("two").read_bytes()
     return files

@@ -56,6 +56,7 @@ def test_walking_gc_reclaims_the_pack_saves_append_to(kvfs: Mount) -> None:
     is deleted a walking GC gives its space back, without a remount."""
     for i in range(3):
         kvfs.path(f"s{i}").write_bytes(rand_bytes(2 * MiB, 10 + i))
+    kvfs.ingested()  # the saves are in the pack once they are stored
     assert pack_bytes(kvfs.store) > 6 * MiB
     for i in range(3):
         kvfs.path(f"s{i}").unlink()

@@ -343,7 +343,8 @@ def test_a_restore_soon_after_reuses_the_groups_put_back(kvfs):
     spec = ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True)
     data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1200, 31), spec)
     _write(mnt / "s", data)
-    kvfs.remount()  # empty caches
+    # Empty caches, and no hot copy: every open puts the file back from its chunks (and groups).
+    kvfs.remount(["--hot-tier-size", "0"])
     mnt = Path(kvfs.mnt)
 
     def asked() -> int:  # chunks the daemon looked up in its cache (hit or miss)
@@ -382,7 +383,9 @@ def test_restore_buffers_are_reused_only_when_free(kvfs):
 
     spec = ggsq.Spec(n_layer=6, row_bytes=512)
     files = {f"s{n}": ggsq.synthetic_bytes(ggsq.synthetic_tokens(n, n), spec) for n in (350, 500, 700, 900)}
-    kvfs.remount(["--cache-size", "16MiB"])  # 8 MiB of buffers for groups of 1-2.6 MiB
+    # 8 MiB of buffers for groups of 1-2.6 MiB; no hot copy: every open puts the file back from
+    # its groups (kept across the remounts below).
+    kvfs.remount(["--cache-size", "16MiB", "--hot-tier-size", "0"])
     mnt = Path(kvfs.mnt)
     for name, data in files.items():
         _write(mnt / name, data)
@@ -418,16 +421,14 @@ def test_restore_buffers_are_reused_only_when_free(kvfs):
 
 def test_a_restore_starting_at_the_file_end_checks_its_group_and_starts_the_first_group(kvfs):
     """llama-server's first read of a restore is the file's last few KiB (stdio sizing its buffer
-    at the seek to the end). Its group has a recorded checksum, so the read is answered once the
-    whole group is put back and checked (never from a few of its records), and the first group's
-    decode starts at once (the header and the rest follow in order). Then reads in that order
-    return the file, each chunk read once."""
-    import time
-
+    at the seek to the end). The open puts the whole file back first, both groups decoded and
+    checked against the file's checksum, so that read (and every one after it) is answered from
+    the whole copy, never from a few of a group's records, and reaches no chunk. Then reads in that
+    order return the file, each chunk read once."""
     spec = ggsq.Spec(n_layer=6, row_bytes=512)
     data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(1500, 5), spec)
     _write(Path(kvfs.mnt) / "s", data)
-    kvfs.remount()  # empty caches, no group kept
+    kvfs.remount(["--hot-tier-size", "0"])  # empty caches, no group kept, no hot copy
     mnt = Path(kvfs.mnt)
     index = stubs.read_index(Path(kvfs.store) / "snapshots" / "s")
     groups = [g for g in ls.segments(data, GROUP_WIDTH) if g.group and g.end is not None]
@@ -444,18 +445,16 @@ def test_a_restore_starting_at_the_file_end_checks_its_group_and_starts_the_firs
     before, read_before = asked(), kvfs.stats()["chunks_read"]
     fd = os.open(mnt / "s", os.O_RDONLY)
     try:
+        at_open = asked()
+        assert at_open - before >= chunks[0] + chunks[1], (at_open - before, chunks)  # both groups, whole
         tail = len(data) - 8192
         assert os.pread(fd, 8192, tail) == data[tail:]
-        assert asked() - before >= chunks[1], (asked() - before, chunks)  # the last group, whole
-        deadline = time.monotonic() + 30
-        while asked() - before < chunks[0] + chunks[1] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert asked() - before >= chunks[0] + chunks[1], (asked() - before, chunks)  # the first group too
         assert os.pread(fd, 32768, 0) == data[:32768]
         got = bytearray()
         while piece := os.read(fd, MiB):
             got += piece
         assert bytes(got) == data
+        assert asked() == at_open  # the reads were answered from the copy put back
     finally:
         os.close(fd)
     assert kvfs.stats()["chunks_read"] - read_before <= len(index) + 4  # each chunk once

@@ -97,11 +97,21 @@ def _copy_file(src: int, dst: int, keep: int | None) -> int:
     copy_file_range: no bytes through Python (a reflink where the file system has them)."""
     size = os.fstat(src).st_size if keep is None else min(keep, os.fstat(src).st_size)
     pos = 0
-    while pos < size:
-        n = os.copy_file_range(src, dst, size - pos, pos, pos)
-        if n == 0:
-            break  # shorter meanwhile
-        pos += n
+    while pos < size:  # data only: a hole stays a hole (a sparse file is not copied as its zeros)
+        try:
+            pos = os.lseek(src, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            break  # only a hole up to the end
+        end = min(os.lseek(src, pos, os.SEEK_HOLE), size)
+        while pos < end:
+            n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            if n == 0:
+                break  # shorter meanwhile
+            pos += n
+        if pos < end:
+            break
     os.ftruncate(dst, size if keep is None else keep)
     return size
 

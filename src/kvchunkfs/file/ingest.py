@@ -29,6 +29,9 @@ from pathlib import Path
 from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.format.filerecord import file_hasher
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
+
+ChunkError = (ChunkCorrupt, ChunkMissing)
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +137,13 @@ class Ingester:
                 time.sleep(0.02)
             try:
                 self._ingest(job)
-            except Exception:  # the staged file stays the snapshot; the next mount retries
+            except Exception as e:  # the staged file stays the snapshot; the next mount retries
                 self.failures += 1
-                log.exception("storing the save of %s failed; its staged copy stays the snapshot", job.where())
+                # The store's trouble (ENOSPC, a map replaced, a damaged chunk) is one line; anything
+                # else is a bug: its traceback.
+                bug = not isinstance(e, (OSError, ChunkError))
+                log.error("storing the save of %s failed; its staged copy stays the snapshot: %s: %s",
+                          job.where(), type(e).__name__, e, exc_info=bug)  # fmt: skip
             finally:
                 with self.cond:
                     self.running -= 1
@@ -153,14 +160,20 @@ class Ingester:
             log.error("the staged save %s is gone: %s keeps its previous version", job.name, job.where())
             self.done(job, Outcome.SUPERSEDED, 0, 0.0)
             return
-        content = files.content(files.repo.empty_index(), whole=False)
+        # A sparse file (a hole: written past its end) is cut in one pass that skips its holes; any
+        # other through the chunker pool.
+        sparse = _has_hole(fd)
+        content = files.content(files.repo.empty_index(), whole=sparse)
         try:
             rel = job.where()
             if rel is None:
                 whole.drop_staged(job.path)
                 self.done(job, Outcome.SUPERSEDED, 0, 0.0)
                 return
-            _stream(content, fd)
+            if sparse:
+                content.use_whole(os.dup(fd), None)
+            else:
+                _stream(content, fd)
             pending = files.prepare_save(content, rel, durable=False)
             outcome = self.install(job, pending)
             seconds = time.monotonic() - job.queued
@@ -203,6 +216,11 @@ def _stream(content: FileContent, fd: int) -> None:
         if content.backlogged():
             content.wait_backlog()
         pos += len(piece)
+
+
+def _has_hole(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.lseek(fd, 0, os.SEEK_HOLE) < size
 
 
 def _same_sum(fd: int, file_sum: bytes) -> bool:

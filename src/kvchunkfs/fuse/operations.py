@@ -256,7 +256,7 @@ class Operations(fuse.Operations):
         present = set(await self._thread(whole.staged_names))
         if not present and not whole.rebooted:
             return 0
-        found = await self._thread(self.repo.staged_saves)
+        found, complete = await self._thread(self.repo.staged_saves)
         queued = 0
         for rel, staged in found:
             if staged.name in present and staged.boot == whole.boot:
@@ -267,7 +267,13 @@ class Operations(fuse.Operations):
                 continue
             log.warning("the save of %s was lost (%s): its previous version stays", rel,
                         "another boot" if staged.boot != whole.boot else "its staged copy is gone")  # fmt: skip
-            await self._thread(self.repo.unstage, rel)
+            try:
+                await self._thread(self.repo.unstage, rel)
+            except OSError as e:  # its stub names a file that is gone: reads of it fail (EIO) until then
+                log.error("the lost save of %s is still named on its stub: %s", rel, e)
+        if not complete and present:
+            log.warning("%d staged files kept: a stub that may name one could not be read", len(present))
+            present.clear()
         for name in present:  # written but never closed, or superseded
             await self._thread(whole.drop_staged, whole.staged_path(name))
         if queued:
@@ -729,7 +735,8 @@ class Operations(fuse.Operations):
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
                 return await self._thread(self.files.replacement, node.path)
             return await self._thread(_and_then, self.files.load, node.path, then)
-        except (IndexFormatError, OSError) as e:  # OSError: a stub that is not a snapshot too (StubError)
+        except (IndexFormatError, OSError, ChunkMissing, ChunkCorrupt) as e:  # OSError: StubError too;
+            # a chunk missing or damaged: the put-back of a whole copy at open read it
             if allow_broken and not isinstance(e, FileNotFoundError):
                 log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
                 return await self._thread(self.files.content, self.repo.empty_index())
@@ -1163,8 +1170,11 @@ class Operations(fuse.Operations):
             rel = node.path
             try:
                 current = None if rel is None else await self._thread(self.repo.staged, rel)
-            except OSError:
-                current = None
+            except OSError as e:  # cannot tell: the staged file stays the snapshot (the next mount retries)
+                await self._thread(_discard, pending)
+                log.error("storing the save of %s: its stub cannot be read (%s); its staged copy stays the snapshot",
+                          rel, e)  # fmt: skip
+                return Outcome.LATER
             if rel is None or current is None or current.name != job.name:
                 await self._thread(_discard, pending)
                 return Outcome.SUPERSEDED

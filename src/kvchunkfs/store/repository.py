@@ -147,20 +147,30 @@ class Repository:
         """The snapshot's save not yet ingested (its staged whole file is the snapshot), or None."""
         return stubs.read_staged(self.path(rel))
 
-    def staged_saves(self) -> list[tuple[str, stubs.Staged]]:
-        """Every stub naming a staged save: a walk of all stubs (a mount after a stop that left
-        staged files behind)."""
+    def staged_saves(self) -> tuple[list[tuple[str, stubs.Staged]], bool]:
+        """Every stub naming a staged save, and whether every stub could be read (else a staged
+        file may be named by one that could not): a walk of all stubs (a mount after a stop that
+        left staged files behind). Stubs are read by fd, so a path past PATH_MAX is read too."""
         out = []
+        complete = True
         for entry in stubs.walk(self.snapshots):
-            if entry.skipped is not None or entry.error is not None:
+            if entry.skipped is not None:
                 continue
             try:
-                staged = stubs.read_staged(self.path(entry.rel))
-            except OSError:
+                if entry.error is not None:
+                    raise entry.error
+                fd = entry.open()
+                try:
+                    staged = stubs.read_staged(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                log.warning("looking for staged saves: %s: %s", entry.rel, e)
+                complete = False
                 continue
             if staged is not None:
                 out.append((entry.rel, staged))
-        return out
+        return out, complete
 
     def stage(self, rel: str, name: str, size: int) -> None:
         """The commit point of a staged save: one xattr on the stub names its staged file (``name``,

@@ -152,7 +152,8 @@ def refresh_metadata(tmp: Path, like: Path) -> None:
     written long after its close; what changed on the snapshot meanwhile (a chmod, a label, a
     touch) must not be undone by its install."""
     st = os.lstat(like)
-    attrs = {k: v for k, v in user_xattrs(like).items() if k not in INTERNAL}
+    # fsck's mark is about the old content, not this one
+    attrs = {k: v for k, v in user_xattrs(like).items() if k not in INTERNAL and k != BROKEN}
     for name in os.listxattr(tmp, follow_symlinks=False):
         if name.startswith("user.") and name not in INTERNAL and name not in attrs:
             os.removexattr(tmp, name, follow_symlinks=False)

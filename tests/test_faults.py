@@ -164,6 +164,8 @@ class Workload:
 
 def verify_and_check(m: Mount, work: Workload, context: str) -> int:
     """After a restart: every snapshot in an allowed state, then the store clean and collected."""
+    # Saves closed before the kill are queued again at mount: the store is complete once stored.
+    m.ingested()
     verified = work.verify(context)
     if work.discarded:
         gc_now(m)  # the discarded .tmp files' chunks are garbage only now

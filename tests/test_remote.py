@@ -89,7 +89,9 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 120) -> None:
 
 
 def drained(m: Mount, timeout: float = 120) -> dict[str, int]:
-    """Wait until host m has nothing left to upload; its stats then."""
+    """Wait until host m has nothing left to upload; its stats then. Uploads start once a save
+    is ingested (stored as chunks, behind the close), so ingestion is waited for first."""
+    m.ingested(timeout)
     wait_for(lambda: m.stats()["upload_queue"] == 0, f"{m.mnt}: upload queue to drain ({m.log()[-2000:]})", timeout)
     return m.stats()
 
@@ -163,7 +165,8 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     a_data = prompt + rand_bytes(2 * MiB + 11, 2)
     b_data = prompt + rand_bytes(MiB + 5, 3)
     a, b = hosts.new("a"), hosts.new("b")
-    write_in_pieces(b.path("mine"), b_data, MiB)  # B holds the prompt's chunks already
+    write_in_pieces(b.path("mine"), b_data, MiB)
+    b.ingested()  # B holds the prompt's chunks already
     write_in_pieces(a.path("conv"), a_data, MiB)
     drained(a)
     assert remote_bytes(hosts.bucket, "conv") == a_data
@@ -530,7 +533,9 @@ def fsck_clean(m: Mount) -> None:
 
 
 def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts) -> None:
-    a = hosts.new("a", *CACHE)
+    # No hot tier: a restore puts the file back from its chunks, fetching the evicted ones (a hot
+    # copy would serve it without making its chunks local again)
+    a = hosts.new("a", *CACHE, "--hot-tier-size", "0")
     files = {f"c{i}": rand_bytes(2 * MiB + i, 200 + i) for i in range(5)}  # 10 MiB > 6 MiB
     for name, data in files.items():
         write_in_pieces(a.path(name), data, MiB)
@@ -555,8 +560,9 @@ def test_local_cache_size_evicts_least_recently_used_and_reads_back(hosts: Hosts
     assert all(where[n] == "both" for n in set(files) - evicted)
     a.stop()
     fsck_clean(a)  # evicted chunks are in the bucket, not missing (offline: no pass compacts meanwhile)
-    # Read everything back with eviction off (so no pass races the counts): only evicted chunks are fetched.
-    a.start(hosts.args("--pack-size", "1MiB"))
+    # Read everything back with eviction off (so no pass races the counts): only evicted chunks are
+    # fetched. No hot tier: a hot copy would serve the restore without reading a chunk.
+    a.start(hosts.args("--pack-size", "1MiB", "--hot-tier-size", "0"))
     for name, data in files.items():
         lacked = unmapped(a, name)
         before = a.stats()["remote_fetched_chunks"]
@@ -701,8 +707,8 @@ def test_a_snapshot_stored_in_file_order_is_tagged_plain_and_refused_by_relayout
     write_in_pieces(a.path("odd"), ISSUE_FILE, MiB)
     data = state_file(44)
     write_in_pieces(a.path("state"), data, MiB)
+    drained(a)  # ingested too: the stored form is chosen when a save is stored as chunks
     assert a.stats()["file_order_saves"] == 1
-    drained(a)
     assert hosts.bucket.read_index("odd").stream == "plain"
     assert hosts.bucket.read_index("state").stream != "plain"
     b = hosts.new("b")

@@ -450,11 +450,15 @@ class FileContent:
         pos = 0
         for piece in self._file_pieces(index, 0, index.size, segs):
             hasher.update(piece)
+            if not np.frombuffer(piece, np.uint8).any():  # zeros stay a hole (a sparse file stays sparse)
+                pos += len(piece)
+                continue
             view = memoryview(piece)
             while view:
                 n = os.pwrite(fd, view, pos)
                 view = view[n:]
                 pos += n
+        os.ftruncate(fd, pos)
         if record is not None and hasher.digest() != record.file_sum:
             raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file put back for a restore")
         return pos

@@ -181,7 +181,11 @@ class Files:
             if self._whole_copy(content, rel):
                 return content  # its staged save, or a hot copy: no chunk is read
             content = self._fetch_missing(rel, content)
-            self._put_back(content, rel)
+            if self._room_for(content):
+                self._put_back(content, rel)
+            else:  # served from the chunks, request by request (no whole file: no passthrough)
+                log.info("%s: %d bytes, more than half the room for whole files: served from its chunks",
+                         rel, content.index.size)  # fmt: skip
         except BaseException:
             content.close()
             raise
@@ -215,6 +219,10 @@ class Files:
         content.use_whole(fd, None)
         content.source = "a hot copy"
         return True
+
+    def _room_for(self, content: FileContent) -> bool:
+        whole = self.repo.whole
+        return whole is None or content.index.size <= whole.free_bytes() // 2
 
     def _put_back(self, content: FileContent, rel: str) -> None:
         """Write the snapshot's bytes into a new whole file, checked against its file record, and

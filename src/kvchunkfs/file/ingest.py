@@ -193,7 +193,7 @@ class Ingester:
         whole = self.files.repo.whole
         assert whole is not None
         record = pending.record
-        if record is None or not _same_sum(fd, record.file_sum):
+        if record is None or job.size > whole.budget or not _same_sum(fd, record.file_sum):
             whole.drop_staged(job.path)
             return
         whole.hot_commit(job.path, whole.key(record.file_sum, job.size), job.size, put_back=False)

@@ -528,6 +528,10 @@ class Operations(fuse.Operations):
     async def _truncate(self, node: Node, size: int) -> None:
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
+        if size > self.repo.settings.max_file_size:  # before the file is opened (or put back) at all
+            log.debug("truncate of %s to %d refused: max_file_size is %d", node.path, size,
+                      self.repo.settings.max_file_size)  # fmt: skip
+            raise fuse.FUSEError(errno.EFBIG)
         # As an open, truncate, close: it shares the content of the handles open, and counts as
         # one more open meanwhile, so their last release cannot close it under the truncate.
         self.writing += 1

@@ -7,6 +7,7 @@ stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -220,6 +221,14 @@ class Files:
         content.source = "a hot copy"
         return True
 
+    def _staged_present(self, staged: stubs.Staged) -> bool:
+        whole = self.repo.whole
+        assert whole is not None
+        try:
+            return whole.staged_path(staged.name).exists()
+        except ValueError:
+            return False
+
     def _room_for(self, content: FileContent) -> bool:
         whole = self.repo.whole
         return whole is None or content.index.size <= whole.free_bytes() // 2
@@ -324,6 +333,16 @@ class Files:
         fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
         raw, size, mark, staged = self._read_stub(path)
+        if self.repo.whole is None:  # an offline tool: the chunk store's version (the mount stores the staged one)
+            staged = None
+        elif staged is not None and not self._staged_present(staged):
+            # Its save is lost (a version kept for a power cut put back after its staged file was
+            # stored, or the file deleted): the index beside it, the version before, is the snapshot.
+            log.error("the save of %s is lost (its staged copy %s is gone): its previous version is served",
+                      rel, staged.name)  # fmt: skip
+            with contextlib.suppress(OSError):
+                self.repo.unstage(rel)
+            staged = None
         data = raw + mark + _staged_mark(staged)  # what the content was loaded from
         gen = self.repo.store.drop_gen
         if staged is not None:  # the staged file is the snapshot; the index beside it is the version before

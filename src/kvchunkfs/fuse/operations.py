@@ -1086,6 +1086,11 @@ class Operations(fuse.Operations):
         content = node.content
         if content is None or not (content.dirty or durable):
             return
+        ingester = self.ingester
+        if ingester is not None and ingester.backlogged():  # bounded: the client waits, the backlog does not grow
+            # Not under the node's lock: ingestion takes it to install (the wait would never end).
+            log.info("ingestion is %s behind: the close of %s waits", _mib(ingester.backlog()[1]), node.path)
+            await self._thread(ingester.wait_below)
         async with node.lock:
             if not content.dirty and not durable:
                 return
@@ -1128,9 +1133,6 @@ class Operations(fuse.Operations):
         """A save by its staged file: the commit point is naming the file on the stub (from then
         on it is the snapshot, through a kill -9 too); ingestion stores it behind the close."""
         assert self.ingester is not None
-        if self.ingester.backlogged():  # bounded: the client waits rather than the backlog growing
-            log.info("ingestion is %s behind: the close of %s waits", _mib(self.ingester.backlog()[1]), node.path)
-            await self._thread(self.ingester.wait_below)
         path, size, gen = await self._thread(content.seal, copy)
         whole = self.repo.whole
         assert whole is not None
@@ -1170,7 +1172,9 @@ class Operations(fuse.Operations):
     async def _install(self, job: Job, pending: PendingSave) -> Outcome:
         node = job.owner
         assert isinstance(node, Node)
-        async with node.gate.use():
+        # The node's lock orders it with the saves of the file (``_stage`` names a newer staged file
+        # under it): a stub read as naming this save must still name it when it is replaced.
+        async with node.lock, node.gate.use():
             rel = node.path
             try:
                 current = None if rel is None else await self._thread(self.repo.staged, rel)

@@ -175,7 +175,7 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     lacked = local_ids(a, "conv") - local_ids(b, "mine")
     assert 0 < len(lacked) < len(local_ids(a, "conv"))
     assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
-    # the second restore reads B's packs only
+    # the second restore fetches nothing
     wait_closed(b)
     restored = [line for line in b.log().splitlines() if "restored conv: " in line]
     assert len(restored) == 1 and " from remote (" in restored[0], restored  # its log line says where from
@@ -183,7 +183,8 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
     wait_closed(b)
     restored = [line for line in b.log().splitlines() if "restored conv: " in line]
-    assert len(restored) == 2 and " from local packs (" in restored[1], restored
+    # its whole copy, put back at the first restore (named by its index: a fetched stub has no record)
+    assert len(restored) == 2 and " from a hot copy (" in restored[1], restored
     # packed layout: no request per chunk on either host (range GETs of runs; no HEAD, no loose GET)
     for m in (a, b):
         assert m.stats()["remote_heads"] == 0 and m.stats()["remote_chunk_gets"] == 0

@@ -371,7 +371,9 @@ def test_charts_and_logs_pages(env: Env) -> None:
     wait(env.driver, lambda d: "mounted" in d.find_element(By.ID, "log-table").text, what="log lines")
     table = env.driver.find_element(By.ID, "log-table").text
     assert "recovery: " in table and "snapshots checked" in table, "the mount's recovery summary"
-    assert "saved chat/conv1-t0.tmp:" in table and "restored chat/conv1-t0:" in table, "a line per save, restore"
+    # A save's line names the file where its store finds it: renamed from NAME.tmp by then, or not yet.
+    saved = re.search(r"saved chat/conv1-t0(\.tmp)?: ", table)
+    assert saved and "restored chat/conv1-t0:" in table, "a line per save, restore"
     env.shot("logs")
 
 

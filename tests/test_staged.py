@@ -273,3 +273,17 @@ def test_saves_in_quick_succession_keep_the_last(kvfs: Mount, plain: Path) -> No
     kvfs.remount(["--hot-tier-size", "0"])
     for it in range(40):
         assert kvfs.path(f"q{it}").read_bytes() == (plain / f"q{it}").read_bytes()
+
+
+def test_an_append_right_after_a_save_continues_it(kvfs: Mount) -> None:
+    """An open while the save before is being stored: ingestion replaces the stub and takes the
+    staged file into the hot tier meanwhile. The open must find the save where it went (the new
+    stub, its hot copy), never take it for a lost one."""
+    for i in range(60):
+        name = f"m{i}"
+        first = rand_bytes(600_000 + i, i)
+        kvfs.path(name).write_bytes(first)
+        with open(kvfs.path(name), "ab") as f:
+            f.write(b"end\n")
+        assert kvfs.path(name).read_bytes() == first + b"end\n", name
+    assert "is lost" not in kvfs.log()

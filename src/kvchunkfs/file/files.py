@@ -178,9 +178,18 @@ class Files:
         remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
         content = self._load(rel)
+        for _ in range(3):  # its staged file stored and moved into the hot tier between: load again
+            try:
+                if self._whole_copy(content, rel):
+                    return content  # its staged save, or a hot copy: no chunk is read
+                break
+            except _StagedGone:
+                content.close()
+                content = self._load(rel)
+        else:
+            content.close()
+            raise StubError(f"{rel}: its staged save keeps vanishing as it is opened")
         try:
-            if self._whole_copy(content, rel):
-                return content  # its staged save, or a hot copy: no chunk is read
             content = self._fetch_missing(rel, content)
             if self._room_for(content):
                 self._put_back(content, rel)
@@ -202,7 +211,9 @@ class Files:
         if staged is not None:
             try:
                 fd = whole.open_staged(staged.name)
-            except (OSError, ValueError) as e:  # recovery clears a lost one: here it is damage
+            except FileNotFoundError as e:  # stored meanwhile, most likely: the caller loads again
+                raise _StagedGone(f"{rel}: its staged save {staged.name} is gone") from e
+            except (OSError, ValueError) as e:
                 raise StubError(f"{rel}: its staged save {staged.name} cannot be opened: {e}") from e
             content.use_whole(fd, None)
             content.source = "its staged save"
@@ -335,9 +346,17 @@ class Files:
         raw, size, mark, staged = self._read_stub(path)
         if self.repo.whole is None:  # an offline tool: the chunk store's version (the mount stores the staged one)
             staged = None
-        elif staged is not None and not self._staged_present(staged):
-            # Its save is lost (a version kept for a power cut put back after its staged file was
-            # stored, or the file deleted): the index beside it, the version before, is the snapshot.
+        for _ in range(3):
+            if staged is None or self._staged_present(staged):
+                break
+            # Gone: stored meanwhile (ingestion replaced the stub, then took the file into the hot
+            # tier: read the stub again), or lost if the stub still names it.
+            raw, size, mark, again = self._read_stub(path)
+            if again != staged:
+                staged = again
+                continue
+            # A version kept for a power cut put back after its staged file was stored, or the file
+            # deleted: the index beside it, the version before, is the snapshot.
             log.error("the save of %s is lost (its staged copy %s is gone): its previous version is served",
                       rel, staged.name)  # fmt: skip
             with contextlib.suppress(OSError):
@@ -419,6 +438,10 @@ class Files:
         self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
+
+
+class _StagedGone(StubError):
+    """A stub read as naming a staged file that is no longer there when opened."""
 
 
 def _hot_key(content: FileContent) -> str | None:

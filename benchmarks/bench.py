@@ -43,6 +43,7 @@ sys.path.insert(1, str(ROOT))  # e2e.ggsq: synthetic state files (--state)
 from kvchunkfs import config as cfgmod  # noqa: E402
 from kvchunkfs.cli.main import build_parser  # noqa: E402
 from kvchunkfs.format.chunker import Chunker, chunk_id  # noqa: E402
+from kvchunkfs.store import memfs, wholefiles  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -358,6 +359,19 @@ def one_run(run_no: int, targets: list[Target], fs: list[Mount], res: Results) -
     )
 
 
+def remove_work(work: Path) -> None:
+    """Delete a benchmark's work directory and the whole-file directories of the stores in it (the
+    daemon leaves them, a tmpfs of their own as root, mounted for its next start)."""
+    for db in work.rglob("chunks.db"):
+        whole = wholefiles.default_dir(db.parent)
+        try:
+            memfs.unmount(whole)
+        except OSError as e:
+            print(f"umount {whole}: {e}", file=sys.stderr)
+        shutil.rmtree(whole, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> dict:
     size = cfgmod.parse_size(args.size)
     work = Path(tempfile.mkdtemp(prefix="kvcfs-bench-", dir=Path(args.dir)))
@@ -377,7 +391,7 @@ def run(args: argparse.Namespace) -> dict:
             if t.mount is not None:
                 t.mount.stop()
         if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            remove_work(work)
         else:
             print(f"kept {work}")
     return summarize(res, args.runs)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))
 
+from benchmarks import bench  # noqa: E402
 from benchmarks.bench import Mount, cpu_seconds, drop_caches, mount_config  # noqa: E402
 from e2e import ggsq  # noqa: E402
 
@@ -197,7 +197,7 @@ def main() -> None:
         for m in mounts.values():
             m.stop()
         if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            bench.remove_work(work)
         else:
             print("kept", work)
 

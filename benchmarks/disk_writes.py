@@ -27,6 +27,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(1, str(HERE))
+
+import bench  # noqa: E402
+
+from kvchunkfs.store import memfs  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -94,6 +100,7 @@ def measure_one(work: Path, f: Path, mount_args: list[str], dev: str) -> dict[st
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         proc.wait(timeout=60)
         log.close()
+        memfs.unmount(whole)
         shutil.rmtree(whole, ignore_errors=True)
     return {"file_bytes": len(nxt), "chunk_bytes_added": s1 - s0, "disk_bytes": b1 - b0, "plain_disk_bytes": b2 - b1}
 
@@ -110,7 +117,7 @@ def main() -> None:
         try:
             r = measure_one(work, f, args.mount_args.split(), device_of(work))
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            bench.remove_work(work)
         rows.append((f.name, r))
     print("| state file | next turn | chunk bytes added | disk bytes (kv-chunk-fs) | ratio | plain file's disk bytes |")
     print("|---|---|---|---|---|---|")

@@ -662,7 +662,7 @@ def main() -> None:
         if args.keep:
             print(f"kept {work}")
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            bench.remove_work(work)
     s = summarize(res, bench.mount_config(args.mount_args.split()).cache_size)
     s["command"] = " ".join(sys.argv)
     s["labels"] = {FS2: args.compare_label}

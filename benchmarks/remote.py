@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from conftest import Mount  # noqa: E402
+from conftest import WHOLE_ROOT, Mount, remove_whole_files  # noqa: E402
 from seaweed import BUCKET, CREDENTIALS, Weed  # noqa: E402
 
 from kvchunkfs.units import parse_size  # noqa: E402
@@ -154,6 +154,7 @@ def main() -> int:
                 m.stop()
         weed.stop()
         shutil.rmtree(work, ignore_errors=True)
+        remove_whole_files(WHOLE_ROOT)
     med = {k: statistics.median(v) for k, v in results.items()}
     mb = size / 1e6
     print(f"\n{args.size}, {args.runs} runs, medians:")

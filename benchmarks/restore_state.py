@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "src"))
 
+from benchmarks import bench  # noqa: E402
 from e2e import ggsq  # noqa: E402
 
 KINDS = ("format", "relayout", "plain")
@@ -103,7 +103,7 @@ def main() -> None:
         for kind, p in mounts.items():
             if p is not None:
                 unmount(p, work / f"mnt-{kind}")
-        shutil.rmtree(work, ignore_errors=True)
+        bench.remove_work(work)
 
 
 if __name__ == "__main__":

@@ -200,11 +200,21 @@ class Mount:
 WHOLE_ROOT = Path("/dev/shm") / f"kvcfs-tests-{os.getpid()}"
 
 
+def remove_whole_files(path: Path) -> None:
+    """Delete a whole-file directory, the daemon's own tmpfs mounts in it (huge pages) detached first."""
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted((p for p in points if p == real or p.startswith(real + "/")), reverse=True):
+        subprocess.run(["umount", "-l", point], check=False)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def whole_files_root() -> Iterator[None]:
     """The tests' whole-file directories go with the session."""
     yield
-    shutil.rmtree(WHOLE_ROOT, ignore_errors=True)
+    remove_whole_files(WHOLE_ROOT)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -229,7 +239,7 @@ def kvfs(tmp_path: Path) -> Iterator[Mount]:
         yield m
     finally:
         m.stop()
-        shutil.rmtree(m.whole, ignore_errors=True)
+        remove_whole_files(m.whole)
 
 
 @pytest.fixture

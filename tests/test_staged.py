@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Mount
+from conftest import Mount, remove_whole_files
 from helpers import rand_bytes, wait_for_log, write_in_pieces
 from test_gc import gc_now
 
@@ -287,3 +287,57 @@ def test_an_append_right_after_a_save_continues_it(kvfs: Mount) -> None:
             f.write(b"end\n")
         assert kvfs.path(name).read_bytes() == first + b"end\n", name
     assert "is lost" not in kvfs.log()
+
+
+def _own_mount(path: Path) -> str | None:
+    """The super block options of ``path``'s own mount, or None if it is not a mount point."""
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == real:
+                sep = fields.index("-")
+                return f"{fields[sep + 1]} {fields[sep + 3]}"
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_whole_files_live_on_a_tmpfs_of_their_own_with_huge_pages(kvfs: Mount, hold: Path) -> None:
+    own = _own_mount(kvfs.whole)
+    assert own is not None and own.startswith("tmpfs "), own
+    assert "huge=within_size" in own and "mode=700" in own, own
+    data = rand_bytes(5 * MiB + 3, 40)
+    hold.touch()
+    kvfs.path("s").write_bytes(data)
+    kvfs.kill()  # the mount outlives the daemon: the staged save is still there
+    assert _own_mount(kvfs.whole) == own
+    kvfs.start_settled()
+    assert _own_mount(kvfs.whole) == own, "mounted once, not again over itself"
+    assert kvfs.path("s").read_bytes() == data
+    hold.unlink()
+    kvfs.ingested()
+    assert kvfs.path("s").read_bytes() == data
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_staged_save_is_never_hidden_under_a_new_mount(kvfs: Mount, hold: Path) -> None:
+    """Saves staged with huge pages off, then a start with them on: the directory still holds a
+    save not yet stored, so it is used as it is (a mount over it would hide the save)."""
+    kvfs.stop()
+    remove_whole_files(kvfs.whole)
+    kvfs.start(["--no-whole-files-huge-pages"])
+    assert _own_mount(kvfs.whole) is None
+    data = rand_bytes(3 * MiB + 1, 41)
+    hold.touch()
+    kvfs.path("s").write_bytes(data)
+    kvfs.kill()
+    kvfs.start_settled([])
+    assert _own_mount(kvfs.whole) is None, "not mounted over a staged save"
+    assert "holds staged saves not yet stored" in kvfs.log()
+    assert kvfs.path("s").read_bytes() == data
+    hold.unlink()
+    kvfs.ingested()
+    kvfs.stop()
+    kvfs.start([])  # nothing staged any more: now it is mounted
+    assert _own_mount(kvfs.whole) is not None
+    assert kvfs.path("s").read_bytes() == data

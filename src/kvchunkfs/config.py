@@ -262,6 +262,14 @@ SETTINGS: dict[str, Setting] = {
             "/dev/shm/kv-chunk-fs-UID/STORE-KEY: memory, kept across daemon restarts, not reboots)",
         ),
         Setting(
+            "whole_files_huge_pages",
+            "bool",
+            True,
+            "as root, mount a private tmpfs with transparent huge pages on the whole-file directory "
+            "(in memory, holding no staged save): whole files are written and read several times "
+            "faster than on /dev/shm's 4 KiB pages; it stays mounted across daemon restarts",
+        ),
+        Setting(
             "hot_tier_size",
             "size",
             8 << 30,
@@ -417,6 +425,7 @@ class Config:
     writeback_cache: bool = SETTINGS["writeback_cache"].default
     fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
     whole_files_dir: Path | None = SETTINGS["whole_files_dir"].default
+    whole_files_huge_pages: bool = SETTINGS["whole_files_huge_pages"].default
     hot_tier_size: int = SETTINGS["hot_tier_size"].default
     ingest_backlog: int = SETTINGS["ingest_backlog"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default

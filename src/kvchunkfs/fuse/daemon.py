@@ -145,7 +145,7 @@ def serve(
     tune_process()
     log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
     s = files.repo.settings
-    files.repo.whole = open_whole_files(files.repo.root, s.whole_files_dir, s.hot_tier_size)
+    files.repo.whole = open_whole_files(files.repo.root, s.whole_files_dir, s.hot_tier_size, s.whole_files_huge_pages)
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.stop_timeout = stop_timeout

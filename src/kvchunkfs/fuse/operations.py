@@ -748,16 +748,22 @@ class Operations(fuse.Operations):
             log.log(logging.DEBUG if gone else logging.ERROR, "cannot open snapshot %s: %s", node.path, e)
             raise fuse.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
-    async def _acquire(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
+    async def _acquire(
+        self, node: Node, allow_broken: bool = False, then: OnPath | None = None, made: FileContent | None = None
+    ) -> FileContent:
         """The node's shared content, loaded by the first of concurrent opens; counts one open.
 
         The open is counted before any await, so a release meanwhile does not close the content,
         and a second open waits for the first one's load instead of loading (and pinning) again.
         ``then`` runs on the snapshot's path in the thread that loads it or checks a lingering
         content, if this open does either (a restore's use count: one thread hop, not two).
+        ``made``: the content of a file this open created, loaded already (closed if another open
+        loaded one meanwhile).
         """
         node.opens += 1
         try:
+            if made is not None:
+                await self._take_made(node, made)
             while node.content is None:
                 if node.loading is not None:
                     await node.loading.wait()
@@ -778,6 +784,20 @@ class Operations(fuse.Operations):
         except BaseException:
             await self._drop_open(node, commit=False)
             raise
+
+    async def _take_made(self, node: Node, made: FileContent) -> None:
+        kept = node.lingering  # an earlier file's, under this name: not this one
+        if kept is not None and node.content is None and node.loading is None:
+            node.lingering = None
+            self.lingering.pop(node, None)
+            self._end_restore(node)
+            await self._close_content(kept)
+        if node.content is None and node.loading is None:
+            node.content = made
+            self.open_files += 1
+            self.idle_gen += 1
+        else:  # the file was opened meanwhile: this open joins that one
+            await self._thread(made.close)
 
     async def _drop_open(self, node: Node, commit: bool = True) -> None:
         """One open fewer; the last one saves the content if it changed, then closes it, or keeps
@@ -857,11 +877,14 @@ class Operations(fuse.Operations):
             return None
         return max(0.0, min(self.lingering.values()) - trio.current_time())
 
-    async def _new_handle(self, node: Node, flags: int, ctx: fuse.RequestContext) -> int:
-        """A handle for an open already counted by ``_acquire``."""
+    async def _new_handle(self, node: Node, flags: int, ctx: fuse.RequestContext, opener: int | None = None) -> int:
+        """A handle for an open already counted by ``_acquire`` (``opener``: its process, if known)."""
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         # The process, not the thread: its descriptor table tells which FLUSH is its last close.
-        opener = await self._thread(openers.task_group, ctx.pid) if writer and self.mountpoint else None
+        if opener is None and writer and self.mountpoint:
+            opener = await self._thread(openers.task_group, ctx.pid)
+        if not writer:
+            opener = None
         fh = self._next_fh
         self._next_fh += 1
         assert node.content is not None
@@ -993,22 +1016,29 @@ class Operations(fuse.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: fuse.RequestContext
     ) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
         rel = self._child(parent_inode, name)
-        args = (rel, stat.S_IMODE(mode), ctx.uid, ctx.gid)
-        try:  # in a thread: a create may wait in the file system's journal (durable: and its fsyncs)
-            await self._thread(self.repo.create, *args)
-        except OSError as e:
-            raise fuse.FUSEError(e.errno or errno.EIO) from None
+        pid = ctx.pid if self.mountpoint else None
+        try:  # one thread: a create may wait in the file system's journal (durable: and its fsyncs)
+            made, opener = await self._thread(self._made, rel, stat.S_IMODE(mode), ctx.uid, ctx.gid, pid)
+        except (IndexFormatError, ChunkMissing, ChunkCorrupt, OSError) as e:
+            log.log(logging.WARNING if isinstance(e, OSError) else logging.ERROR, "create of %s failed: %s", rel, e)
+            raise fuse.FUSEError(_errno_of(e)) from None
         node = self._remember(rel, False)
-        content = await self._acquire(node)  # loads the empty stub just made, or joins an open that did
+        content = await self._acquire(node, made=made)  # or joins an open that loaded it meanwhile
         try:
             await self._own_file(node, content)
         except BaseException:
             await self._drop_open(node, commit=False)
             raise
-        fh = await self._new_handle(node, flags, ctx)
+        fh = await self._new_handle(node, flags, ctx, opener)
         attrs = self._attrs(node)
         node.nlookup += 1
         return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content)), attrs
+
+    def _made(self, rel: str, mode: int, uid: int, gid: int, pid: int | None) -> tuple[FileContent, int | None]:
+        """A create's blocking part, one thread hop: the new stub, its content, the opener's process."""
+        self.repo.create(rel, mode, uid, gid)
+        content = self.files.load(rel)
+        return content, openers.task_group(pid) if pid is not None else None
 
     async def flush(self, fh: int) -> None:
         handle = self.handles[fh]
@@ -1017,13 +1047,9 @@ class Operations(fuse.Operations):
         content = handle.node.content
         if content is None or not content.dirty:
             return
-        if await self._thread(self._other_copy_closed, handle):
-            # A dup() or a child's copy (close-on-exec, exit) was closed while the writer still has
-            # the file open: committing now would install a prefix. Its own close (or the last
-            # release) commits.
-            log.debug("flush of %s from another copy of the descriptor: not a commit", handle.node.path)
-            return
-        await self._commit(handle.node, closing=True)
+        # A dup() or a child's copy (close-on-exec, exit) closed while the writer still has the file
+        # open: committing then would install a prefix. Its own close (or the last release) commits.
+        await self._commit(handle.node, closing=True, unless=functools.partial(self._other_copy_closed, handle))
 
     def _other_copy_closed(self, handle: Handle) -> bool:
         """True if the handle's opener still holds the file open for writing, so this FLUSH came
@@ -1079,10 +1105,13 @@ class Operations(fuse.Operations):
         if parent is not None:  # before the failing close() returns, so no new open finds the old inode
             await self._thread(self._invalidate_entry, parent.ino, os.fsencode(name))
 
-    async def _commit(self, node: Node, durable: bool = False, closing: bool = False) -> None:
+    async def _commit(
+        self, node: Node, durable: bool = False, closing: bool = False, unless: Callable[[], bool] | None = None
+    ) -> None:
         """Save the node's content as its stub if it changed (the atomic replace): stored now, or,
         a whole file handed to ingestion, its staged file named on the stub (``_stage``).
-        ``closing``: a writer's own close (its handle still counts among the node's writers)."""
+        ``closing``: a writer's own close (its handle still counts among the node's writers);
+        ``unless``: a blocking check that, true, makes this close not a commit (in the save's thread)."""
         content = node.content
         if content is None or not (content.dirty or durable):
             return
@@ -1103,9 +1132,11 @@ class Operations(fuse.Operations):
                 await self._forget_unsaved(node)
                 raise fuse.FUSEError(errno.EFBIG)
             if not durable and not self.repo.durable and self.ingester is not None and content.own_file():
-                await self._stage(node, content, start, copy=others > 0)
-                if others > 0:
+                if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
+                return
+            if unless is not None and await self._thread(unless):
+                log.debug("flush of %s from another copy of the descriptor: not a commit", node.path)
                 return
             try:
                 pending = await self._thread(self.files.prepare_save, content, node.path, durable)
@@ -1129,30 +1160,53 @@ class Operations(fuse.Operations):
             if node.writers - closing > 0 and content.whole is not None:
                 content.mark_changed()  # still open for writing: passthrough writes are unseen
 
-    async def _stage(self, node: Node, content: FileContent, start: float, copy: bool) -> None:
+    async def _stage(
+        self, node: Node, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
+    ) -> bool:
         """A save by its staged file: the commit point is naming the file on the stub (from then
-        on it is the snapshot, through a kill -9 too); ingestion stores it behind the close."""
+        on it is the snapshot, through a kill -9 too); ingestion stores it behind the close.
+        False if ``unless`` said this is not a commit."""
         assert self.ingester is not None
-        path, size, gen = await self._thread(content.seal, copy)
-        whole = self.repo.whole
-        assert whole is not None
-        try:
-            async with node.gate.use():
-                rel = node.path
-                if rel is None:  # unlinked while open: nothing to save
-                    await self._thread(whole.drop_staged, path)
-                    content.committed(gen)
-                    return
-                await self._thread(self.repo.stage, rel, path.name, size)
+        async with node.gate.use():
+            rel = node.path
+            try:
+                staged = await self._thread(self._seal_and_stage, content, copy, rel, unless)
+            except OSError as e:
+                log.error("saving %s failed, previous version kept: %s", node.path, e)
+                await self._forget_unsaved(node)
+                raise fuse.FUSEError(_errno_of(e)) from None
+            if staged is None:
+                log.debug("flush of %s from another copy of the descriptor: not a commit", node.path)
+                return False
+            path, size, gen = staged
+            if rel is not None:
                 self._carry_set_times(node, gen, rel)
-        except OSError as e:
-            await self._thread(whole.drop_staged, path)
-            log.error("saving %s failed, previous version kept: %s", node.path, e)
-            await self._forget_unsaved(node)
-            raise fuse.FUSEError(_errno_of(e)) from None
         content.committed(gen)
+        if rel is None:  # unlinked while open: nothing to save
+            return True
         self.staged_saves += 1
         self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        return True
+
+    def _seal_and_stage(
+        self, content: FileContent, copy: bool, rel: str | None, unless: Callable[[], bool] | None
+    ) -> tuple[Path, int, int] | None:
+        """A staged save's blocking part, one thread hop: the file sealed and named on the stub
+        (dropped if the file was unlinked); None, nothing done, if ``unless()``."""
+        if unless is not None and unless():
+            return None
+        whole = self.repo.whole
+        assert whole is not None
+        path, size, gen = content.seal(copy)
+        try:
+            if rel is not None:
+                self.repo.stage(rel, path.name, size)
+        except BaseException:
+            whole.drop_staged(path)
+            raise
+        if rel is None:
+            whole.drop_staged(path)
+        return path, size, gen
 
     def _queue_ingestion(self, node: Node, path: Path, size: int, closed_ms: float) -> None:
         assert self.ingester is not None

@@ -53,6 +53,7 @@ class StoreSettings:
     fuse_passthrough: bool = True  # the daemon's (fuse/): negotiate kernel passthrough where possible
     reopen_linger: int = 1  # seconds a closed, unchanged content stays loaded (the daemon's, fuse/)
     whole_files_dir: Path | None = None  # staged saves and hot copies (None: under /dev/shm)
+    whole_files_huge_pages: bool = True  # as root: the directory a tmpfs of its own with huge pages
     hot_tier_size: int = 8 << 30  # bytes of whole copies kept for restores (0: none)
     ingest_backlog: int = 4 << 30  # staged bytes waiting for ingestion beyond which a close waits
 

@@ -2,7 +2,7 @@
 
 ```
 WHOLE/                 default /dev/shm/kv-chunk-fs-UID/STORE-KEY: memory, survives a daemon
-                       restart, not a reboot
+                       restart, not a reboot; as root, a tmpfs of its own with huge pages (memfs)
   boot_id              the boot the files below were written in
   staged/              a save's bytes as the client wrote them (passed through), until ingested;
                        copies of an open file being rewritten
@@ -36,6 +36,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvchunkfs.store import memfs
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,10 @@ class HotStats:
     adopted: int = 0
 
 
-def open_whole_files(store: Path, configured: Path | None, budget: int) -> WholeFiles:
+def open_whole_files(store: Path, configured: Path | None, budget: int, huge_pages: bool = True) -> WholeFiles:
     """The store's whole-file directory: ``configured``, else under /dev/shm (else, with no
-    /dev/shm, ``STORE/whole``: saves then write whole files to the store's disk, logged). The hot
+    /dev/shm, ``STORE/whole``: saves then write whole files to the store's disk, logged); with
+    ``huge_pages``, a tmpfs of its own with huge pages where it can be (``memfs``). The hot
     tier's budget is capped at half the directory's file system: staged saves need room too."""
     if configured is not None:
         root, parents = configured, False
@@ -107,7 +110,7 @@ def open_whole_files(store: Path, configured: Path | None, budget: int) -> Whole
     else:
         root, parents = store / "whole", False
         log.warning("no /dev/shm: staged saves and whole copies go to %s, on the store's disk", root)
-    whole = WholeFiles(root, budget, create_parents=parents)
+    whole = WholeFiles(root, budget, create_parents=parents, huge_pages=huge_pages)
     sv = os.statvfs(root)
     cap = sv.f_blocks * sv.f_frsize // 2
     if whole.budget > cap:
@@ -121,7 +124,7 @@ class WholeFiles:
     """The staged files and the hot tier of one store (thread-safe: the lock guards only the
     in-memory table, never I/O)."""
 
-    def __init__(self, root: Path, budget: int, create_parents: bool = True) -> None:
+    def __init__(self, root: Path, budget: int, create_parents: bool = True, huge_pages: bool = False) -> None:
         self.root = root
         self.budget = budget  # bytes of hot copies kept (0: none outlives its last close)
         self.staged_dir = root / "staged"
@@ -131,11 +134,13 @@ class WholeFiles:
         self._hot: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._hot_bytes = 0
         _private_dir(root, create_parents)
+        # Before anything is made inside: a new mount hides what the directory held.
+        self.own_tmpfs = huge_pages and memfs.huge_tmpfs(root, self.staged_dir)
         for d in (self.staged_dir, self.hot_dir):
             _private_dir(d, False)
         self.boot = boot_id()
         self.rebooted = self._check_boot()
-        self.in_memory = _fs_type(root) in ("tmpfs", "ramfs")  # a read or write here never waits for a disk
+        self.in_memory = memfs.fs_type(root) in memfs.IN_MEMORY  # a read or write here never waits for a disk
         self._load_hot()
 
     # -- start ------------------------------------------------------------------------------
@@ -302,27 +307,9 @@ class WholeFiles:
         return sv.f_bavail * sv.f_frsize
 
     def remove_all(self) -> None:
-        """Delete the directory (tests, a store being removed)."""
+        """Delete the directory, its own tmpfs unmounted (tests, a store being removed)."""
+        memfs.unmount(self.root)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _fs_type(path: Path) -> str:
-    """The type of the file system ``path`` lives on (/proc/self/mountinfo: the longest mount point
-    that holds it); "" if unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                point = fields[4].replace("\\040", " ")
-                fstype = fields[fields.index("-") + 1]
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fstype
-    except (OSError, ValueError, IndexError):
-        return ""
-    return kind
 
 
 def _now_ns() -> int:

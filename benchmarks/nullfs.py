@@ -246,6 +246,10 @@ class NullOperations(fuse.Operations):
         self._unlink_name(name_new)
         del self.by_name[name_old]
         self.by_name[name_new] = f
+        if self.pass_files and f.path is not None and self.backing_dir is not None:  # as a save's rename does
+            new_path = self.backing_dir / os.fsdecode(name_new)
+            os.rename(f.path, new_path)
+            f.path = new_path
 
     async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         if inode == fuse.ROOT_INODE and name == STATS_XATTR:

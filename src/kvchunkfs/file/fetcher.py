@@ -14,7 +14,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +35,7 @@ READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed o
 STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
 STREAM_READERS = 2  # ... by this many workers (reads in flight) ...
 STREAM_RING = STREAM_READERS + 2  # ... into this many buffers it reuses
+SCATTER_READERS = 3  # workers reading and writing a put-back's pieces (the disk has 2-3 reads in flight)
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -239,6 +240,57 @@ class Fetcher:
             reads.stop.set()
             for _ in range(STREAM_READERS):
                 free.put(whole.data[:0])  # wakes readers waiting for a buffer
+
+    def scatter(
+        self,
+        index: Index,
+        write: Callable[[int, memoryview], None],
+        locations: dict[bytes, Location] | None = None,
+        readers: int = SCATTER_READERS,
+    ) -> Iterator[int]:
+        """Every stored byte of ``index`` read from the packs a piece at a time by ``readers``
+        workers, each piece checked and handed to ``write(offset, bytes)`` on the worker that read
+        it, so pieces are written in parallel while the disk reads the next ones; yields, in order,
+        the offset up to which every piece is written. Memory: ``readers + 2`` pieces, whatever
+        the file's size; nothing is cached. Returns (or raises the first error) only once no
+        worker is still writing."""
+        size = index.size
+        if not size:
+            return
+        ids = index.ids
+        known = locations if locations is not None and all(c in locations for c in ids) else None
+        found = known if known is not None else self.store.locate_many(ids)
+        pieces: list[tuple[int, int, int]] = []  # (first chunk, count, bytes)
+        i, last = 0, len(index) - 1
+        while i <= last:
+            n, length = _stream_run(index, i, last, found, max(STREAM_PIECE, index.length(i)))
+            pieces.append((i, n, length))
+            i += n
+        room = max(STREAM_PIECE, *(p[2] for p in pieces)) + SLACK  # SLACK: direct reads
+        ring = readers + 2
+        pool = self.buffers
+        whole = pool.take(room * ring, brief=True) if pool is not None else np.empty(room * ring, np.uint8)
+        free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for k in range(ring):
+            free.put(whole.data[k * room : (k + 1) * room])
+        reads = _PieceReads(pieces, free)
+
+        def work(j: int, n: int, length: int, buf: memoryview) -> memoryview:
+            view = self._stream_read(index, j, n, found, buf, length)
+            write(index.start(j), view)
+            return view
+
+        workers = [self.pool.submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
+        try:
+            for k, (j, _n, length) in enumerate(pieces):
+                buf, _ = reads.results[k].result()
+                free.put(buf)
+                yield index.start(j) + length
+        finally:
+            reads.stop.set()
+            for _ in workers:
+                free.put(whole.data[:0])  # wakes readers waiting for a buffer
+            wait(workers)  # none may write after the caller let go of the file
 
     def _stream_read(
         self, index: Index, i: int, n: int, found: dict[bytes, Location], room: memoryview, length: int

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,7 +69,9 @@ AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and stil
 PAGE = 4096
 
 # ``Fetcher.scatter``: (index, write(offset, bytes), known locations) -> offsets written up to.
-Scatter = Callable[[Index, Callable[[int, memoryview], None], "dict[bytes, Location] | None"], Iterator[int]]
+Scatter = Callable[
+    [Index, Callable[[int, memoryview], None], "dict[bytes, Location] | None"], Generator[int, None, None]
+]
 
 
 def _extents(fd: int) -> Iterator[bytes | int]:
@@ -457,8 +459,12 @@ class FileContent:
         # The groups: the record's, else parsed from their headers (a snapshot from before records).
         segs = self.groups.groups_before(index, index.size, self.read_chunks)
         out = putback.PutBack(fd, index.size, segs)
-        for written in scatter(index, out.write, locations):
-            out.sum_to(written)
+        pieces = scatter(index, out.write, locations)
+        try:
+            for written in pieces:
+                out.sum_to(written)
+        finally:
+            pieces.close()  # now, not when collected: no worker may write once the caller drops ``fd``
         file_sum = out.finish()
         if record is not None and file_sum != record.file_sum:
             raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file put back for a restore")

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -247,7 +247,7 @@ class Fetcher:
         write: Callable[[int, memoryview], None],
         locations: dict[bytes, Location] | None = None,
         readers: int = SCATTER_READERS,
-    ) -> Iterator[int]:
+    ) -> Generator[int, None, None]:
         """Every stored byte of ``index`` read from the packs a piece at a time by ``readers``
         workers, each piece checked and handed to ``write(offset, bytes)`` on the worker that read
         it, so pieces are written in parallel while the disk reads the next ones; yields, in order,

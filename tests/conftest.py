@@ -44,6 +44,7 @@ UNIT_MODULES = {
     "test_pack_store_units",
     "test_prefix_match",
     "test_prefixtree",
+    "test_putback",
     "test_stream_interleave",
     "test_units",
 }

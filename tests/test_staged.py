@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 from conftest import Mount, remove_whole_files
 from helpers import rand_bytes, wait_for_log, write_in_pieces
+from test_faults import chunk_location, pack_path
 from test_gc import gc_now
 
+from e2e import ggsq
 from kvchunkfs.store import stubs
 
 MiB = 1 << 20
@@ -136,6 +138,45 @@ def test_without_a_copy_a_restore_puts_one_back(kvfs: Mount) -> None:
     before = st["chunks_read"]
     assert kvfs.path("s").read_bytes() == data
     assert kvfs.stats()["chunks_read"] == before
+
+
+def test_a_put_back_keeps_no_chunk_in_memory_and_a_bad_chunk_leaves_no_copy(kvfs: Mount) -> None:
+    """A state file (chunker relayout: groups of several MiB stored token-major) put back from its
+    chunks: byte-exact, written straight to its whole copy (the chunk cache keeps none of it, so
+    memory does not grow with the file). With a chunk damaged on disk the open fails with EIO, a log
+    line names the chunk, and neither a part file nor a hot copy is left."""
+    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(2000, seed=9), ggsq.Spec(n_layer=12, row_bytes=512))
+    write_in_pieces(kvfs.path("s"), data, MiB)
+    kvfs.ingested()
+    kvfs.stop()
+    hot = kvfs.whole / "hot"
+    for f in hot.iterdir():  # as after a reboot
+        f.unlink()
+    kvfs.start_settled(["--hot-tier-size", "0"])
+    kvfs.catalog_loaded()  # it reads the first chunks of every snapshot
+    before = kvfs.stats()
+    assert kvfs.path("s").read_bytes() == data
+    after = kvfs.stats()
+    assert after["hot_put_backs"] - before["hot_put_backs"] == 1
+    assert after["cache_bytes"] == before["cache_bytes"], "the put-back kept chunks in memory"
+    assert after["chunks_read"] > before["chunks_read"]
+    assert not list(hot.iterdir()), "hot_tier_size 0: no copy outlives the restore"
+
+    kvfs.stop()
+    index = stubs.read_index(stub(kvfs, "s"))
+    victim = index.ids[len(index) // 2]  # inside a group
+    pack, off, length = chunk_location(kvfs.store, victim)
+    with open(pack_path(kvfs.store, pack), "r+b") as f:
+        f.seek(off + length // 3)
+        byte = f.read(1)
+        f.seek(off + length // 3)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    kvfs.start_settled()  # the hot tier on: a copy put back would be kept
+    with pytest.raises(OSError) as e:
+        kvfs.path("s").read_bytes()
+    assert e.value.errno == errno.EIO
+    assert not list(hot.iterdir()), "no part file and no hot copy of a put-back that failed"
+    assert victim.hex() in kvfs.log() and "fails its checksum" in kvfs.log()
 
 
 def test_the_hot_tier_keeps_its_budget(kvfs: Mount) -> None:

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from kvchunkfs.file import putback
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes, SaveSums
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
@@ -66,6 +67,11 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
+
+# ``Fetcher.scatter``: (index, write(offset, bytes), known locations) -> offsets written up to.
+Scatter = Callable[
+    [Index, Callable[[int, memoryview], None], "dict[bytes, Location] | None"], Generator[int, None, None]
+]
 
 
 def _extents(fd: int) -> Iterator[bytes | int]:
@@ -439,29 +445,30 @@ class FileContent:
 
     # -- staging ----------------------------------------------------------------------------
 
-    def write_whole(self, fd: int) -> int:
+    def write_whole(self, fd: int, scatter: Scatter) -> int:
         """Write the loaded snapshot's bytes in file order into the empty ``fd``, checked against
-        its file record's checksum (EIO, logged and counted, if they differ); the size. Blocking."""
+        its file record's checksum (EIO, logged and counted, if they differ); the size. Blocking.
+
+        ``scatter`` reads the stored stream in pieces on its workers and has each written where
+        the file has it (``Fetcher.scatter``, file/putback.py): a few pieces in memory at a time,
+        whatever the file's size."""
         with self.cond:
             index = self.index
             record = self._loaded_record()
-        segs = [x.seg for x in record.groups] if record is not None and record.form.groups_given else []
-        hasher = file_hasher()
-        pos = 0
-        for piece in self._file_pieces(index, 0, index.size, segs):
-            hasher.update(piece)
-            if not np.frombuffer(piece, np.uint8).any():  # zeros stay a hole (a sparse file stays sparse)
-                pos += len(piece)
-                continue
-            view = memoryview(piece)
-            while view:
-                n = os.pwrite(fd, view, pos)
-                view = view[n:]
-                pos += n
-        os.ftruncate(fd, pos)
-        if record is not None and hasher.digest() != record.file_sum:
+            locations = self.locations
+        # The groups: the record's, else parsed from their headers (a snapshot from before records).
+        segs = self.groups.groups_before(index, index.size, self.read_chunks)
+        out = putback.PutBack(fd, index.size, segs)
+        pieces = scatter(index, out.write, locations)
+        try:
+            for written in pieces:
+                out.sum_to(written)
+        finally:
+            pieces.close()  # now, not when collected: no worker may write once the caller drops ``fd``
+        file_sum = out.finish()
+        if record is not None and file_sum != record.file_sum:
             raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file put back for a restore")
-        return pos
+        return index.size
 
     def use_whole(self, fd: int, path: Path | None) -> None:
         """The content is the plain file ``fd``: this content's own (``path``: deleted at close)

@@ -12,9 +12,9 @@ import hashlib
 import logging
 import queue
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +35,7 @@ READ_PIECE = 512 << 10  # a run is read this much at a time, its chunks handed o
 STREAM_PIECE = 1 << 20  # ``stream`` reads this much at a time ...
 STREAM_READERS = 2  # ... by this many workers (reads in flight) ...
 STREAM_RING = STREAM_READERS + 2  # ... into this many buffers it reuses
+SCATTER_READERS = 3  # workers reading and writing a put-back's pieces (the disk has 2-3 reads in flight)
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
 
 
@@ -239,6 +240,101 @@ class Fetcher:
             reads.stop.set()
             for _ in range(STREAM_READERS):
                 free.put(whole.data[:0])  # wakes readers waiting for a buffer
+
+    def scatter(
+        self,
+        index: Index,
+        write: Callable[[int, memoryview], None],
+        locations: dict[bytes, Location] | None = None,
+        readers: int = SCATTER_READERS,
+    ) -> Generator[int, None, None]:
+        """Every stored byte of ``index`` read from the packs a piece at a time by ``readers``
+        workers, each piece checked and handed to ``write(offset, bytes)`` on the worker that read
+        it, so pieces are written in parallel while the disk reads the next ones; yields, in order,
+        the offset up to which every piece is written. Returns (or raises the first error) only
+        once no worker is still writing.
+
+        Memory: ``readers + 2`` pieces, whatever the file's size. Only chunks the file has again
+        later are cached (a repeat, zeros): a piece of repeats waits for the pieces that read them
+        and takes them from the cache (read again if evicted), so each chunk is read once."""
+        size = index.size
+        if not size:
+            return
+        ids = index.ids
+        known = locations if locations is not None and all(c in locations for c in ids) else None
+        found = known if known is not None else self.store.locate_many(ids)
+        repeated = {cid for cid, n in Counter(ids).items() if n > 1}
+        seen: dict[bytes, int] = {}  # chunk id -> the piece that reads it
+        pieces: list[tuple[int, int, int]] = []  # (first chunk, count, bytes)
+        after: list[int] = []  # per piece of repeats: the last piece it takes chunks from (-1: reads its own)
+        i, last = 0, len(index) - 1
+        while i <= last:
+            n, length, wait_for = 0, 0, -1
+            if ids[i] in seen:  # repeats, up to a piece's worth
+                while i + n <= last and ids[i + n] in seen and (not n or length + index.length(i + n) <= STREAM_PIECE):
+                    wait_for = max(wait_for, seen[ids[i + n]])
+                    length += index.length(i + n)
+                    n += 1
+            else:
+                run, _ = _stream_run(index, i, last, found, max(STREAM_PIECE, index.length(i)))
+                while n < run and ids[i + n] not in seen:  # a chunk read before ends it
+                    length += index.length(i + n)
+                    n += 1
+                for cid in ids[i : i + n]:
+                    seen.setdefault(cid, len(pieces))
+            pieces.append((i, n, length))
+            after.append(wait_for)
+            i += n
+        room = max(STREAM_PIECE, *(p[2] for p in pieces)) + SLACK  # SLACK: direct reads
+        ring = readers + 2
+        pool = self.buffers
+        whole = pool.take(room * ring, brief=True) if pool is not None else np.empty(room * ring, np.uint8)
+        free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for k in range(ring):
+            free.put(whole.data[k * room : (k + 1) * room])
+        reads = _PieceReads(pieces, free)
+        first = {j: k for k, (j, _, _) in enumerate(pieces)}
+
+        def work(j: int, n: int, length: int, buf: memoryview) -> memoryview:
+            k = first[j]
+            if after[k] >= 0:  # taken from the cache once the pieces that read them are done
+                reads.results[after[k]].result()
+                view = buf[:length]
+                at = 0
+                datas = self.get_many(ids[j : j + n])
+                _check_lengths(index, j, datas)
+                for data in datas:
+                    view[at : at + len(data)] = data
+                    at += len(data)
+            else:
+                view = self._stream_read(index, j, n, found, buf, length)
+                self._keep(index, j, n, view, repeated)
+            write(index.start(j), view)
+            return view
+
+        workers = [self.pool.submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
+        try:
+            for k, (j, _n, length) in enumerate(pieces):
+                buf, _ = reads.results[k].result()
+                free.put(buf)
+                yield index.start(j) + length
+        finally:
+            reads.stop.set()
+            for _ in workers:
+                free.put(whole.data[:0])  # wakes readers waiting for a buffer
+            wait(workers)  # none may write after the caller let go of the file
+
+    def _keep(self, index: Index, j: int, n: int, view: memoryview, repeated: set[bytes]) -> None:
+        """Cache the chunks of a piece just read that the file has again later (copies: the
+        piece's buffer is reused)."""
+        if not repeated:
+            return
+        at = 0
+        for i in range(j, j + n):
+            cid, length = index.ids[i], index.length(i)
+            if cid in repeated and cid not in self.cache:
+                self.cache.put(cid, bytes(view[at : at + length]))
+            at += length
 
     def _stream_read(
         self, index: Index, i: int, n: int, found: dict[bytes, Location], room: memoryview, length: int

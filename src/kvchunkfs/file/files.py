@@ -253,7 +253,7 @@ class Files:
         key = _hot_key(content)
         path, fd = whole.new_part() if key is not None else whole.new_staged()
         try:
-            size = content.write_whole(fd)
+            size = content.write_whole(fd, self.fetcher.scatter)
         except BaseException:
             os.close(fd)
             whole.drop_staged(path)

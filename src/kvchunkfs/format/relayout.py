@@ -42,13 +42,13 @@ def _parts(g: Group) -> tuple[int, int]:
     return g.lead + HEAD * g.count, g.cells * g.width
 
 
-def _transpose(dst: np.ndarray, src: np.ndarray) -> None:
+def transpose(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst`` = ``src``.T in blocks of rows (a plain transposing copy misses the cache)."""
     for r in range(0, src.shape[0], _BLOCK):
         dst[:, r : r + _BLOCK] = src[r : r + _BLOCK].T
 
 
-def _typed(a: np.ndarray, el: int) -> np.ndarray:
+def typed(a: np.ndarray, el: int) -> np.ndarray:
     """``a`` (last axis a whole number of elements) seen as ``el``-byte elements."""
     dt = _TYPED.get(el)
     return a.view(dt) if dt is not None else a.reshape(*a.shape[:-1], -1, el)
@@ -67,8 +67,8 @@ def _put(g: Group, records: np.ndarray, i: int, block: np.ndarray, back: bool, c
             cols[:] = rows
         return
     n = g.width // g.el
-    runs = _typed(block.reshape(n, g.cells * g.el), g.el).reshape(n, g.cells, -1)[:, c0 : c0 + k]
-    per_cell = _typed(cols, g.el).reshape(k, n, -1)
+    runs = typed(block.reshape(n, g.cells * g.el), g.el).reshape(n, g.cells, -1)[:, c0 : c0 + k]
+    per_cell = typed(cols, g.el).reshape(k, n, -1)
     if g.el not in _TYPED:  # an element size no integer type has: a plain (slower) transpose
         if back:
             runs[:] = per_cell.transpose(1, 0, 2)
@@ -76,12 +76,12 @@ def _put(g: Group, records: np.ndarray, i: int, block: np.ndarray, back: bool, c
             per_cell[:] = runs.transpose(1, 0, 2)
         return
     if back:
-        _transpose(runs[..., 0], per_cell[..., 0])
+        transpose(runs[..., 0], per_cell[..., 0])
     else:
-        _transpose(per_cell[..., 0], runs[..., 0])
+        transpose(per_cell[..., 0], runs[..., 0])
 
 
-def _heads(g: Group) -> list[tuple[int, int, int]]:
+def block_heads(g: Group) -> list[tuple[int, int, int]]:
     """Per block: (its header's offset in the stream, in the file, its length); its rows follow
     the header in the file."""
     out, hp, at = [], 0, 0
@@ -106,7 +106,7 @@ def _permute(seg: Segment, src: Buffer, back: bool, out: np.ndarray | None = Non
     o = _room(out, len(s))
     stream, file = (s, o) if back else (o, s)
     records = stream[heads:].reshape(g.cells, g.count * g.width)
-    for i, (hp, at, h) in enumerate(_heads(g)):
+    for i, (hp, at, h) in enumerate(block_heads(g)):
         if back:
             file[at : at + h] = stream[hp : hp + h]
         else:
@@ -147,7 +147,7 @@ def rows_of(g: Group, off: int, size: int) -> Rows | None:
     otherwise. A read of a few rows needs only their records: ``cut_rows`` takes the rows out."""
     if g.el or size <= 0:
         return None
-    for i, (_hp, at, h) in enumerate(_heads(g)):
+    for i, (_hp, at, h) in enumerate(block_heads(g)):
         rows = at + h
         if rows <= off and off + size <= rows + g.cells * g.width:
             first, last = (off - rows) // g.width, -(-(off + size - rows) // g.width)
@@ -171,7 +171,7 @@ def file_range(g: Group, read_stored: ReadAt, off: int, size: int) -> bytes | No
     heads, body = _parts(g)
     rec = g.count * g.width
     end, out = off + size, bytearray()
-    for i, (hp, at, h) in enumerate(_heads(g)):
+    for i, (hp, at, h) in enumerate(block_heads(g)):
         lo, hi = max(off, at), min(end, at + h)
         if lo < hi:
             out += read_stored(hp + lo - at, hi - lo)
@@ -197,7 +197,7 @@ class Unpermute:
         assert g is not None
         self.g = g
         self.heads, self.body = _parts(g)
-        self.blocks = _heads(g)
+        self.blocks = block_heads(g)
         n = self.heads + g.count * self.body
         self.out = _room(out, n)
         self.data = self.out.data

@@ -1362,6 +1362,7 @@ class Operations(fuse.Operations):
                 "chunks_read": self.files.fetcher.chunks_read,
                 "cache_hits": self.files.cache.hits,
                 "cache_misses": self.files.cache.misses,
+                "cache_bytes": self.files.cache.size,
                 "restore_buffers_reused": self.files.buffers.reused,
                 "saves": self.saves,
                 "restores": self.restores,

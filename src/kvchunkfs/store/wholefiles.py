@@ -254,6 +254,9 @@ class WholeFiles:
     def hot_commit(self, path: Path, key: str, size: int, put_back: bool = True) -> None:
         """``path`` (a verified whole copy: a put-back part, or an ingested staged file) becomes the
         hot copy ``key``; with a budget of 0 it is unlinked (open fds keep it readable)."""
+        if put_back:
+            with self._lock:
+                self.stats.put_backs += 1  # kept or not: the restore was put back
         if self.budget <= 0 or size > self.budget:
             self.drop_staged(path)
             return
@@ -262,9 +265,7 @@ class WholeFiles:
             old = self._hot.pop(key, None)
             self._hot_bytes += size - (old or 0)
             self._hot[key] = size
-            if put_back:
-                self.stats.put_backs += 1
-            else:
+            if not put_back:
                 self.stats.adopted += 1
         self.evict()
 

@@ -4,9 +4,9 @@ Builds a store (through the store layer: real chunks in a real pack, real map ro
 holding one snapshot ``big`` whose index names ``--chunks`` distinct chunks (1,000,000 by default:
 the index of a 64 GiB file of 64 KiB chunks). The chunks are ``--chunk-bytes`` long (64 by default)
 so the store stays small: what an index costs depends on its number of entries, not on the bytes
-they name. Then mounts it with the real daemon (``kv-chunk-fs mount``, the hot tier too small to
-take the file, as it would be for 64 GiB: it is served from its chunks; the read-ahead as many
-chunks as the default's 32 MiB of 64 KiB chunks) and reports the daemon's
+they name. Then mounts it with the real daemon (``kv-chunk-fs mount``; its whole files on a 32 MiB
+tmpfs, too small to take the file, as /dev/shm would be for 64 GiB: it is served from its chunks,
+not put back whole; the read-ahead as many chunks as the default's 32 MiB of 64 KiB chunks) and reports the daemon's
 peak RSS growth (``VmHWM`` reset through ``/proc/PID/clear_refs`` before each step) for:
 
 * mount: the daemon started on the store with ``big`` (its catalog load and GC walk at mount read
@@ -74,14 +74,15 @@ def is_mounted(path: Path) -> bool:
 
 
 class Daemon:
-    def __init__(self, store: Path, mnt: Path, log: Path, readahead: int) -> None:
-        self.store, self.mnt, self.log, self.readahead = store, mnt, log, readahead
+    def __init__(self, store: Path, mnt: Path, log: Path, readahead: int, whole: Path) -> None:
+        self.store, self.mnt, self.log, self.readahead, self.whole = store, mnt, log, readahead, whole
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        whole = self.whole / self.store.name
         cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), "--gc-interval", "0",
-               "--hot-tier-size", "1MiB", "--readahead", str(self.readahead), "--whole-files-dir", str(self.store.parent / f"{self.store.name}.whole"),
+               "--hot-tier-size", "1MiB", "--readahead", str(self.readahead), "--whole-files-dir", str(whole),
                str(self.mnt)]  # fmt: skip
         before = self._settled_lines()
         with open(self.log, "ab") as log:
@@ -144,16 +145,19 @@ def main() -> int:
         print(f"built {args.chunks} chunks in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     # The default read-ahead (32 MiB) is 512 chunks of 64 KiB: as many of these small ones.
     readahead = 512 * args.chunk_bytes
+    whole = work / "whole"
+    whole.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(whole)], check=True)
     shutil.rmtree(empty, ignore_errors=True)
     Repository(empty, StoreSettings(chunker="cdc")).close()
-    daemon = Daemon(empty, mnt, work / "empty.log", readahead)
+    daemon = Daemon(empty, mnt, work / "empty.log", readahead, whole)
     out: dict[str, float] = {}
     size = args.chunks * args.chunk_bytes
     try:
         daemon.start()
         without = daemon.status("VmHWM"), daemon.status("VmRSS")
         daemon.stop()
-        daemon = Daemon(store, mnt, work / "daemon.log", readahead)
+        daemon = Daemon(store, mnt, work / "daemon.log", readahead, whole)
         daemon.start()
         out["mount (catalog load): peak RSS growth MiB"] = daemon.status("VmHWM") - without[0]
         out["mount: RSS growth after MiB"] = daemon.status("VmRSS") - without[1]
@@ -176,6 +180,7 @@ def main() -> int:
             daemon.proc.kill()
             daemon.proc.wait()
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, capture_output=True)
+        subprocess.run(["umount", str(whole)], check=False)
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     out = {k: round(v, 1) for k, v in out.items()}

@@ -341,9 +341,7 @@ class Files:
         return data, size, mark, staged, h
 
     @staticmethod
-    def _same_load(
-        now: tuple[bytes, int], size: int | None, then: tuple[bytes, int] | None, index: Index
-    ) -> bool:
+    def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int] | None, index: Index) -> bool:
         """Whether a stub read ``now`` (the SHA-256 of its bytes, the map's drop generation) with
         size xattr ``size`` is still what ``index`` was loaded from ``then``: the bytes compared
         (stubs are replaced, never edited, but an inode number can be reused)."""

@@ -549,3 +549,47 @@ def test_a_wait_for_a_group_is_called_back_once_when_it_may_be_read() -> None:
 
     failing.run(index, broken)
     assert calls[-1] == "failed" and isinstance(failing.error, OSError)
+
+
+def test_a_large_index_is_checked_in_batches_and_read_without_kept_locations(tmp_path: Path, monkeypatch):
+    """Past LOCATE_ALL chunks an open keeps no location per chunk (reads look up their window),
+    still checks every chunk's length against the map, and reads the right bytes; its pin is the
+    index. Shrunk limits stand in for an index of a million chunks."""
+    from kvchunkfs.file import fetcher
+    from kvchunkfs.file import files as files_mod
+    from kvchunkfs.store.stubs import StubError
+
+    monkeypatch.setattr(files_mod, "LOCATE_ALL", 8)
+    monkeypatch.setattr(files_mod, "CHECK_BATCH", 5)
+    monkeypatch.setattr(fetcher, "LOCATE_ALL", 8)
+    repo = Repository(tmp_path, StoreSettings(chunker="cdc", readahead=4096))
+    files = Files(repo)
+    try:
+        chunks = [rand_bytes(300 + 7 * i, i) for i in range(40)]
+        index = repo.empty_index()
+        for c in chunks:
+            index.append(chunk_id(c), len(c))
+        owner = object()
+        repo.store.put_many([(chunk_id(c), c) for c in chunks], owner)
+        repo.install(repo.prepare_stub(index, None, False), "big")
+        repo.store.unpin(owner)
+        whole = b"".join(chunks)
+        content = files.load("big")
+        try:
+            assert content.locations == {} and content.all_local
+            assert content.read(0, len(whole) + 1, files.read_chunks) == whole
+            assert content.read(5000, 3000, files.read_chunks) == whole[5000:8000]
+            assert repo.store.is_pinned(chunk_id(chunks[33])) and not repo.store.is_pinned(b"\1" * 32)
+        finally:
+            content.close()
+        assert not repo.store.is_pinned(chunk_id(chunks[33]))
+        liar = index.copy()
+        liar.ends[37] += 1  # chunk 37 one byte longer in the index than in the map (a later batch)
+        for i in range(38, 40):
+            liar.ends[i] += 1
+        repo.install(repo.prepare_stub(liar, None, False), "liar")
+        with pytest.raises(StubError, match="chunk 37"):
+            files.load("liar")
+    finally:
+        files.close()
+        repo.close()

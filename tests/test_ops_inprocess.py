@@ -71,7 +71,7 @@ def run(root: Path, test: Callable[[Harness], Awaitable[None]]) -> None:
 
 
 def pins(h: Harness) -> int:
-    return len(h.repo.store.pins)
+    return len(h.repo.store.pins.keys() | h.repo.store.index_pins.keys())
 
 
 # -- bug 2: concurrent opens, truncate by path --------------------------------------------------

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import struct
 import threading
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import rand_bytes, write_content
 from hypothesis import given, settings
@@ -52,6 +56,93 @@ def test_index_rejects_garbage(mangle):
     ix.append(b"\x02" * 32, 10)
     with pytest.raises(idx.IndexFormatError):
         idx.decode(mangle(idx.encode(ix)))
+
+
+def _ids(n: int, seed: bytes = b"") -> list[bytes]:
+    return [hashlib.sha256(seed + i.to_bytes(8, "little")).digest() for i in range(n)]
+
+
+def test_index_reads_its_entries_and_finds_offsets():
+    ix = idx.Index(1, 2, 3)
+    ids = _ids(5)
+    for k, cid in enumerate(ids):
+        ix.append(cid, 10 * (k + 1))  # ends 10, 30, 60, 100, 150
+    assert len(ix) == len(ix.ids) == len(ix.ends) == 5 and ix.size == 150
+    assert ix.ends == [10, 30, 60, 100, 150] and list(ix.ids) == ids and ix.ids == ids
+    assert ix.ids[-1] == ids[4] and ix.ids[1:3] == ids[1:3] and ix.ends[-2:] == [100, 150]
+    assert [ix.start(i) for i in range(5)] == [0, 10, 30, 60, 100]
+    assert [ix.length(i) for i in range(5)] == [10, 20, 30, 40, 50]
+    assert [ix.find(o) for o in (0, 9, 10, 29, 30, 149, 150, 10**9)] == [0, 0, 1, 1, 2, 4, 5, 5]
+    assert ids[3] in ix.ids and b"\0" * 32 not in ix.ids and ix.ends[0].to_bytes(8, "little") + b"\0" * 24 not in ix.ids
+    with pytest.raises(IndexError):
+        ix.ids[5]
+    with pytest.raises(ValueError):
+        ix.append(b"short", 1)
+    ix.pop()
+    assert ix.size == 100 and ix.ids == ids[:4]
+    empty = idx.Index(1, 2, 3)
+    assert empty.size == 0 and empty.find(0) == 0 and list(empty.ids) == [] and not empty.might_hold(ids[0])
+    assert idx.decode(idx.encode(empty)) == empty
+
+
+def test_index_copies_are_independent_and_share_until_changed():
+    ix = idx.decode(idx.encode(idx.Index(1, 2, 3, [5, 9], _ids(2))))
+    copy = ix.copy()
+    assert copy == ix and copy is not ix
+    copy.ids[0] = b"\7" * 32
+    copy.ends[1] = 12
+    copy.append(b"\x08" * 32, 3)
+    assert ix.ends == [5, 9] and ix.ids == _ids(2), "a change to a copy reached the original"
+    assert copy.ends == [5, 12, 15] and copy.ids == [b"\7" * 32, _ids(2)[1], b"\x08" * 32]
+    again = copy.copy()
+    copy.pop()
+    assert len(again) == 3 and len(copy) == 2
+    assert idx.decode(idx.encode(again)) == again
+
+
+def test_index_might_hold_never_misses_an_id():
+    ix = idx.Index(1, 2, 3)
+    for cid in _ids(1000):
+        ix.append(cid, 7)
+    assert all(ix.might_hold(cid) for cid in _ids(1000))
+    assert sum(ix.might_hold(cid) for cid in _ids(1000, b"other")) == 0  # 64-bit prefixes: no collision here
+    ix.append(b"\1" * 32, 1)  # a change: the prefixes are sorted again
+    assert ix.might_hold(b"\1" * 32)
+
+
+@pytest.mark.parametrize("at", [0, 1, 999])
+def test_index_rejects_offsets_not_increasing_anywhere(at: int):
+    ix = idx.Index(1, 2, 3)
+    for cid in _ids(1000):
+        ix.append(cid, 10)
+    ix.ends[at] = ix.ends[at - 1] if at else 0
+    with pytest.raises(idx.IndexFormatError, match="not increasing"):
+        idx.decode(idx.encode(ix))
+
+
+def test_decoding_a_million_chunk_index_costs_no_object_per_chunk():
+    """An index of a million chunks (a 64 GiB file) decodes into its own 40 MB of table, shared
+    with the bytes read: a few MiB more at the peak, not ~110 bytes of Python objects per chunk."""
+    n = 1_000_000
+    table = np.zeros(n, dtype=[("end", "<u8"), ("id", "V32")])
+    table["end"] = np.arange(1, n + 1, dtype=np.uint64) * 65536
+    table["id"] = np.frombuffer(hashlib.shake_256(b"ids").digest(32 * n), dtype="V32")
+    header = struct.pack("<6Q2Q", 48, idx.CA_FORMAT_INDEX, idx.FEATURE_FLAGS, 16384, 65536, 262144,
+                         0xFFFFFFFFFFFFFFFF, idx.CA_FORMAT_TABLE)  # fmt: skip
+    tail = struct.pack("<5Q", 0, 0, 48, 16 + 40 * n + 40, idx.CA_FORMAT_TABLE_TAIL_MARKER)
+    data = header + table.tobytes() + tail
+    del table
+    tracemalloc.start()
+    try:
+        index = idx.decode(data)
+        assert len(index) == n and index.size == n * 65536
+        assert index.find(n * 65536 // 2) == n // 2 and index.length(n - 1) == 65536
+        assert index.ids[n - 1] == data[-40 - 32 : -40]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MiB, f"decoding took {peak / MiB:.0f} MiB above the index bytes"
+    assert idx.encode(index) == data
 
 
 @settings(max_examples=30, deadline=None)
@@ -458,3 +549,47 @@ def test_a_wait_for_a_group_is_called_back_once_when_it_may_be_read() -> None:
 
     failing.run(index, broken)
     assert calls[-1] == "failed" and isinstance(failing.error, OSError)
+
+
+def test_a_large_index_is_checked_in_batches_and_read_without_kept_locations(tmp_path: Path, monkeypatch):
+    """Past LOCATE_ALL chunks an open keeps no location per chunk (reads look up their window),
+    still checks every chunk's length against the map, and reads the right bytes; its pin is the
+    index. Shrunk limits stand in for an index of a million chunks."""
+    from kvchunkfs.file import fetcher
+    from kvchunkfs.file import files as files_mod
+    from kvchunkfs.store.stubs import StubError
+
+    monkeypatch.setattr(files_mod, "LOCATE_ALL", 8)
+    monkeypatch.setattr(files_mod, "CHECK_BATCH", 5)
+    monkeypatch.setattr(fetcher, "LOCATE_ALL", 8)
+    repo = Repository(tmp_path, StoreSettings(chunker="cdc", readahead=4096))
+    files = Files(repo)
+    try:
+        chunks = [rand_bytes(300 + 7 * i, i) for i in range(40)]
+        index = repo.empty_index()
+        for c in chunks:
+            index.append(chunk_id(c), len(c))
+        owner = object()
+        repo.store.put_many([(chunk_id(c), c) for c in chunks], owner)
+        repo.install(repo.prepare_stub(index, None, False), "big")
+        repo.store.unpin(owner)
+        whole = b"".join(chunks)
+        content = files.load("big")
+        try:
+            assert content.locations == {} and content.all_local
+            assert content.read(0, len(whole) + 1, files.read_chunks) == whole
+            assert content.read(5000, 3000, files.read_chunks) == whole[5000:8000]
+            assert repo.store.is_pinned(chunk_id(chunks[33])) and not repo.store.is_pinned(b"\1" * 32)
+        finally:
+            content.close()
+        assert not repo.store.is_pinned(chunk_id(chunks[33]))
+        liar = index.copy()
+        liar.ends[37] += 1  # chunk 37 one byte longer in the index than in the map (a later batch)
+        for i in range(38, 40):
+            liar.ends[i] += 1
+        repo.install(repo.prepare_stub(liar, None, False), "liar")
+        with pytest.raises(StubError, match="chunk 37"):
+            files.load("liar")
+    finally:
+        files.close()
+        repo.close()

@@ -177,7 +177,8 @@ class FileContent:
         self.hook: Callable[[str], None] | None = None  # tests: called at the worker's steps
         # Where the loaded index's chunks were when it was opened (may go stale: readers re-locate).
         self.locations: dict[bytes, Location] | None = None
-        # The stub's bytes and the map's drop generation it was loaded from; None once changed.
+        self.all_local = False  # the map had every chunk at load (else the shared tier may have them)
+        # The SHA-256 of the stub's bytes and the map's drop generation it was loaded from; None once changed.
         self.loaded_from: tuple[bytes, int] | None = None
         self.mode = Mode.CLEAN
         self.cond = threading.Condition()
@@ -203,7 +204,7 @@ class FileContent:
         self._scheduled = False  # a turn of this file is queued or running in the pool
         self._stop = False
         self._drain = False
-        store.pin(self, index.ids)
+        store.pin_index(self, index)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -305,8 +306,7 @@ class FileContent:
             last_chunk = bytes(self.groups.read_file(loaded, state.pos, loaded.size - state.pos, read))
             sums = self._base_sums(loaded, state.pos, last_chunk, record)
             while base.size > state.pos:
-                base.ends.pop()
-                base.ids.pop()
+                base.pop()
             assert base.size == state.pos
         with self.cond:
             if self.mode is Mode.CLEAN:

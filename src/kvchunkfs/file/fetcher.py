@@ -37,6 +37,9 @@ STREAM_READERS = 2  # ... by this many workers (reads in flight) ...
 STREAM_RING = STREAM_READERS + 2  # ... into this many buffers it reuses
 SCATTER_READERS = 3  # workers reading and writing a put-back's pieces (the disk has 2-3 reads in flight)
 SEQ_SLACK = 4 << 20  # kernel read-ahead may reorder a few concurrent requests
+# Up to this many chunks (a 4 GiB file of 64 KiB chunks), a file's chunks are looked up all at once
+# and the locations kept (~280 bytes a chunk); a larger file's per read-ahead window.
+LOCATE_ALL = 65536
 
 
 class Run:
@@ -140,8 +143,9 @@ class Cursor:
     next_offset: int = 0
     prefetched_to: int = 0  # chunk number up to which read-ahead has been scheduled
     # Locations of the file's chunks, looked up in one batch at the first read-ahead instead of
-    # one query per window. A stale entry (GC moved the chunk) shows up as a vanished pack or a
-    # checksum mismatch and is looked up again.
+    # one query per window (empty for a file of more than ``LOCATE_ALL`` chunks: per window). A
+    # stale entry (GC moved the chunk) shows up as a vanished pack or a checksum mismatch and is
+    # looked up again.
     locations: dict[bytes, Location] | None = None
 
 
@@ -456,7 +460,7 @@ class Fetcher:
         cursor.prefetched_to = max(cursor.prefetched_to, i)
         if wanted:
             if cursor.locations is None:
-                cursor.locations = self._locate(index.ids, wanted)
+                cursor.locations = self._locate(index.ids, wanted) if len(index) <= LOCATE_ALL else {}
             for run in self._runs(wanted, cursor.locations):
                 self.pool.submit(self._read_run, run, wanted)
 

@@ -18,10 +18,11 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.file.fetcher import LOCATE_ALL, ChunkCache, Fetcher
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 DECODERS = 8  # threads putting groups back, for all open files (more decodes wait for one)
 BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
+CHECK_BATCH = 16384  # chunks of a large index looked up (and checked) at a time at open
+HASHED_READ = 1 << 20  # a larger stub is first only hashed: a reopen need not hold its bytes
 
 
 @dataclass
@@ -78,8 +81,9 @@ class Files:
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
         # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
         # for locations looked up at open. Only touched under store.lock, in load.
-        # Keyed by path, valid while the stub's bytes are the same (compared whole: a few hundred KB).
-        # Also keyed by the store's ``drop_gen``: eviction drops rows a remembered load relied on.
+        # Keyed by path, valid while the stub's bytes are the same (their SHA-256 compared, with the
+        # file record's and the staged mark's). Also keyed by the store's ``drop_gen``: eviction
+        # drops rows a remembered load relied on. The index is a copy sharing the open's table.
         self._loaded: OrderedDict[str, tuple[bytes, int, Index, dict[bytes, Location]]] = OrderedDict()
         # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
         # without cutting them (file/predict.py).
@@ -273,7 +277,7 @@ class Files:
         remote = self.repo.remote
         if remote is None:
             return content
-        if len(content.locations or ()) == len(set(content.index.ids)):
+        if content.all_local:
             remote.mark_partial(rel, False)
             return content
         # Chunks only the bucket has (a snapshot another host saved, or chunks evicted under
@@ -288,15 +292,16 @@ class Files:
         finally:
             first.close()
             self.repo.store.unpin(owner)
-        remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
+        remote.mark_partial(rel, not content.all_local)
         return content
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
-            index, found, loaded_from, record, staged = self._checked_index(rel)
+            index, found, complete, loaded_from, record, staged = self._checked_index(rel)
             content = self.content(index)
         content.staged = staged
         content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
+        content.all_local = complete
         content.loaded_from = loaded_from
         content.use_record(record, rel)
         return content
@@ -308,80 +313,113 @@ class Files:
         if content.loaded_from is None:
             return False
         try:
-            data, size, record, staged = self._read_stub(self.repo.path(rel))
+            _raw, size, _record_mark, staged, h = self._read_stub(self.repo.path(rel), keep=False)
         except OSError:
             return False
-        now = (data + record + _staged_mark(staged), self.repo.store.drop_gen)
-        return self._same_load(now, size, content.loaded_from, content.index)
+        digest = _digest(h, staged)
+        return self._same_load((digest, self.repo.store.drop_gen), size, content.loaded_from, content.index)
 
     @staticmethod
-    def _read_stub(path: Path) -> tuple[bytes, int | None, bytes, stubs.Staged | None]:
+    def _read_stub(path: Path, keep: bool = True) -> tuple[bytes | None, int | None, bytes, stubs.Staged | None, Any]:
         """(index bytes, size xattr, file record bytes with a length mark: b"" if none, staged
-        save), all from one open of the stub."""
+        save, a SHA-256 of the first and the third: see ``_digest``), all from one open of the
+        stub. Without ``keep``, the index bytes of a stub over ``HASHED_READ`` are only hashed (None)."""
         fd = stubs.open_stub(path)
         try:
-            data, size = stubs.read_stub(fd)
+            data: bytes | None = None
+            if keep or os.fstat(fd).st_size <= HASHED_READ:
+                data, size = stubs.read_stub(fd)
+                h = hashlib.sha256(data)
+            else:
+                h, size = stubs.hash_stub(fd), stubs.stub_size(fd)
             record = stubs.read_record(fd)
             staged = stubs.read_staged(fd)
         finally:
             os.close(fd)
         mark = b"" if record is None else record + len(record).to_bytes(4, "little") + b"\x01"
-        return data, size, mark, staged
+        h.update(mark)
+        return data, size, mark, staged, h
 
     @staticmethod
-    def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int], index: Index) -> bool:
-        """Whether a stub read ``now`` (its bytes, the map's drop generation) with size xattr ``size``
-        is still what ``index`` was loaded from ``then``: the bytes compared whole (stubs are
-        replaced, never edited, but an inode number can be reused)."""
+    def _same_load(now: tuple[bytes, int], size: int | None, then: tuple[bytes, int] | None, index: Index) -> bool:
+        """Whether a stub read ``now`` (the SHA-256 of its bytes, the map's drop generation) with
+        size xattr ``size`` is still what ``index`` was loaded from ``then``: the bytes compared
+        (stubs are replaced, never edited, but an inode number can be reused)."""
         return now == then and size in (None, index.size)
 
     def _checked_index(
         self, rel: str
-    ) -> tuple[Index, dict[bytes, Location], tuple[bytes, int], FileRecord | None, stubs.Staged | None]:
-        """The snapshot's index (a copy: an open file may change it), its chunks' locations,
-        checked against the map, its file record and its staged save; remembered while the stub's bytes (its
-        record's too) stay the same, if the map had every chunk (one it lacked may arrive later: a
-        fetch from the shared tier, a recovery)."""
+    ) -> tuple[Index, dict[bytes, Location], bool, tuple[bytes, int], FileRecord | None, stubs.Staged | None]:
+        """The snapshot's index (a copy: an open file may change it), its chunks' locations (all of
+        them for an index of up to ``LOCATE_ALL`` chunks, else none: reads look them up), checked
+        against the map, whether the map has every chunk, its file record and its staged save;
+        remembered while the stub's bytes (its record's too) stay the same, if the map had every
+        chunk (one it lacked may arrive later: a fetch from the shared tier, a recovery)."""
         path = self.repo.path(rel)
-        raw, size, mark, staged = self._read_stub(path)
-        if self.repo.whole is None:  # an offline tool: the chunk store's version (the mount stores the staged one)
-            staged = None
         for _ in range(3):
-            if staged is None or self._staged_present(staged):
-                break
-            # Gone: stored meanwhile (ingestion replaced the stub, then took the file into the hot
-            # tier: read the stub again), or lost if the stub still names it.
-            raw, size, mark, again = self._read_stub(path)
-            if again != staged:
-                staged = again
-                continue
-            # A version kept for a power cut put back after its staged file was stored, or the file
-            # deleted: the index beside it, the version before, is the snapshot.
-            log.error("the save of %s is lost (its staged copy %s is gone): its previous version is served",
-                      rel, staged.name)  # fmt: skip
-            with contextlib.suppress(OSError):
-                self.repo.unstage(rel)
-            staged = None
-        data = raw + mark + _staged_mark(staged)  # what the content was loaded from
-        gen = self.repo.store.drop_gen
-        if staged is not None:  # the staged file is the snapshot; the index beside it is the version before
-            return self.repo.empty_index(), {}, (data, gen), None, staged
-        hit = self._loaded.get(rel)
-        if hit is not None and self._same_load((data, gen), size, (hit[0], hit[1]), hit[2]):
-            self._loaded.move_to_end(rel)
-            return hit[2].copy(), hit[3], (data, gen), _record(mark, hit[2].size, path), staged
-        index = stubs.decode_stub(raw, size, path)
-        record = _record(mark, index.size, path)
-        found = self.repo.store.locate_many(index.ids)
-        bad = self.repo.store.length_mismatch(index, found)
-        if bad is not None:
-            raise StubError(f"{rel}: {bad}")
-        if len(found) == len(dict.fromkeys(index.ids)):
-            self._loaded[rel] = (data, gen, index.copy(), found)
-            self._loaded.move_to_end(rel)
-            while len(self._loaded) > LOADS_KEPT:
-                self._loaded.popitem(last=False)
-        return index, found, (data, gen), record, staged
+            raw, size, mark, staged, h = self._read_stub(path, keep=False)
+            if self.repo.whole is None:  # an offline tool: the chunk store's version (the mount stores the staged one)
+                staged = None
+            for _ in range(3):
+                if staged is None or self._staged_present(staged):
+                    break
+                # Gone: stored meanwhile (ingestion replaced the stub, then took the file into the hot
+                # tier: read the stub again), or lost if the stub still names it.
+                raw, size, mark, again, h = self._read_stub(path, keep=False)
+                if again != staged:
+                    staged = again
+                    continue
+                # A version kept for a power cut put back after its staged file was stored, or the file
+                # deleted: the index beside it, the version before, is the snapshot.
+                log.error("the save of %s is lost (its staged copy %s is gone): its previous version is served",
+                          rel, staged.name)  # fmt: skip
+                with contextlib.suppress(OSError):
+                    self.repo.unstage(rel)
+                staged = None
+            digest = _digest(h, staged)  # what the content is loaded from
+            gen = self.repo.store.drop_gen
+            if staged is not None:  # the staged file is the snapshot; the index beside it is the version before
+                return self.repo.empty_index(), {}, False, (digest, gen), None, staged
+            hit = self._loaded.get(rel)
+            if hit is not None and self._same_load((digest, gen), size, (hit[0], hit[1]), hit[2]):
+                self._loaded.move_to_end(rel)
+                return hit[2].copy(), hit[3], True, (digest, gen), _record(mark, hit[2].size, path), staged
+            if raw is None:  # only hashed: read it now, the same bytes unless replaced meanwhile
+                raw, size, mark, again, h = self._read_stub(path)
+                if again != staged or _digest(h, staged) != digest:
+                    continue
+            assert raw is not None
+            index = stubs.decode_stub(raw, size, path)
+            del raw  # the index shares it
+            record = _record(mark, index.size, path)
+            found, complete = self._locate_checked(rel, index)
+            if complete:
+                self._loaded[rel] = (digest, gen, index.copy(), found)
+                self._loaded.move_to_end(rel)
+                while len(self._loaded) > LOADS_KEPT:
+                    self._loaded.popitem(last=False)
+            return index, found, complete, (digest, gen), record, staged
+        raise StubError(f"{rel}: its stub keeps being replaced as it is opened")
+
+    def _locate_checked(self, rel: str, index: Index) -> tuple[dict[bytes, Location], bool]:
+        """The locations of the index's chunks (none kept for one of more than ``LOCATE_ALL``
+        chunks: looked up and checked ``CHECK_BATCH`` at a time, then dropped) and whether the map
+        has every one; StubError if the map gives one of them another length."""
+        store = self.repo.store
+        keep = len(index) <= LOCATE_ALL
+        step = max(1, len(index)) if keep else CHECK_BATCH
+        kept: dict[bytes, Location] = {}
+        complete = True
+        for lo in range(0, len(index), step):
+            ids = index.ids[lo : lo + step]
+            found = store.locate_many(ids)
+            bad = store.length_mismatch(index, found, lo, lo + len(ids))
+            if bad is not None:
+                raise StubError(f"{rel}: {bad}")
+            complete = complete and all(cid in found for cid in ids)
+            if keep:
+                kept = found
+        return kept, complete
 
     def prepare_save(self, content: FileContent, rel: str | None, durable: bool) -> PendingSave:
         """Chunk what is still queued, sync if durable, write the new stub under ``tmp/`` (blocking).
@@ -456,7 +494,15 @@ def _hot_key(content: FileContent) -> str | None:
         return WholeFiles.key(record.file_sum, size)
     if content.loaded_from is None:
         return None
-    return "i" + WholeFiles.key(hashlib.sha256(content.loaded_from[0]).digest()[:16], size)
+    return "i" + WholeFiles.key(content.loaded_from[0][:16], size)  # the SHA-256 of what it was loaded from
+
+
+def _digest(h: Any, staged: stubs.Staged | None) -> bytes:
+    """What a content is loaded from (``Files._same_load``, the hot key of a content without a
+    record): the SHA-256 of the stub's index bytes, its record mark and its staged save's mark."""
+    h = h.copy()
+    h.update(_staged_mark(staged))
+    return h.digest()
 
 
 def _staged_mark(staged: stubs.Staged | None) -> bytes:

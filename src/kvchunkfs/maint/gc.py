@@ -39,7 +39,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -213,7 +213,7 @@ def walk_stubs(snapshots: Path) -> Iterator[stubs.Entry]:
     return stubs.walk(snapshots)
 
 
-def stub_ids(data: bytes) -> list[bytes] | None:
+def stub_ids(data: bytes) -> Sequence[bytes] | None:
     """Chunk ids of a stub's index, or None if it is not a valid index."""
     try:
         return idx.decode(data).ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import math
 import os
 import time
@@ -70,6 +71,7 @@ class StubInfo:
     last_use: float | None
     labels: dict[str, str]
     error: str | None = None  # the stub could not be read as an index
+    digest: bytes | None = None  # SHA-256 of the stub's index bytes (a metadata change keeps it)
 
 
 @dataclass
@@ -171,26 +173,14 @@ def read_stub(snapshots_dir: Path, rel: str) -> StubInfo:
 def read_stub_index(snapshots_dir: Path, rel: str) -> tuple[StubInfo, Index | None]:
     """``read_stub`` and the index it read (None for a row with ``error``)."""
     path = snapshots_dir / rel
-    st = os.lstat(path)
-    attrs = stubs.user_xattrs(path)
-    created = _float_attr(attrs, stubs.CREATED)
-    labels = {
-        name[len(stubs.LABEL_PREFIX) :]: value.decode("utf-8", "replace")
-        for name, value in attrs.items()
-        if stubs.is_user_settable(name)
-    }
-    info = StubInfo(
-        path=rel,
-        size=stubs.stub_size(path) or 0,
-        chunks=0,
-        lengths={},
-        created=created if created is not None else st.st_mtime,  # stubs from before metadata existed
-        use_count=_int_attr(attrs, stubs.USE_COUNT),
-        last_use=_float_attr(attrs, stubs.LAST_USE),
-        labels=dict(sorted(labels.items())),
-    )
+    info = StubInfo(path=rel, size=stubs.stub_size(path) or 0, chunks=0, lengths={}, created=0.0, use_count=0,
+                    last_use=None, labels={})  # fmt: skip
+    read_metadata(path, info)
     try:
-        index = stubs.read_index(path)
+        data, size = stubs.read_stub(path)
+        info.digest = hashlib.sha256(data).digest()
+        index = stubs.decode_stub(data, size, path)
+        del data  # the index shares it
     except FileNotFoundError:
         raise  # deleted meanwhile: no row at all
     except OSError as e:  # StubError is an OSError
@@ -202,6 +192,32 @@ def read_stub_index(snapshots_dir: Path, rel: str) -> tuple[StubInfo, Index | No
         info.lengths[cid] = end - start
         start = end
     return info, index
+
+
+def read_metadata(path: Path, info: StubInfo) -> None:
+    """Set ``info``'s metadata fields (created, uses, labels) from the stub's xattrs."""
+    st = os.lstat(path)
+    attrs = stubs.user_xattrs(path)
+    created = _float_attr(attrs, stubs.CREATED)
+    labels = {
+        name[len(stubs.LABEL_PREFIX) :]: value.decode("utf-8", "replace")
+        for name, value in attrs.items()
+        if stubs.is_user_settable(name)
+    }
+    info.created = created if created is not None else st.st_mtime  # stubs from before metadata existed
+    info.use_count = _int_attr(attrs, stubs.USE_COUNT)
+    info.last_use = _float_attr(attrs, stubs.LAST_USE)
+    info.labels = dict(sorted(labels.items()))
+
+
+def same_index(snapshots_dir: Path, rel: str, digest: bytes) -> bool:
+    """Whether the stub at ``rel`` still holds the index bytes of SHA-256 ``digest`` (read a piece
+    at a time: a use or a label changes only xattrs, and a big index need not be decoded again)."""
+    fd = stubs.open_stub(snapshots_dir / rel)
+    try:
+        return bool(stubs.hash_stub(fd).digest() == digest)
+    finally:
+        os.close(fd)
 
 
 def scan(snapshots_dir: Path) -> list[StubInfo]:

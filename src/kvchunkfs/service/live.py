@@ -27,6 +27,7 @@ from __future__ import annotations
 import array
 import bisect
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -256,6 +257,8 @@ class LiveCatalog:
             self._dirs[d] = self._dirs.get(d, 0) + step
 
     def _read(self, rel: str) -> None:
+        if self._metadata_only(rel):
+            return
         index = None
         try:
             info, index = catalog.read_stub_index(self.snapshots_dir, rel)
@@ -267,6 +270,25 @@ class LiveCatalog:
         tokens, why = self._tokens(index) if index is not None else (None, info.error)
         self._drop(rel)
         self._add(info, tokens, why)
+
+    def _metadata_only(self, rel: str) -> bool:
+        """Refresh only the row's metadata if its stub still holds the same index (a use, a label:
+        xattrs): its chunks, counts and tokens stay, and an index of a million chunks is not
+        decoded and counted again. False if the row must be read whole."""
+        entry = self.entries.get(rel)
+        if entry is None or entry.info.digest is None:
+            return False
+        try:
+            if not catalog.same_index(self.snapshots_dir, rel, entry.info.digest):
+                return False
+            info = dataclasses.replace(entry.info)
+            catalog.read_metadata(self.snapshots_dir / rel, info)
+        except OSError:  # gone or unreadable now: read whole (drops or marks the row)
+            return False
+        entry.info = info
+        self._sorted = None
+        self.generation += 1
+        return True
 
     def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
         """The token prefix, read once per change of the stub (later trees need no pack reads)."""

@@ -136,10 +136,12 @@ class ChunkMap:
         return loc
 
     @staticmethod
-    def length_mismatch(index: Index, found: dict[bytes, Location]) -> str | None:
-        """How ``index`` disagrees with the map (``found``: its chunks located) about a chunk's
-        length, or None. Chunks the map lacks are not judged here (reading them fails with EIO)."""
-        for i, cid in enumerate(index.ids):
+    def length_mismatch(index: Index, found: dict[bytes, Location], lo: int = 0, hi: int | None = None) -> str | None:
+        """How ``index`` (its chunks ``lo`` to ``hi``) disagrees with the map (``found``: those chunks
+        located) about a chunk's length, or None. Chunks the map lacks are not judged here (reading
+        them fails with EIO)."""
+        for i in range(lo, len(index) if hi is None else hi):
+            cid = index.ids[i]
             loc = found.get(cid)
             if loc is not None and loc.length != index.length(i):
                 return f"chunk {i} ({cid.hex()}) is {index.length(i)} bytes in the index, {loc.length} in the map"

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkmap import Location
 
 Chunk = tuple[bytes, bytes | memoryview]  # (SHA-256 id, bytes)
@@ -39,6 +40,10 @@ class ChunkStore(Protocol):
 
     def pin(self, owner: object, ids: Iterable[bytes]) -> None:
         """Keep ``ids`` from garbage collection until ``unpin(owner)`` (an open file's chunks)."""
+        ...
+
+    def pin_index(self, owner: object, index: Index) -> None:
+        """``pin`` of the chunks ``index`` names (kept as the index: no object per chunk)."""
         ...
 
     def unpin(self, owner: object) -> None: ...

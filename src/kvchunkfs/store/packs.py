@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from kvchunkfs.format.index import Index
 from kvchunkfs.store import direct
 from kvchunkfs.store.chunkmap import UPSERT_END, ChunkMap, ChunkMissing, Location, os_error
 from kvchunkfs.store.layout import Layout, fsync_dir
@@ -114,6 +115,8 @@ class PackStore(ChunkMap):
         self._writer = PackWriter(self.create_pack, pack_size, fsync=durable)  # the pack saves append to
         self._unsynced: set[int] = set()  # packs written since the last sync()
         self.pins: dict[object, set[bytes]] = {}
+        # An open file's chunks, pinned as its index (a copy sharing the table): no object per chunk.
+        self.index_pins: dict[object, list[Index]] = {}
         self.counters = StoreCounters()
         # Ids mapped since GC last took them (under ``lock``): with the catalog's dropped ids, what
         # a collection of the changes looks at (maint/gc.py). None once too many piled up: the
@@ -363,20 +366,33 @@ class PackStore(ChunkMap):
         with self.lock:
             self.pins.setdefault(owner, set()).update(ids)
 
+    def pin_index(self, owner: object, index: Index) -> None:
+        """``pin`` of every chunk ``index`` names now (later changes to it do not change the pin)."""
+        frozen = index.copy()
+        with self.lock:
+            self.index_pins.setdefault(owner, []).append(frozen)
+
     def unpin(self, owner: object) -> None:
         with self.lock:
             self.pins.pop(owner, None)
+            self.index_pins.pop(owner, None)
 
     def pinned(self) -> set[bytes]:
         with self.lock:
             out: set[bytes] = set()
             for ids in self.pins.values():
                 out |= ids
+            for indexes in self.index_pins.values():
+                for index in indexes:
+                    out.update(index.ids)
             return out
 
     def is_pinned(self, cid: bytes) -> bool:
-        """Under ``lock`` (GC's sweep): one lookup per pin owner, not a union of every pin."""
-        return any(cid in ids for ids in self.pins.values())
+        """Under ``lock`` (GC's sweep): one lookup per pin owner, not a union of every pin. A pinned
+        index may answer yes for an id it does not hold (``Index.might_hold``): the chunk stays."""
+        if any(cid in ids for ids in self.pins.values()):
+            return True
+        return any(index.might_hold(cid) for indexes in self.index_pins.values() for index in indexes)
 
     def requeue_fresh(self, ids: Iterable[bytes]) -> None:
         """Give ids back to the next ``take_fresh`` (GC could not decide on them this time)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -20,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvchunkfs.format import index as idx
 
@@ -78,14 +80,26 @@ def read_stub(path: Path | str | int) -> tuple[bytes, int | None]:
     owned = not isinstance(path, int)
     fd = path if isinstance(path, int) else open_stub(path)
     try:
+        # One read of the whole stub (a piece list joined would hold it twice: 80 MB for an index
+        # of a million chunks); the loop only for a stub that grew meanwhile.
         chunks, offset = [], 0
-        while piece := os.pread(fd, 1 << 20, offset):
+        while piece := os.pread(fd, max(1 << 20, os.fstat(fd).st_size - offset + 1), offset):
             chunks.append(piece)
             offset += len(piece)
-        return b"".join(chunks), stub_size(fd)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks), stub_size(fd)
     finally:
         if owned:
             os.close(fd)
+
+
+def hash_stub(fd: int) -> Any:
+    """A SHA-256 of the content of the open stub ``fd``, read a piece at a time (none of it kept)."""
+    h = hashlib.sha256()
+    offset = 0
+    while piece := os.pread(fd, 1 << 20, offset):
+        h.update(piece)
+        offset += len(piece)
+    return h
 
 
 def file_kind(mode: int) -> str:

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
 # ... when the bytes come from a plain file (ingestion): reading it again costs a memory copy, so
 # little is queued (memory: this, a batch taken and its joined copy)
-SOURCE_BACKLOG = 16 << 20
+SOURCE_BACKLOG = 8 << 20
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
 
@@ -825,7 +825,14 @@ class FileContent:
         # Hashed on every core once a commit waits for this batch (it may start waiting meanwhile).
         groups: list[Listed] = []
         chunks, last, state = cut_batch(
-            self.chunker, state, batch, prev, self.successors, parallel=self._draining, groups=groups
+            self.chunker,
+            state,
+            batch,
+            prev,
+            self.successors,
+            parallel=self._draining,
+            groups=groups,
+            skip_groups=self.source_size if self.source_fd >= 0 else 0,
         )
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
@@ -849,8 +856,22 @@ class FileContent:
                 self.tail, self.cut_state = last, state
                 self.inflight = None
                 self.bytes_new += new
+                group = self._source_group()
+                if group is not None and (group.end or 0) <= self.source_size:
+                    self._skip_group(group)  # the writer need not read it
             self.cond.notify_all()
         return True
+
+    def _skip_group(self, seg: Segment) -> None:
+        """Under ``cond``: the group ``seg`` will be cut from the source; its bytes queued (or
+        left out of the tail by ``cut_batch``) are dropped, and writes of them are from now on."""
+        assert seg.end is not None
+        queued = self.end - len(self.buf) - len(self.tail)  # the first byte queued
+        self.buf.prepend(self.tail)
+        self.tail = b""
+        self.buf.drop(seg.end - queued)
+        self.end = max(self.end, seg.end)
+        self._skip_to = seg.end
 
     def _source_turn(self, seg: Segment) -> bool:
         """Cut the group ``seg`` from the source a window at a time (its stored form is never held
@@ -866,12 +887,8 @@ class FileContent:
                 # start, as ``Cutter.cut`` does once the end is known (the queue streams it).
                 self.cut_state = CutState(seg.start, (Segment(seg.start, None),), None)
                 return True
+            self._skip_group(seg)
             self.inflight = []  # a turn is under way: a commit waits for it
-            self._skip_to = seg.end
-            self.buf.prepend(self.tail)
-            self.tail = b""
-            self.buf.drop(seg.end - seg.start)
-            self.end = max(self.end, seg.end)
             sums = self.sums
         self._step("taken")
         fd = self.source_fd

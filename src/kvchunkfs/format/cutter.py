@@ -194,7 +194,7 @@ class Cutter:
         return pos, False
 
     def group_windows(
-        self, seg: Segment, read: relayout.ReadInto, window: int = relayout.WINDOW
+        self, seg: Segment, read: relayout.ReadInto, window: int | None = None
     ) -> tuple[relayout.GroupReader, Iterator[list[memoryview]]]:
         """A whole group (its bytes read where they lie in the file through ``read``) cut a window
         at a time: the same chunks as ``cut`` gives once the group's bytes are all there (its cuts

@@ -144,9 +144,10 @@ class GroupReader:
     changed in between fails with EIO instead of storing chunks its checksum does not describe)
     and yields it, for the file's and the group's checksums."""
 
-    def __init__(self, seg: Segment, read: ReadInto, window: int = WINDOW, least: int = 0) -> None:
-        """``least``: bytes of stored form a window holds at least (a chunk's maximum: every window
-        then ends past a cut)."""
+    def __init__(self, seg: Segment, read: ReadInto, window: int | None = None, least: int = 0) -> None:
+        """``window``: bytes of stored form built at a time (default ``WINDOW``); ``least``: at
+        least this many (a chunk's maximum: every window then ends past a cut)."""
+        window = WINDOW if window is None else window
         g = seg.group
         assert g is not None and seg.end is not None
         self.seg, self.g, self.read = seg, g, read

@@ -33,6 +33,7 @@ sys.path.insert(1, str(ROOT))
 
 from benchmarks.bench import Mount, drop_caches, mount_config  # noqa: E402
 from e2e import ggsq  # noqa: E402
+from kvchunkfs.store import memfs  # noqa: E402
 from kvchunkfs.units import parse_size  # noqa: E402
 
 MiB = 1 << 20
@@ -144,6 +145,7 @@ def mode(work: Path, src: Path, want: bytes, extra: list[str], whole: Path) -> d
             step(m, "restore from the chunks", restore, out)
     finally:
         m.stop()
+        memfs.unmount(whole)  # as root the daemon leaves its tmpfs there, mounted for its next start
         shutil.rmtree(whole, ignore_errors=True)
     return out
 

@@ -65,6 +65,9 @@ from kvchunkfs.store.wholefiles import WholeFiles
 log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the chunker
+# ... when the bytes come from a plain file (ingestion): reading it again costs a memory copy, so
+# little is queued (memory: this, a batch taken and its joined copy)
+SOURCE_BACKLOG = 8 << 20
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
 
@@ -72,6 +75,16 @@ PAGE = 4096
 Scatter = Callable[
     [Index, Callable[[int, memoryview], None], "dict[bytes, Location] | None"], Generator[int, None, None]
 ]
+
+
+def _pread_into(fd: int, off: int, out: memoryview) -> None:
+    """Fill ``out`` with ``fd``'s bytes at ``off``; EIO if the file is shorter."""
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], off + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"the file ended {len(out) - done} bytes early at {off + done}")
+        done += n
 
 
 def _extents(fd: int) -> Iterator[bytes | int]:
@@ -188,6 +201,11 @@ class FileContent:
         self.bytes_new = 0  # bytes this file added to the store
         self._reported_new = 0
         self.epoch = 0  # worker results from an older epoch are dropped
+        # Ingestion: the plain file the streamed bytes come from (``read_from``), read where a
+        # group lies instead of gathering the group from the queue; -1: none.
+        self.source_fd = -1
+        self.source_size = 0
+        self.backlog = MAX_BACKLOG  # queued bytes before a writer waits
         self._reset_stream(index, b"")
         self.staging_fd = -1
         self.staging_path: Path | None = None
@@ -221,6 +239,7 @@ class FileContent:
         self.buf = ByteQueue()
         self.ahead: dict[int, bytes] = {}
         self.end = index.size + len(tail)  # end of the contiguous content
+        self._skip_to = 0  # writes before this offset are dropped: a group cut from the source holds them
         self.epoch += 1
 
     @property
@@ -253,6 +272,20 @@ class FileContent:
 
     # -- writing ----------------------------------------------------------------------------
 
+    def read_from(self, fd: int, size: int) -> None:
+        """The bytes to be streamed are the plain file ``fd``'s first ``size`` (ingestion's staged
+        file, which nothing changes meanwhile): a group is cut from it a window at a time
+        (``Cutter.group_windows``), not gathered whole from the queue, and the writer may skip the
+        group's bytes (``skip_to``). Before the first write."""
+        with self.cond:
+            self.source_fd, self.source_size = fd, size
+            self.backlog = SOURCE_BACKLOG
+
+    @property
+    def skip_to(self) -> int:
+        """Writes before this offset are not needed (read from the source by the chunker)."""
+        return self._skip_to
+
     def _check_size(self, size: int) -> None:
         if size > self.max_size:
             raise OSError(errno.EFBIG, f"file would be {size} bytes, max_file_size is {self.max_size}")
@@ -271,6 +304,8 @@ class FileContent:
                 last = len(self.index) - 1
                 ok = self.index.start(max(last, 0)) <= offset <= self.index.size
                 return Action.START_STREAM if ok else Action.TO_STAGING
+            if offset < self._skip_to:
+                return Action.DIRECT  # (up to ``skip_to``) already cut from the source: dropped
             if self._overlaps_ahead(offset, length):
                 return Action.TO_STAGING
             if self._patchable_from() <= offset <= self.end + AHEAD_WINDOW:
@@ -385,6 +420,11 @@ class FileContent:
 
     def _queue(self, offset: int, data: bytes) -> bool:
         """STREAM or CLEAN mode, under ``cond``: queue bytes for the chunker."""
+        if self.mode is Mode.STREAM and offset < self._skip_to:  # cut from the source: not needed
+            cut = min(len(data), self._skip_to - offset)
+            data, offset = data[cut:], offset + cut
+            if not data:
+                return True
         if self.mode is not Mode.STREAM or offset < self._patchable_from():
             return False
         if offset < self.end - len(self.buf):  # rewriting the tentative tail: requeue it
@@ -409,11 +449,11 @@ class FileContent:
         return True
 
     def backlogged(self) -> bool:
-        return self.mode is Mode.STREAM and len(self.buf) > MAX_BACKLOG
+        return self.mode is Mode.STREAM and len(self.buf) > self.backlog
 
     def wait_backlog(self) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: len(self.buf) <= MAX_BACKLOG // 2 or self.error or self.mode is not Mode.STREAM)
+            self.cond.wait_for(lambda: len(self.buf) <= self.backlog // 2 or self.error or self.mode is not Mode.STREAM)
 
     def truncate(self, length: int) -> Action:
         """Truncate to ``length``; returns TO_STAGING if a staged copy is needed first."""
@@ -629,6 +669,8 @@ class FileContent:
                 pending, ahead, total = self._pending(), dict(self.ahead), self.size
             else:
                 pending, ahead, total = b"", {}, isize
+        if staging_fd < 0 and self.source_fd >= 0:  # ingestion: the source has every byte
+            staging_fd, size = self.source_fd, max(0, min(size, self.source_size - offset))
         if staging_fd >= 0:  # outside the lock, as in write()
             return os.pread(staging_fd, size, offset)
         end = min(offset + size, total)
@@ -729,16 +771,27 @@ class FileContent:
     def _work_ready(self) -> bool:
         if self._stop or (self._drain and bool(self.buf)):
             return True
+        if self._source_group() is not None:
+            return True
         if len(self.buf) < BATCH:
             return False
         # A group (chunker relayout) is cut once whole: until its last byte is queued a turn would
         # only copy it again, unless the writer is held back by the backlog.
-        return self.end >= self.cut_state.waits_for or len(self.buf) > MAX_BACKLOG // 2
+        return self.end >= self.cut_state.waits_for or len(self.buf) > self.backlog // 2
+
+    def _source_group(self) -> Segment | None:
+        """Under ``cond``: the group the cutter is at the start of, if it can be cut from the
+        source (ingestion) and no turn is under way."""
+        segs = self.cut_state.segments
+        if self.source_fd < 0 or self.inflight is not None or not segs or segs[0].group is None:
+            return None
+        return segs[0] if segs[0].start == self.cut_state.pos else None
 
     def _run_once(self) -> bool:
         """One batch: take queued bytes, cut and store them; False when the worker should stop."""
         with self.cond:
             stop, ready = self._stop, self._work_ready()
+            group = self._source_group()
             if stop:
                 self._active = False
         if stop:
@@ -746,6 +799,8 @@ class FileContent:
             return False
         if not ready:  # a truncate emptied the queue since the turn was queued
             return True
+        if group is not None:
+            return self._source_turn(group)
         self._step("ready")
         with self.cond:
             stop = self._stop
@@ -770,7 +825,14 @@ class FileContent:
         # Hashed on every core once a commit waits for this batch (it may start waiting meanwhile).
         groups: list[Listed] = []
         chunks, last, state = cut_batch(
-            self.chunker, state, batch, prev, self.successors, parallel=self._draining, groups=groups
+            self.chunker,
+            state,
+            batch,
+            prev,
+            self.successors,
+            parallel=self._draining,
+            groups=groups,
+            skip_groups=self.source_size if self.source_fd >= 0 else 0,
         )
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
@@ -794,6 +856,71 @@ class FileContent:
                 self.tail, self.cut_state = last, state
                 self.inflight = None
                 self.bytes_new += new
+                group = self._source_group()
+                if group is not None and (group.end or 0) <= self.source_size:
+                    self._skip_group(group)  # the writer need not read it
+            self.cond.notify_all()
+        return True
+
+    def _skip_group(self, seg: Segment) -> None:
+        """Under ``cond``: the group ``seg`` will be cut from the source; its bytes queued (or
+        left out of the tail by ``cut_batch``) are dropped, and writes of them are from now on."""
+        assert seg.end is not None
+        queued = self.end - len(self.buf) - len(self.tail)  # the first byte queued
+        self.buf.prepend(self.tail)
+        self.tail = b""
+        self.buf.drop(seg.end - queued)
+        self.end = max(self.end, seg.end)
+        self._skip_to = seg.end
+
+    def _source_turn(self, seg: Segment) -> bool:
+        """Cut the group ``seg`` from the source a window at a time (its stored form is never held
+        whole: memory is a few windows whatever the group's size), dropping its queued bytes."""
+        assert seg.end is not None
+        with self.cond:
+            if self._stop:
+                self._active = False
+                return False
+            epoch, state = self.epoch, self.cut_state
+            if seg.end > self.source_size:
+                # Cut off by the end of the file: the rest is cut by content from the group's
+                # start, as ``Cutter.cut`` does once the end is known (the queue streams it).
+                self.cut_state = CutState(seg.start, (Segment(seg.start, None),), None)
+                return True
+            self._skip_group(seg)
+            self.inflight = []  # a turn is under way: a commit waits for it
+            sums = self.sums
+        self._step("taken")
+        fd = self.source_fd
+
+        def read(off: int, out: memoryview) -> None:
+            _pread_into(fd, off, out)
+
+        reader, windows = self.chunker.group_windows(seg, read)
+        try:
+            for pieces in windows:
+                chunks = list(zip(chunk_ids(pieces, self._draining), pieces, strict=True))
+                new = self.store.put_many(chunks, self)
+                with self.cond:
+                    if epoch == self.epoch:
+                        for cid, p in chunks:
+                            self.index.append(cid, len(p))
+                        self.bytes_new += new
+            sums.add_group(seg, reader.file_pieces())
+        except OSError as e:
+            log.error("saving chunks failed: %s", e)
+            with self.cond:
+                self.error = e
+                self.inflight = None
+                self._active = False
+                self.cond.notify_all()
+            return False
+        self._step("stored")
+        with self.cond:
+            if epoch == self.epoch:
+                self.cut_state = CutState(seg.end, state.segments[1:], state.next)
+                self.groups.set_layout(self.index, sums.groups)
+                self.inflight = None
             self.cond.notify_all()
         return True
 
@@ -840,7 +967,11 @@ class FileContent:
             self._drain = True
             self._kick()
             self.cond.wait_for(
-                lambda: self.error or (self.inflight is None and not self.buf) or self.mode is not Mode.STREAM
+                lambda: (
+                    self.error
+                    or (self.inflight is None and not self.buf and self._source_group() is None)
+                    or self.mode is not Mode.STREAM
+                )
             )
             self._drain = False
             if self.error:

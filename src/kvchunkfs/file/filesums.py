@@ -15,12 +15,13 @@ import errno
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
-from kvchunkfs.format.filerecord import Listed, file_hasher
+from kvchunkfs.format.filerecord import Listed, file_hasher, group_hasher
+from kvchunkfs.format.llama_state import Segment
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ class SaveSums:
         _feed(self.hasher, self.size, pieces, lengths, groups, self.marks)
         self.size += sum(lengths)
         self.groups.extend(groups)
+
+    def add_group(self, seg: Segment, pieces: Iterable[Buffer]) -> None:
+        """The next bytes are the group ``seg``, now final chunks, its file bytes given in order
+        (a group cut from its file a window at a time): one mark, at its start."""
+        self.marks.append((self.size, self.hasher.copy()))
+        whole = group_hasher()
+        for p in pieces:
+            self.hasher.update(p)
+            whole.update(p)
+            self.size += len(p)
+        self.groups.append(Listed(seg, whole.digest()))
 
     def final(
         self, tail: Buffer, lengths: Sequence[int], groups: Sequence[Listed]

@@ -202,9 +202,13 @@ class Ingester:
 def _stream(content: FileContent, fd: int) -> None:
     """Feed the staged file to ``content`` as a client's sequential save would reach it: cut by the
     chunker pool on every core (and predicted chunks taken without a cut), while this thread reads
-    on; bounded by the content's backlog (its memory does not grow with the file)."""
+    on; bounded by the content's backlog. A group (chunker ``relayout``) is read from the file by
+    the chunker itself, a window at a time, and its bytes are skipped here: memory does not grow
+    with the file, nor with a group."""
+    size = os.fstat(fd).st_size
+    content.read_from(fd, size)
     pos = 0
-    while piece := os.pread(fd, PIECE, pos):
+    while (pos := max(pos, content.skip_to)) < size and (piece := os.pread(fd, min(PIECE, size - pos), pos)):
         while True:
             action = content.plan_write(pos, len(piece))
             if action is Action.START_STREAM:

@@ -128,6 +128,7 @@ def cut_batch(
     window: int = WINDOW,
     parallel: bool | Hurry = False,
     groups: list[Listed] | None = None,
+    skip_groups: int = 0,
 ) -> tuple[Chunks, bytes, CutState]:
     """Cut a batch exactly as ``cutter.cut(state, batch, final=False)`` would, accepting predicted
     chunks where the cut is plain FastCDC; returns (chunks with ids, tentative tail, its state).
@@ -135,12 +136,15 @@ def cut_batch(
     ``prev`` is the id of the chunk before the batch (START at the file's start). Chunks the cutter
     itself ends at a content-defined cut are learned as successors. ``parallel``: hash on every
     core (a batch a ``close()`` waits for), or from when it says so (file/hashing.py). ``groups``:
-    where the cutter notes the groups it stores permuted (``Cutter.cut``).
+    where the cutter notes the groups it stores permuted (``Cutter.cut``). ``skip_groups``: stop at
+    the start of a group that ends past the batch but not past this offset (the end of the file the
+    caller cuts it from: ``Cutter.group_windows``), its bytes in the batch left out of the tail.
     """
     out: Chunks = []
     learned: list[tuple[bytes, Guess]] = []
     pos = predicted = 0
     whole = successors is None
+    stop = state.pos + batch.size
     while True:
         if not whole and state.plain_cdc:
             assert successors is not None
@@ -159,6 +163,9 @@ def cut_batch(
         done = _take_cut(pieces, data, state.pos, after, prev, out, learned, parallel)
         prev = out[-1][0] if pieces else prev
         pos, state = pos + done, after
+        if stop < state.waits_for <= skip_groups:
+            tail = b""
+            break
         if size == rest:
             tail = data[done:]
             break

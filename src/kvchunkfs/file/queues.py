@@ -63,6 +63,19 @@ class ByteQueue:
             self.pieces.insert(0, data)
             self.size += len(data)
 
+    def drop(self, n: int) -> None:
+        """Remove the first ``n`` bytes (at most all)."""
+        n = min(n, self.size)
+        self.size -= n
+        while n:
+            first = self.pieces[0]
+            if len(first) <= n:
+                self.pieces.pop(0)
+                n -= len(first)
+            else:
+                self.pieces[0] = memoryview(first)[n:]
+                n = 0
+
     def patch(self, offset: int, data: bytes) -> None:
         """Overwrite (and maybe extend) from ``offset``; rare, so it flattens the queue."""
         flat = bytearray(b"".join(self.pieces))

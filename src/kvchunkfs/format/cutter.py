@@ -26,7 +26,7 @@ K/V bodies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -192,6 +192,34 @@ class Cutter:
             out.extend(self.cdc.cut(view[pos - base :]))
             return top, False
         return pos, False
+
+    def group_windows(
+        self, seg: Segment, read: relayout.ReadInto, window: int | None = None
+    ) -> tuple[relayout.GroupReader, Iterator[list[memoryview]]]:
+        """A whole group (its bytes read where they lie in the file through ``read``) cut a window
+        at a time: the same chunks as ``cut`` gives once the group's bytes are all there (its cuts
+        are a grid of positions), without holding the group. Each list of chunks is valid until the
+        next is asked for. The reader's ``file_pieces`` gives the group's file bytes once all are cut."""
+        reader = relayout.GroupReader(seg, read, window, least=self.max)
+        return reader, self._windows(seg, reader)
+
+    def _windows(self, seg: Segment, reader: relayout.GroupReader) -> Iterator[list[memoryview]]:
+        assert seg.end is not None
+        rows = replace(seg, group=None)
+        carry = np.empty(0, np.uint8)  # stored bytes after the last cut, cut with the next window
+        pos = seg.start
+        for w in range(reader.windows):
+            a, b = reader.span(w)
+            buf = np.empty(len(carry) + b - a, np.uint8)
+            buf[: len(carry)] = carry
+            reader.fill(w, buf[len(carry) :])
+            out: list[memoryview] = []
+            last = w == reader.windows - 1
+            end, _ = self._cut_segment(rows, memoryview(buf.data), pos, pos, last, out)
+            carry = buf[end - pos :]
+            pos = end
+            yield out
+        assert pos == seg.end and not len(carry), "a group's grid ends at its end"
 
     def _grid(self, seg: Segment) -> tuple[int, int, int]:
         """(stride, period, shift): a whole number of units near the average, and where the grid

@@ -70,6 +70,11 @@ def group_sum(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_64_digest(data)
 
 
+def group_hasher() -> xxhash.xxh3_64:
+    """``group_sum`` fed a piece at a time."""
+    return xxhash.xxh3_64()
+
+
 def group_end(start: int, g: Group) -> int:
     return start + g.lead + g.count * (HEAD + g.cells * g.width)
 

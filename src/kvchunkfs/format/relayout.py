@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from kvchunkfs.format import llama_state as ls
 from kvchunkfs.format.llama_state import Group, Segment
@@ -35,6 +37,7 @@ Buffer = bytes | bytearray | memoryview
 
 _TYPED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _BLOCK = 64  # dimensions transposed at a time: the source rows stay in cache
+PIECE_READ = 4 << 20  # file bytes read at a time for a group's checksums (``GroupReader``)
 
 
 def _parts(g: Group) -> tuple[int, int]:
@@ -124,6 +127,107 @@ def to_stream(seg: Segment, src: Buffer, out: np.ndarray | None = None) -> memor
 def to_file(seg: Segment, src: Buffer) -> memoryview:
     """The file bytes of a group from its stored form (the inverse of ``to_stream``)."""
     return _permute(seg, src, back=True)
+
+
+ReadInto = Callable[[int, memoryview], None]  # fill the buffer with the file's bytes at an offset
+
+WINDOW = 8 << 20  # bytes of a group's stored form built at a time from its file (``GroupReader``)
+
+
+class GroupReader:
+    """A group's stored form built a window of cells at a time from its file bytes, read where
+    they lie (``read(offset, buffer)``, absolute file offsets), so a group is never held whole:
+    memory is about two windows whatever the group's size. The file is read in *extents* (block
+    headers, and per block and window its rows, or for transposed V each run's elements of the
+    window's cells), each read once while building the windows; ``file_pieces`` then reads the
+    file in order, checks every extent against what the windows were built from (xxh3-64: a file
+    changed in between fails with EIO instead of storing chunks its checksum does not describe)
+    and yields it, for the file's and the group's checksums."""
+
+    def __init__(self, seg: Segment, read: ReadInto, window: int | None = None, least: int = 0) -> None:
+        """``window``: bytes of stored form built at a time (default ``WINDOW``); ``least``: at
+        least this many (a chunk's maximum: every window then ends past a cut)."""
+        window = WINDOW if window is None else window
+        g = seg.group
+        assert g is not None and seg.end is not None
+        self.seg, self.g, self.read = seg, g, read
+        self.heads, self.body = _parts(g)
+        self.rec = g.count * g.width
+        self.k = max(1, window // max(1, self.rec), -(-least // max(1, self.rec)))  # cells a window
+        self.windows = max(1, -(-g.cells // self.k))
+        self.runs = g.width // g.el if g.el else 1  # extents per block and window
+        self.blocks = block_heads(g)
+        self._sums = np.zeros(g.count * (1 + self.runs * self.windows), np.uint64)
+
+    def _at(self, i: int, run: int, w: int) -> int:
+        """The index of block ``i``'s extent of run ``run`` in window ``w`` (file order)."""
+        return i * (1 + self.runs * self.windows) + 1 + run * self.windows + w
+
+    def span(self, w: int) -> tuple[int, int]:
+        """Window ``w``'s stored bytes, group-relative: [start, end)."""
+        c0, c1 = w * self.k, min(self.g.cells, (w + 1) * self.k)
+        return (0 if w == 0 else self.heads + c0 * self.rec), self.heads + c1 * self.rec
+
+    def fill(self, w: int, out: np.ndarray) -> None:
+        """Window ``w``'s stored bytes into ``out`` (exactly ``span(w)``'s length)."""
+        g, base = self.g, self.seg.start
+        c0, c1 = w * self.k, min(g.cells, (w + 1) * self.k)
+        k = c1 - c0
+        at = 0
+        if w == 0:
+            for i, (hp, off, h) in enumerate(self.blocks):
+                piece = out[hp : hp + h]
+                self.read(base + off, piece.data)
+                self._sums[self._at(i, 0, 0) - 1] = xxhash.xxh3_64_intdigest(piece.data)
+            at = self.heads
+        records = out[at : at + k * self.rec].reshape(k, self.rec)
+        sub = replace(g, cells=k)  # the window's rows of a block, gathered, are a block of k cells
+        rows = np.empty(k * g.width, np.uint8)
+        part = k * g.el if g.el else k * g.width
+        for i, (_hp, off, h) in enumerate(self.blocks):
+            first = base + off + h + c0 * (g.el or g.width)
+            for run in range(self.runs):
+                piece = rows[run * part : (run + 1) * part]
+                self.read(first + run * g.cells * g.el, piece.data)
+                self._sums[self._at(i, run, w)] = xxhash.xxh3_64_intdigest(piece.data)
+            _put(sub, records, i, rows, False)
+
+    def extents(self) -> Iterator[tuple[int, int, int]]:
+        """(index, group-relative file offset, length) of every extent, in file order (they tile
+        the group)."""
+        g = self.g
+        for i, (_hp, off, h) in enumerate(self.blocks):
+            yield self._at(i, 0, 0) - 1, off, h
+            for run in range(self.runs):
+                for w in range(self.windows):
+                    c0, c1 = w * self.k, min(g.cells, (w + 1) * self.k)
+                    el = g.el or g.width
+                    yield self._at(i, run, w), off + h + run * g.cells * g.el + c0 * el, (c1 - c0) * el
+
+    def file_pieces(self, piece: int = PIECE_READ) -> Iterator[memoryview]:
+        """The group's file bytes in order, at most about ``piece`` at a time, each extent checked
+        against the bytes the windows were built from (call after every window is filled)."""
+        buf = np.empty(max(piece, self.k * self.g.width), np.uint8)
+        batch: list[tuple[int, int, int]] = []
+        size = 0
+        for ext in self.extents():
+            if size + ext[2] > len(buf):
+                yield self._checked(buf, batch, size)
+                batch, size = [], 0
+            batch.append(ext)
+            size += ext[2]
+        if batch:
+            yield self._checked(buf, batch, size)
+
+    def _checked(self, buf: np.ndarray, batch: list[tuple[int, int, int]], size: int) -> memoryview:
+        view = buf[:size].data
+        self.read(self.seg.start + batch[0][1], view)
+        at = 0
+        for e, _off, n in batch:
+            if xxhash.xxh3_64_intdigest(view[at : at + n]) != int(self._sums[e]):
+                raise OSError(errno.EIO, f"the file changed while its group at {self.seg.start} was stored")
+            at += n
+        return view
 
 
 class Rows(NamedTuple):

@@ -167,6 +167,7 @@ def test_gc_keeps_the_chunks_of_a_file_unlinked_while_open(tmp_path: Path) -> No
     try:
         data = rand_bytes(3 * MiB, 5)
         write_in_pieces(m.path("x"), data, MiB)
+        m.ingested()  # its chunks stored (and their ingestion's pins gone) before the unlink
         fd = os.open(m.path("x"), os.O_RDONLY | os.O_DIRECT)
         try:
             head = read_direct(fd, 0, MiB)

@@ -102,7 +102,10 @@ def test_a_user_mounts_through_fusermount3_serves_and_unmounts(
     d.start()
     try:
         assert f"user_id={user.uid}" in mount_line(d.mnt) and "allow_other" not in mount_line(d.mnt)
-        assert "served mode: the daemon lacks CAP_SYS_ADMIN" in d.log.read_text()
+        deadline = time.monotonic() + 30  # logged when the kernel's INIT arrives, maybe after "mounted"
+        while "served mode: the daemon lacks CAP_SYS_ADMIN" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.05)
         d.run("head -c 3000001 /dev/urandom > home/x && cp home/x mnt/a && cmp home/x mnt/a && mv mnt/a mnt/b"
               " && mkdir mnt/dir && cp home/x mnt/dir/c && cmp mnt/b mnt/dir/c")  # fmt: skip
         with pytest.raises(PermissionError):  # without allow_other the mount is its user's alone

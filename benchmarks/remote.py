@@ -20,7 +20,8 @@ once from host A', then per run a new host B (empty store, its own whole-file di
 bucket, page cache dropped) opens and reads it (open, and open to last byte, timed apart), against
 two downloads of the same bytes stored as one object, in rotating order: boto3's ``download_file``
 (what ``aws s3 cp`` does: parallel ranged GETs for objects over 8 MiB) and one plain GET streamed
-to a file (``get_object``).
+to a file (``get_object``). ``--baseline-src DIR`` adds a restore by the daemon of another source
+tree in the same rotation (e.g. ``git archive`` of an older version's ``src``).
 
 Requests and bytes per save (host A', upload included) and per cold restore (host B) come from the
 daemons' counters (``remote_*`` in ``stats``).
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
+import conftest  # noqa: E402
 from conftest import WHOLE_ROOT, Mount, remove_whole_files  # noqa: E402
 from seaweed import BUCKET, CREDENTIALS, Weed  # noqa: E402
 
@@ -117,6 +119,12 @@ def get_one(client: object, key: str, target: Path) -> None:
             f.write(chunk)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, remote: list[str]) -> int:
     """Host B's restore of a snapshot only the bucket has, against downloading it as one object."""
     size = len(data)
@@ -130,21 +138,29 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
         a.stop()
     client.put_object(Bucket=BUCKET, Key="plain/snap", Body=data)
     target = work / "download"
-    keys = ("restore_open", "restore", "boto3_download", "one_get")
+    trees = {"restore": conftest.SRC}
+    if args.baseline_src:
+        trees["restore_baseline"] = Path(args.baseline_src).resolve()
+    keys = [*trees, "boto3_download", "one_get"]
     results: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in trees}
     requests: list[dict[str, int]] = []
     loads = []
 
-    def restore(run: int) -> None:
+    def restore(run: int, key: str) -> None:
         b = Mount(work / f"b{run}/store", work / f"b{run}/mnt", work / f"b{run}/log", remote)
-        b.start()
+        own, conftest.SRC = conftest.SRC, trees[key]  # the daemon's source tree (Mount.start reads it)
+        try:
+            b.start()
+        finally:
+            conftest.SRC = own
         try:
             drop_caches()
-            before = b.stats()
-            opened, total = timed_restore(b.path("snap"))
-            results["restore_open"].append(opened)
-            results["restore"].append(total)
-            requests.append(counted(before, b.stats()))
+            before, used = b.stats(), cpu_seconds(b.proc.pid)  # type: ignore[union-attr]
+            results[key].append(timed_restore(b.path("snap"))[1])
+            cpu[key].append(cpu_seconds(b.proc.pid) - used)  # type: ignore[union-attr]
+            if key == "restore":
+                requests.append(counted(before, b.stats()))
         finally:
             b.stop()
             shutil.rmtree(work / f"b{run}")
@@ -157,7 +173,7 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
         target.unlink()
 
     steps: list[Callable[[int], None]] = [
-        restore,
+        *(lambda run, key=key: restore(run, key) for key in trees),
         lambda run: download("boto3_download", lambda: client.download_file(BUCKET, "plain/snap", str(target))),
         lambda run: download("one_get", lambda: get_one(client, "plain/snap", target)),
     ]
@@ -166,21 +182,24 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
             steps[(run + k) % len(steps)](run)
         loads.append(os.getloadavg()[0])
         print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in results.items())
-              + f"; restore {requests[-1]}; load {loads[-1]:.1f}", flush=True)  # fmt: skip
+              + f"; restore {requests[-1]}; daemon CPU " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in cpu.items())
+              + f"; load {loads[-1]:.1f}", flush=True)  # fmt: skip
     med = {k: statistics.median(v) for k, v in results.items()}
     mb = size / 1e6
-    name = args.file or args.size
-    print(f"\n{name} ({size} bytes), {args.runs} runs, medians (load average {statistics.median(loads):.1f}):")
-    print(f"  restore on B: open           {med['restore_open']:.3f} s")
-    print(f"  restore on B: open→last byte {med['restore']:.3f} s  ({med['restore'] / med['boto3_download']:.2f}x "
-          f"boto3 download_file, {med['restore'] / med['one_get']:.2f}x one GET)")  # fmt: skip
+    print(f"\n{args.file or args.size} ({size} bytes), {args.runs} runs, medians "
+          f"(load average {statistics.median(loads):.1f}):")  # fmt: skip
+    for key in trees:
+        print(f"  {key:17s} on B: open→last byte {med[key]:.3f} s  ({med[key] / med['boto3_download']:.2f}x "
+              f"boto3 download_file, {med[key] / med['one_get']:.2f}x one GET), "
+              f"daemon CPU {statistics.median(cpu[key]):.2f} s")  # fmt: skip
+        ratios = [r / d for r, d in zip(results[key], results["boto3_download"], strict=True)]
+        print("    per run / download_file: " + ", ".join(f"{r:.2f}x" for r in ratios))
     print(f"  boto3 download_file          {med['boto3_download']:.3f} s  ({mb / med['boto3_download']:.0f} MB/s)")
     print(f"  one GET (get_object)         {med['one_get']:.3f} s  ({mb / med['one_get']:.0f} MB/s)")
-    ratios = [r / d for r, d in zip(results["restore"], results["boto3_download"], strict=True)]
-    print("  per run, restore / download_file: " + ", ".join(f"{r:.2f}x" for r in ratios))
     print("  restore: " + ", ".join(f"{k} {statistics.median(r[k] for r in requests):.0f}" for k in requests[0]))
     if args.json:
-        out = {"file": args.file, "size": size, "runs": results, "medians": med, "requests": requests, "loads": loads}
+        out = {"file": args.file, "size": size, "runs": results, "medians": med, "cpu": cpu, "requests": requests,
+               "loads": loads}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
@@ -190,6 +209,8 @@ def main() -> int:
     p.add_argument("--size", default="415MiB")
     p.add_argument("--file", default=None, help="save this file's bytes (e.g. a llama-server state file)")
     p.add_argument("--restore-only", action="store_true", help="time only host B's restore against the downloads")
+    p.add_argument("--baseline-src", default=None,
+                   help="with --restore-only: also restore with the daemon of this src/ tree")  # fmt: skip
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dir", default=None, help="work directory (default: a new one under /var/tmp)")
     p.add_argument("--json", default=None)

@@ -119,10 +119,11 @@ def get_one(client: object, key: str, target: Path) -> None:
             f.write(chunk)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process so far."""
+def cpu_seconds(pid: int) -> tuple[float, float, int]:
+    """User and system CPU time of a process so far, and its minor page faults."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
 
 
 def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, remote: list[str]) -> int:
@@ -144,6 +145,8 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
     keys = [*trees, "boto3_download", "one_get"]
     results: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in trees}
+    system: dict[str, list[float]] = {k: [] for k in trees}  # of which in the kernel
+    faults: dict[str, list[int]] = {k: [] for k in trees}  # minor page faults (fresh memory touched)
     requests: list[dict[str, int]] = []
     loads = []
 
@@ -156,9 +159,13 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
             conftest.SRC = own
         try:
             drop_caches()
-            before, used = b.stats(), cpu_seconds(b.proc.pid)  # type: ignore[union-attr]
+            assert b.proc is not None
+            before, used = b.stats(), cpu_seconds(b.proc.pid)
             results[key].append(timed_restore(b.path("snap"))[1])
-            cpu[key].append(cpu_seconds(b.proc.pid) - used)  # type: ignore[union-attr]
+            now = cpu_seconds(b.proc.pid)
+            cpu[key].append(now[0] + now[1] - used[0] - used[1])
+            system[key].append(now[1] - used[1])
+            faults[key].append(now[2] - used[2])
             if key == "restore":
                 requests.append(counted(before, b.stats()))
         finally:
@@ -182,7 +189,9 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
             steps[(run + k) % len(steps)](run)
         loads.append(os.getloadavg()[0])
         print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in results.items())
-              + f"; restore {requests[-1]}; daemon CPU " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in cpu.items())
+              + f"; restore {requests[-1]}; daemon CPU "
+              + ", ".join(f"{k} {v[-1]:.2f}s (system {system[k][-1]:.2f}s, {faults[k][-1]} faults)"
+                          for k, v in cpu.items())
               + f"; load {loads[-1]:.1f}", flush=True)  # fmt: skip
     med = {k: statistics.median(v) for k, v in results.items()}
     mb = size / 1e6
@@ -191,15 +200,16 @@ def restore_only(args: argparse.Namespace, data: bytes, work: Path, weed: Weed, 
     for key in trees:
         print(f"  {key:17s} on B: open→last byte {med[key]:.3f} s  ({med[key] / med['boto3_download']:.2f}x "
               f"boto3 download_file, {med[key] / med['one_get']:.2f}x one GET), "
-              f"daemon CPU {statistics.median(cpu[key]):.2f} s")  # fmt: skip
+              f"daemon CPU {statistics.median(cpu[key]):.2f} s (system {statistics.median(system[key]):.2f} s, "
+              f"{statistics.median(faults[key]):.0f} page faults)")  # fmt: skip
         ratios = [r / d for r, d in zip(results[key], results["boto3_download"], strict=True)]
         print("    per run / download_file: " + ", ".join(f"{r:.2f}x" for r in ratios))
     print(f"  boto3 download_file          {med['boto3_download']:.3f} s  ({mb / med['boto3_download']:.0f} MB/s)")
     print(f"  one GET (get_object)         {med['one_get']:.3f} s  ({mb / med['one_get']:.0f} MB/s)")
     print("  restore: " + ", ".join(f"{k} {statistics.median(r[k] for r in requests):.0f}" for k in requests[0]))
     if args.json:
-        out = {"file": args.file, "size": size, "runs": results, "medians": med, "cpu": cpu, "requests": requests,
-               "loads": loads}  # fmt: skip
+        out = {"file": args.file, "size": size, "runs": results, "medians": med, "cpu": cpu, "system": system,
+               "faults": faults, "requests": requests, "loads": loads}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

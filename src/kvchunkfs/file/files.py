@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent, Scatter
-from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.file.fetcher import SCATTER_READERS, ChunkCache, Fetcher
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 DECODERS = 8  # threads putting groups back, for all open files (more decodes wait for one)
 BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
+HEADER_FETCH = 1 << 20  # bytes fetched from the bucket at least, from where a group header is read
 
 
 @dataclass
@@ -333,7 +335,8 @@ class Files:
         assert remote is not None
 
         def read(index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
-            end = min(offset + size, index.size)
+            # A header's reads grow at one offset (the parser looks ahead): one GET brings them all.
+            end = min(offset + max(size, HEADER_FETCH), index.size)
             if offset < end:
                 remote.fetch_missing(index.ids[index.find(offset) : index.find(end - 1) + 1], owner)
             return self.read_chunks(index, offset, size)
@@ -360,10 +363,14 @@ class Files:
                 if cid not in have:
                     places.setdefault(cid, []).append(i)
             written: set[bytes] = set()  # chunks written at every place (set.add: atomic)
+            # As many writers as a put-back from the packs has: more only queue on the file's lock
+            # (a tmpfs write holds the inode's) while it zeroes new huge pages.
+            writers = threading.BoundedSemaphore(SCATTER_READERS)
 
             def deliver(buf: memoryview, parts: list[tuple[bytes, int, int]]) -> None:
-                for pos, piece in _pieces(index, places, buf, parts):
-                    write(pos, piece)
+                with writers:
+                    for pos, piece in _pieces(index, places, buf, parts):
+                        write(pos, piece)
                 written.update(cid for cid, _, _ in parts if cid in places)
 
             remote.fetch_missing(places, owner, deliver)

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DECODERS = 8  # threads putting groups back, for all open files (more decodes wait for one)
 BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
-HEADER_FETCH = 1 << 20  # bytes fetched from the bucket at least, from where a group header is read
+HEADER_FETCH = 256 << 10  # bytes fetched from the bucket at least, from where a group header is read
 
 
 @dataclass

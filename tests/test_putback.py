@@ -141,3 +141,71 @@ def test_scratch_is_per_thread():
     with ThreadPoolExecutor(1) as pool:
         got.append(pool.submit(lambda: s.take(10)).result())
     assert not np.shares_memory(a, got[0])
+
+
+def test_a_put_back_without_a_checksum_to_compare_reads_nothing_back(tmp_path):
+    """A snapshot without a record (fetched from the bucket): nothing to compare a sum with, so its
+    file is not read back (the fd here cannot be read: a read would fail)."""
+    data = os.urandom(3 * MiB)
+    path = tmp_path / "w"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        out = putback.PutBack(fd, len(data), [], summed=False)
+        out.write(MiB, memoryview(data)[MiB:])
+        out.write(0, memoryview(data)[:MiB])
+        out.sum_to(len(data))
+        assert out.finish() == b""
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        out = putback.PutBack(fd, len(data), [], summed=False)
+        out.write(0, memoryview(data)[:MiB])
+        out.sum_to(MiB)
+        with pytest.raises(OSError, match="short"):  # still an error if not every byte was written
+            out.finish()
+    finally:
+        os.close(fd)
+
+
+def test_fetched_chunks_go_where_the_index_has_them():
+    """``files._pieces``: a fetched buffer's chunks (pack order) written at their places in the
+    stored stream; neighbours in both the buffer and the index as one piece, a chunk the file has
+    twice at both places, chunks the file did not lack skipped; a length the index disagrees with
+    is never written."""
+    from kvchunkfs.file.files import _pieces
+    from kvchunkfs.format.index import Index
+    from kvchunkfs.store.packs import ChunkCorrupt
+
+    chunks = {bytes([k]) * 32: os.urandom(100 + k) for k in range(6)}
+    ids = list(chunks)
+    order = [0, 1, 2, 3, 1, 4, 5]  # the file: c1 twice; c5 was local already (not in places)
+    index = Index(1, 1, 1)
+    for k in order:
+        index.append(ids[k], len(chunks[ids[k]]))
+    places: dict[bytes, list[int]] = {}
+    for i, k in enumerate(order):
+        if k != 5:
+            places.setdefault(ids[k], []).append(i)
+    pack = [0, 1, 2, 3, 5, 4]  # a range GET's chunks, back to back
+    buf = memoryview(b"".join(chunks[ids[k]] for k in pack))
+    parts, off = [], 0
+    for k in pack:
+        parts.append((ids[k], off, len(chunks[ids[k]])))
+        off += len(chunks[ids[k]])
+    pieces = list(_pieces(index, places, buf, parts))
+    # c0; c1 at both places; c2 c3 as one piece; c4 alone (c5 lies between them in the buffer)
+    assert [(pos, len(p)) for pos, p in pieces] == [
+        (0, 100), (index.start(1), 101), (index.start(4), 101), (index.start(2), 102 + 103), (index.start(5), 104),
+    ]  # fmt: skip
+    file = bytearray(index.size)
+    for pos, piece in pieces:
+        file[pos : pos + len(piece)] = piece
+    want = b"".join(chunks[ids[k]] for k in order)
+    assert file[: index.start(6)] == want[: index.start(6)]  # every place but the local c5's
+    bad = Index(1, 1, 1)
+    for k in order:
+        bad.append(ids[k], len(chunks[ids[k]]) + (k == 3))
+    with pytest.raises(ChunkCorrupt):
+        list(_pieces(bad, places, buf, parts))

@@ -125,7 +125,7 @@ def bucket_chunks(bucket: Bucket) -> dict[bytes, int]:
 def chunk_bytes(bucket: Bucket, cid: bytes, where: dict[bytes, tuple[bytes, int, int]]) -> bytes:
     if cid in where:
         pack, off, n = where[cid]
-        return bucket.get_ranges(pack, [(off, off + n)])[0]
+        return bytes(bucket.get_ranges(pack, [(off, off + n)])[0])
     return bucket.get_chunk(cid)
 
 
@@ -212,6 +212,39 @@ def test_a_relayout_state_file_saved_on_a_restores_on_b(hosts: Hosts) -> None:
     assert read_visible(b, "state") == data
     b.remount()
     assert read_direct(b.path("state")) == data
+
+
+def test_a_snapshot_only_in_the_bucket_is_put_back_as_its_chunks_arrive(hosts: Hosts) -> None:
+    """Host B restores a state file only the bucket has in one pass: each fetched chunk, checked
+    against its id, is written into the whole file as it arrives (and stored in B's packs), so the
+    put-back reads from the packs only the chunks of its groups' headers, not the file again. A
+    chunk the file has several times (a repeated block) is written at each place."""
+    from e2e import ggsq
+
+    spec = ggsq.Spec(n_layer=6, row_bytes=512, v_trans=True)
+    state = ggsq.synthetic_bytes(ggsq.synthetic_tokens(3000, 43), spec)
+    block = rand_bytes(MiB, 44)
+    data = state + block + rand_bytes(MiB // 2 + 3, 45) + block  # a repeat after the state
+    a, b = hosts.new("a"), hosts.new("b")
+    write_in_pieces(a.path("state"), data, MiB)
+    drained(a)
+    stored = local_ids(a, "state")
+    assert len(stored) < len(stubs.read_index(a.store / "snapshots" / "state").ids)  # it has repeats
+    wait_for(lambda: os.path.exists(b.path("state")), "state to appear on B")
+    before = b.stats()
+    assert read_direct(b.path("state")) == data
+    after = b.stats()
+    assert after["remote_fetched_chunks"] - before["remote_fetched_chunks"] == len(stored)
+    read = after["pack_bytes_read"] - before["pack_bytes_read"]
+    assert read < len(data) // 8, f"the put-back read {read} of {len(data)} bytes back from the packs"
+    assert not list((b.whole / "hot").glob("*.part"))  # committed as its hot copy, no part left
+    # B's packs hold every chunk: with the hot copy gone, a remount restores from them alone
+    wait_closed(b)
+    b.stop()
+    shutil.rmtree(b.whole / "hot")
+    b.start()
+    assert read_direct(b.path("state")) == data
+    assert b.stats()["remote_fetched_chunks"] == 0 and b.stats()["remote_range_gets"] == 0
 
 
 def test_shared_prompt_is_stored_once_in_the_bucket(hosts: Hosts) -> None:

@@ -485,20 +485,21 @@ class FileContent:
 
     # -- staging ----------------------------------------------------------------------------
 
-    def write_whole(self, fd: int, scatter: Scatter) -> int:
+    def write_whole(self, fd: int, scatter: Scatter, read_chunks: ReadChunks | None = None) -> int:
         """Write the loaded snapshot's bytes in file order into the empty ``fd``, checked against
         its file record's checksum (EIO, logged and counted, if they differ); the size. Blocking.
 
         ``scatter`` reads the stored stream in pieces on its workers and has each written where
         the file has it (``Fetcher.scatter``, file/putback.py): a few pieces in memory at a time,
-        whatever the file's size."""
+        whatever the file's size. ``read_chunks``: how the groups' headers are read, if not as
+        the content's reads are."""
         with self.cond:
             index = self.index
             record = self._loaded_record()
             locations = self.locations
         # The groups: the record's, else parsed from their headers (a snapshot from before records).
-        segs = self.groups.groups_before(index, index.size, self.read_chunks)
-        out = putback.PutBack(fd, index.size, segs)
+        segs = self.groups.groups_before(index, index.size, read_chunks or self.read_chunks)
+        out = putback.PutBack(fd, index.size, segs, summed=record is not None)
         pieces = scatter(index, out.write, locations)
         try:
             for written in pieces:

@@ -14,25 +14,28 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvchunkfs.file.buffers import BufferPool
-from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.fetcher import LOCATE_ALL, ChunkCache, Fetcher
+from kvchunkfs.file.content import FileContent, Scatter
+from kvchunkfs.file.fetcher import LOCATE_ALL, SCATTER_READERS, ChunkCache, Fetcher
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
 from kvchunkfs.file.queues import ChunkPool, prestart
+from kvchunkfs.file.reader import ReadChunks
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import fsync_dir
-from kvchunkfs.store.packs import Location
+from kvchunkfs.store.packs import ChunkCorrupt, Location
 from kvchunkfs.store.repository import Repository
 from kvchunkfs.store.stubs import StubError
 from kvchunkfs.store.wholefiles import WholeFiles
@@ -44,6 +47,7 @@ BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
 CHECK_BATCH = 16384  # chunks of a large index looked up (and checked) at a time at open
 HASHED_READ = 1 << 20  # a larger stub is first only hashed: a reopen need not hold its bytes
+HEADER_FETCH = 256 << 10  # bytes fetched from the bucket at least, from where a group header is read
 
 
 @dataclass
@@ -194,6 +198,11 @@ class Files:
             content.close()
             raise StubError(f"{rel}: its staged save keeps vanishing as it is opened")
         try:
+            if self._fetches_into_whole(content):
+                fetched = self._fetch_into_whole(rel, content)
+                if fetched is not None:
+                    return fetched
+                content = self._load(rel)  # the stub changed while its chunks came: the new version
             content = self._fetch_missing(rel, content)
             if self._room_for(content):
                 self._put_back(content, rel)
@@ -272,6 +281,121 @@ class Files:
             whole.drop_staged(path)
             raise
         content.use_whole(fd, None)
+
+    def _fetches_into_whole(self, content: FileContent) -> bool:
+        """Whether ``content`` is a snapshot with chunks only the bucket has, to put back as they come."""
+        return (
+            self.repo.remote is not None
+            and self.repo.whole is not None
+            and content.staged is None
+            and _hot_key(content) is not None
+            and len(content.locations or ()) != len(set(content.index.ids))
+            and self._room_for(content)
+        )
+
+    def _fetch_into_whole(self, rel: str, first: FileContent) -> FileContent | None:
+        """A snapshot with chunks only the bucket has, put back into a new whole file as its chunks
+        arrive (each checked against its id on the worker that fetched it, then written where the
+        file has it), while the same chunks are appended to the local packs; then loaded again,
+        backed by the whole file, which becomes its hot copy. One pass over the bytes: no second
+        read of them from the packs. None if the stub changed meanwhile (nothing kept).
+
+        The first load's pins and the fetch's own (``owner``) hold every chunk until the second
+        load has pinned them again."""
+        whole, remote = self.repo.whole, self.repo.remote
+        assert whole is not None and remote is not None
+        key = _hot_key(first)
+        assert key is not None and first.loaded_from is not None
+        owner = object()
+        content = first
+        path, fd = whole.new_part()
+        try:
+            try:
+                size = first.write_whole(fd, self._fetching_scatter(owner), self._fetching_reader(owner))
+                content = self._load(rel)
+                if content.loaded_from is None or content.loaded_from[0] != first.loaded_from[0]:
+                    content.close()
+                    os.close(fd)
+                    whole.drop_staged(path)
+                    return None
+                whole.hot_commit(path, key, size)
+            except BaseException:
+                if content is not first:
+                    content.close()
+                os.close(fd)
+                whole.drop_staged(path)
+                raise
+            content.use_whole(fd, None)
+        finally:
+            first.close()
+            self.repo.store.unpin(owner)
+        remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
+        return content
+
+    def _fetching_reader(self, owner: object) -> ReadChunks:
+        """Reads of a snapshot's stored bytes (its groups' headers) that fetch the chunks they
+        need from the bucket into the local packs first (pinned for ``owner``)."""
+        remote = self.repo.remote
+        assert remote is not None
+
+        def read(index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
+            # A header's reads grow at one offset (the parser looks ahead): one GET brings them all.
+            end = min(offset + max(size, HEADER_FETCH), index.size)
+            if offset < end:
+                remote.fetch_missing(index.ids[index.find(offset) : index.find(end - 1) + 1], owner)
+            return self.read_chunks(index, offset, size)
+
+        return read
+
+    def _fetching_scatter(self, owner: object) -> Scatter:
+        """``Fetcher.scatter`` for a snapshot whose chunks are partly or only in the bucket: the
+        missing ones fetched (``RemoteTier.fetch_missing``: parallel range GETs, stored in the
+        local packs pinned for ``owner``) and each written at every place the file has it as it
+        arrives, on the fetch workers; then the rest read from the local packs. Every place is
+        written once, by one or the other, or the put-back fails (EIO): never a hole for bytes."""
+        remote = self.repo.remote
+        assert remote is not None
+
+        def scatter(
+            index: Index, write: Callable[[int, memoryview], None], locations: dict[bytes, Location] | None
+        ) -> Generator[int, None, None]:
+            if not index.size:
+                return
+            places: dict[bytes, list[int]] = {}  # missing chunk -> where the index has it
+            have = self.repo.store.has(dict.fromkeys(index.ids))
+            for i, cid in enumerate(index.ids):
+                if cid not in have:
+                    places.setdefault(cid, []).append(i)
+            written: set[bytes] = set()  # chunks written at every place (set.add: atomic)
+            # As many writers as a put-back from the packs has: more only queue on the file's lock
+            # (a tmpfs write holds the inode's) while it zeroes new huge pages.
+            writers = threading.BoundedSemaphore(SCATTER_READERS)
+
+            def deliver(buf: memoryview, parts: list[tuple[bytes, int, int]]) -> None:
+                with writers:
+                    for pos, piece in _pieces(index, places, buf, parts):
+                        write(pos, piece)
+                written.update(cid for cid, _, _ in parts if cid in places)
+
+            remote.fetch_missing(places, owner, deliver)
+            # What no fetch wrote (local already; or stored meanwhile by another open's fetch),
+            # read from the local packs a run of places at a time (ChunkMissing if not there).
+            i, n = 0, len(index)
+            while i < n:
+                if index.ids[i] in written:
+                    i += 1
+                    continue
+                j = i
+                while j < n and index.ids[j] not in written:
+                    j += 1
+                pos = index.start(i)
+                for piece in self.fetcher.stream(index, pos, index.start(j - 1) + index.length(j - 1)):
+                    write(pos, piece)
+                    pos += len(piece)
+                i = j
+            yield index.size
+
+        return scatter
 
     def _fetch_missing(self, rel: str, content: FileContent) -> FileContent:
         remote = self.repo.remote
@@ -476,6 +600,36 @@ class Files:
         self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
+
+
+def _pieces(
+    index: Index, places: dict[bytes, list[int]], buf: memoryview, parts: list[tuple[bytes, int, int]]
+) -> Iterator[tuple[int, memoryview]]:
+    """Where fetched chunks go in the stored stream: (offset, bytes) for each, chunks that follow
+    each other both in ``buf`` and in the index (a pack written in file order) as one piece. A
+    chunk whose length is not the index's is never written (ChunkCorrupt: EIO)."""
+    start, end, nxt = -1, -1, -1  # the piece being grown: its bytes in buf, its next index place
+    pos = 0
+    for cid, off, n in parts:
+        at = places.get(cid)
+        if at is None:  # not one this file lacked
+            continue
+        for i in at:
+            if index.length(i) != n:
+                raise ChunkCorrupt(f"chunk {cid.hex()} is {n} bytes, the index says {index.length(i)}")
+        if len(at) == 1 and at[0] == nxt and off == end:
+            end, nxt = off + n, nxt + 1
+            continue
+        if start >= 0:
+            yield pos, buf[start:end]
+            start = -1
+        if len(at) == 1:
+            start, end, nxt, pos = off, off + n, at[0] + 1, index.start(at[0])
+            continue
+        for i in at:  # a chunk the file has more than once: written at each place
+            yield index.start(i), buf[off : off + n]
+    if start >= 0:
+        yield pos, buf[start:end]
 
 
 class _StagedGone(StubError):

@@ -11,7 +11,9 @@ memory does not grow with the file: a few pieces and a scratch buffer per worker
 The file's checksum (its record's ``file_sum``) is summed in file order by the caller as the
 written part grows (``sum_to``): the bytes that are final (every piece before them written; a
 group's, once all its pieces are) are read back from the file a window at a time. It checks the
-bytes the file really holds. Zeros are not written: a hole stays a hole.
+bytes the file holds. A snapshot without a record (fetched from the bucket, saved before records)
+has no checksum to compare: its file is not read back (its chunks were checked against their ids).
+Zeros are not written: a hole stays a hole.
 """
 
 from __future__ import annotations
@@ -142,10 +144,12 @@ class _Scratch(threading.local):
 class PutBack:
     """The whole file of ``size`` bytes written into the empty plain file ``fd`` from its stored
     stream (``write``, from any thread, pieces in any order), its ``groups`` (stored permuted) put
-    back; ``sum_to`` sums it in file order as pieces are written, ``finish`` gives the checksum."""
+    back; ``sum_to`` sums it in file order as pieces are written, ``finish`` gives the checksum
+    (with ``summed`` false nothing is read back nor summed: ``finish`` gives b"")."""
 
-    def __init__(self, fd: int, size: int, groups: Sequence[Segment]) -> None:
+    def __init__(self, fd: int, size: int, groups: Sequence[Segment], summed: bool = True) -> None:
         self.fd, self.size = fd, size
+        self.summing = summed
         found = sorted((g for g in groups if g.group is not None and g.end is not None), key=lambda g: g.start)
         self.groups = [_Group(g) for g in found]
         self._starts = [g.start for g in found]
@@ -189,6 +193,9 @@ class PutBack:
         group's only once all of it is written), read back into a buffer of ``SUM_WINDOW`` (the
         copy runs without the interpreter lock, beside the workers). Call from one thread,
         ``written`` growing."""
+        if not self.summing:
+            self.summed = max(self.summed, written)
+            return
         group = self._group_at(written) if written < self.size else None
         end = group.seg.start if group is not None and group.seg.start < written else written
         if self._buf is None and end > self.summed:
@@ -206,4 +213,4 @@ class PutBack:
         """The file's checksum, once every byte was written and summed; EIO if not."""
         if self.summed != self.size:
             raise OSError(errno.EIO, f"the stored stream is {self.size - self.summed} bytes short")
-        return self.hasher.digest()
+        return self.hasher.digest() if self.summing else b""

@@ -41,10 +41,10 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvchunkfs.format import filerecord
 from kvchunkfs.format import index as idx
@@ -75,6 +75,10 @@ _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing 
 _CONFIRMED_MAX = 1 << 20  # chunk ids remembered as recently confirmed in the bucket
 _PACKIDX_SKEW_US = 3600 * 10**6  # pack indexes are listed from this long before the newest one read
 _SHORT_CHUNKS = 1 << 12  # chunks shorter than the minimum an index may have (segment ends)
+
+# Fetched chunks handed over as they arrive (``fetch_missing``): a buffer and its chunks as (id,
+# offset in it, length), every one checked against its id; called on the fetch workers, in any order.
+Deliver = Callable[[memoryview, list[tuple[bytes, int, int]]], None]
 
 
 def max_index_bytes(max_file_size: int, chunk_min: int) -> int:
@@ -746,9 +750,12 @@ class RemoteTier:
                 for cid, _ in g.chunks:
                     self._confirm(cid, 0)
 
-    def _fetch_run(self, run: rp.Run, gone: set[bytes]) -> list[tuple[bytes, bytes]] | None:
+    def _fetch_run(
+        self, run: rp.Run, gone: set[bytes], deliver: Deliver | None = None
+    ) -> list[tuple[bytes, memoryview]] | None:
         """One range GET, its chunks checked against their ids (here, in the worker: hashing runs
-        in parallel); None if the pack is gone (added to ``gone``)."""
+        in parallel), then handed to ``deliver`` if given; None if the pack is gone (added to
+        ``gone``). The chunks are views of the response, never copied."""
         try:
             blob = self.bucket.get_ranges(run.pack, [(run.start, run.end)])[0]
         except FileNotFoundError:
@@ -761,9 +768,11 @@ class RemoteTier:
                 self._report_corrupt(cid)
                 raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
             out.append((cid, data))
+        if deliver is not None:
+            deliver(blob, run.parts)
         return out
 
-    def _fetch_packed(self, missing: list[bytes], owner: object) -> list[bytes]:
+    def _fetch_packed(self, missing: list[bytes], owner: object, deliver: Deliver | None = None) -> list[bytes]:
         """Store the chunks of ``missing`` that the bucket's packs hold (coalesced range GETs, in
         parallel, each chunk checked against its id); the ids no pack holds (loose, legacy)."""
         self._learn()
@@ -774,21 +783,23 @@ class RemoteTier:
         gone: set[bytes] = set()
         runs = rp.coalesce((cid, loc) for cid, (loc, _) in known.items())
         store = self.repo.store
-        pending: collections.deque[Future[list[tuple[bytes, bytes]] | None]] = collections.deque()
+        pending: set[Future[list[tuple[bytes, memoryview]] | None]] = set()
         it = iter(runs)
         try:
             while True:
                 while len(pending) < self._fetch_window // 4 and (run := next(it, None)) is not None:
-                    pending.append(self._fetches.submit(self._fetch_run, run, gone))
+                    pending.add(self._fetches.submit(self._fetch_run, run, gone, deliver))
                 if not pending:
                     break
-                batch = pending.popleft().result()
-                if batch:
-                    store.put_many(batch, owner)
-                    self.fetched_chunks += len(batch)
+                # As they complete, not in order: a slow GET does not hold back the next requests.
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    batch = f.result()
+                    if batch:
+                        store.put_many(batch, owner)  # while the workers fetch (and deliver) the next runs
+                        self.fetched_chunks += len(batch)
         finally:
-            for f in pending:
-                f.cancel()
+            _stop(pending, deliver is not None)
         for pack in gone:
             self.db.forget_pack(pack)
         rest = [c for c in missing if c not in known or known[c][0].pack in gone]
@@ -796,7 +807,7 @@ class RemoteTier:
             self._learn(force=True)
             again = self.db.locate(rest)
             if again and not gone & {loc.pack for loc, _ in again.values()}:
-                return self._fetch_packed(list(again), owner) + [c for c in rest if c not in again]
+                return self._fetch_packed(list(again), owner, deliver) + [c for c in rest if c not in again]
         return rest
 
     def _fresh(self, cid: bytes) -> bool:
@@ -1042,9 +1053,13 @@ class RemoteTier:
         self.fetched_indexes += 1
         log.info("remote: %s replaced by the bucket's newer version", fetched.rel)
 
-    def fetch_missing(self, ids: Iterable[bytes], owner: object) -> int:
+    def fetch_missing(self, ids: Iterable[bytes], owner: object, deliver: Deliver | None = None) -> int:
         """Store the chunks of ``ids`` the local packs lack, fetched from the bucket (pinned for
-        ``owner``: the caller unpins once its own pins hold them). Returns the number fetched."""
+        ``owner``: the caller unpins once its own pins hold them). Returns the number fetched.
+
+        ``deliver`` gets every fetched chunk as it arrives, checked against its id, on the fetch
+        workers (a restore writes them into its whole file meanwhile); no call of it is running or
+        to come once this returns or raises."""
         store = self.repo.store
         wanted = list(dict.fromkeys(ids))
         have = store.has(wanted)
@@ -1053,15 +1068,15 @@ class RemoteTier:
             return 0
         self.check_format()
         if self.layout >= 2:
-            loose = self._fetch_packed(missing, owner)
+            loose = self._fetch_packed(missing, owner, deliver)
             if not loose:
                 self._poke()
                 return len(missing)
             fetched = len(missing) - len(loose)
-            return fetched + self._fetch_loose(loose, owner)
-        return self._fetch_loose(missing, owner)
+            return fetched + self._fetch_loose(loose, owner, deliver)
+        return self._fetch_loose(missing, owner, deliver)
 
-    def _fetch_loose(self, missing: list[bytes], owner: object) -> int:
+    def _fetch_loose(self, missing: list[bytes], owner: object, deliver: Deliver | None = None) -> int:
         """One GET per chunk (the loose layout, and chunks of a bucket from before packs)."""
         store = self.repo.store
         pending: collections.deque[tuple[bytes, Future[bytes]]] = collections.deque()
@@ -1079,6 +1094,8 @@ class RemoteTier:
                 if hashlib.sha256(data).digest() != cid:
                     self._report_corrupt(cid)
                     raise ChunkCorrupt(f"chunk {cid.hex()} from {self.bucket.url} fails its checksum")
+                if deliver is not None:
+                    deliver(memoryview(data), [(cid, 0, len(data))])
                 batch.append((cid, data))
                 self.fetched_chunks += 1
                 size += len(data)
@@ -1101,3 +1118,14 @@ class RemoteTier:
                 self.on_idle()
             except Exception:  # a hook never fails an upload or a fetch
                 log.exception("remote: the idle hook failed")
+
+
+def _stop(pending: Iterable[Future[Any]], running: bool) -> None:
+    """Cancel the requests not started; with ``running``, wait for the others too: once a fetch
+    that hands chunks over returns or raises, none of its workers still does (to a file its caller
+    may have dropped already)."""
+    futures = list(pending)
+    for f in futures:
+        f.cancel()
+    if running:
+        wait(futures)

@@ -253,15 +253,16 @@ class Bucket:
         self._count(pack_touches=1)
         return True
 
-    def get_ranges(self, pack: bytes, ranges: list[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, pack: bytes, ranges: list[tuple[int, int]]) -> list[memoryview]:
         """Byte ranges [start, end) of a pack, each one GET (parallel callers coalesce first);
-        FileNotFoundError if the pack is gone."""
+        FileNotFoundError if the pack is gone. Views of the responses, not copies (a restore
+        fetches hundreds of MB: a copy under the interpreter lock costs as much as the hashing)."""
         key = self.pack_key(pack)
         if self._data is not None:
             starts, ends = [a for a, _ in ranges], [b for _, b in ranges]
-            out = [bytes(b) for b in self._fast("get_ranges", key, starts=starts, ends=ends)]
+            out = [memoryview(b) for b in self._fast("get_ranges", key, starts=starts, ends=ends)]
         else:
-            out = [self._get(key, Range=f"bytes={a}-{b - 1}") for a, b in ranges]
+            out = [memoryview(self._get(key, Range=f"bytes={a}-{b - 1}")) for a, b in ranges]
         for (a, b), got in zip(ranges, out, strict=True):
             if len(got) != b - a:
                 raise RemoteError(5, f"{self.url}: pack {pack.hex()}: {len(got)} bytes for range {a}-{b}")

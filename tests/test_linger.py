@@ -25,6 +25,7 @@ def test_a_reopen_right_after_the_last_close_takes_the_loaded_content(kvfs) -> N
     kvfs.remount(LONG)
     data = rand_bytes(3 * MiB + 5, 1)
     write_in_pieces(kvfs.path("s"), data, MiB)
+    kvfs.ingested()  # stored: its stub does not change under the lingering content
     wait_closed(kvfs)
     assert read_direct(kvfs.path("s")) == data
     _wait_stat(kvfs, "lingering_files", 1)  # RELEASE comes after close() returns
@@ -39,6 +40,7 @@ def test_a_lingering_content_is_closed_when_its_time_is_up(kvfs) -> None:
     kvfs.remount(["--reopen-linger", "1"])
     data = rand_bytes(MiB, 10)
     write_in_pieces(kvfs.path("s"), data, MiB)
+    kvfs.ingested()
     wait_closed(kvfs)
     assert read_direct(kvfs.path("s")) == data
     _wait_stat(kvfs, "lingering_files", 1)
@@ -57,6 +59,7 @@ def test_a_stub_changed_behind_the_loaded_content_is_loaded_again(kvfs) -> None:
     old, new = rand_bytes(2 * MiB, 2), rand_bytes(2 * MiB, 3)
     write_in_pieces(kvfs.path("a"), old, MiB)
     write_in_pieces(kvfs.path("b"), new, MiB)
+    kvfs.ingested()
     wait_closed(kvfs)
     assert read_direct(kvfs.path("a")) == old
     _wait_stat(kvfs, "lingering_files", 1)
@@ -71,6 +74,7 @@ def test_a_content_written_after_its_reopen_does_not_linger_as_the_old_snapshot(
     kvfs.remount(LONG)
     data = rand_bytes(2 * MiB, 4)
     write_in_pieces(kvfs.path("s"), data, MiB)
+    kvfs.ingested()
     wait_closed(kvfs)
     assert read_direct(kvfs.path("s")) == data
     _wait_stat(kvfs, "lingering_files", 1)
@@ -88,6 +92,7 @@ def test_a_truncating_open_replaces_a_lingering_content(kvfs) -> None:
     kvfs.remount(LONG)
     data, nxt = rand_bytes(2 * MiB, 5), rand_bytes(MiB + 77, 6)
     write_in_pieces(kvfs.path("s"), data, MiB)
+    kvfs.ingested()
     wait_closed(kvfs)
     assert read_direct(kvfs.path("s")) == data
     _wait_stat(kvfs, "lingering_files", 1)
@@ -103,6 +108,7 @@ def test_an_unlinked_or_replaced_snapshot_lets_go_of_its_lingering_content_at_on
     kvfs.remount(LONG)
     for name, seed in (("gone", 7), ("over", 8), ("new", 9)):
         write_in_pieces(kvfs.path(name), rand_bytes(MiB, seed), MiB)
+    kvfs.ingested()
     wait_closed(kvfs)
     read_direct(kvfs.path("gone"))
     read_direct(kvfs.path("over"))

@@ -62,7 +62,7 @@ def measured() -> dict[tuple[str, str], tuple[float, float]]:
 
 def test_readmes_performance_table_compares_with_a_plain_file_in_measured_figures() -> None:
     figures = measured()
-    assert len(figures) == 12
+    assert len(figures) >= 12  # README shows three of the measured state files
     text = (ROOT / "README.md").read_text()
     table = text[text.index("## Performance") :]
     header = next(line for line in table.splitlines() if line.startswith("| state file"))

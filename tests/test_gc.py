@@ -258,6 +258,7 @@ def test_restore_while_its_packs_are_compacted(tmp_path: Path) -> None:
             # Same packs as keep{r}, and before it: its dead chunks are not a tail GC could cut off.
             write_in_pieces(m.path(f"drop{r}"), drop, MiB)
             write_in_pieces(m.path(f"keep{r}"), keep, MiB)
+            m.ingested()  # both in the packs, in that order, before the unlink and GC
             with lock:
                 files[f"keep{r}"] = keep
                 files.pop(f"keep{r - 2}", None)

@@ -740,6 +740,16 @@ class FileContent:
         with self.cond:
             self.cond.wait_for(lambda: not self._scheduled)
 
+    def _store_failed(self, e: OSError) -> bool:
+        """Storing a batch's chunks failed: the save ends with ``e`` (its writers are woken); False."""
+        log.error("saving chunks failed: %s", e)
+        with self.cond:
+            self.error = e
+            self.inflight = None
+            self._active = False
+            self.cond.notify_all()
+        return False
+
     def _step(self, point: str) -> None:
         """Test hook: ``idle`` (no more work for now), ``ready``, ``taken``, ``stored``, ``exit``."""
         if self.hook is not None:
@@ -838,13 +848,7 @@ class FileContent:
         try:
             new = self.store.put_many(chunks, self) if chunks else 0
         except OSError as e:
-            log.error("saving chunks failed: %s", e)
-            with self.cond:
-                self.error = e
-                self.inflight = None
-                self._active = False
-                self.cond.notify_all()
-            return False
+            return self._store_failed(e)
         self._step("stored")
         # The chunks' bytes in file order: the checksum (a replaced ``sums`` is fed harmlessly).
         sums.add(taken, [len(p) for _, p in chunks], groups)
@@ -909,13 +913,7 @@ class FileContent:
                         self.bytes_new += new
             sums.add_group(seg, reader.file_pieces())
         except OSError as e:
-            log.error("saving chunks failed: %s", e)
-            with self.cond:
-                self.error = e
-                self.inflight = None
-                self._active = False
-                self.cond.notify_all()
-            return False
+            return self._store_failed(e)
         self._step("stored")
         with self.cond:
             if epoch == self.epoch:

@@ -58,9 +58,22 @@ def _mount_devices(pid: int) -> dict[str, str]:
         return {fields[0]: fields[2] for fields in (line.split() for line in f) if len(fields) > 2}
 
 
-def _fdinfo(pid: int, fd: str) -> dict[str, str]:
-    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+def _fdinfo(pid: int, fd: str) -> bytes:
+    """The raw ``/proc/PID/fdinfo/FD`` (a few lines; read with plain syscalls: a table holds
+    dozens of descriptors and this runs on each writer's close)."""
+    f = os.open(f"/proc/{pid}/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(f, 4096)
+    finally:
+        os.close(f)
+
+
+def _field(info: bytes, name: bytes) -> str:
+    for line in info.splitlines():
+        key, sep, value = line.partition(b":")
+        if sep and key == name:
+            return value.strip().decode()
+    return ""
 
 
 def holds_for_writing(pid: int, ino: int, device: str) -> bool:
@@ -68,17 +81,18 @@ def holds_for_writing(pid: int, ino: int, device: str) -> bool:
     mount with device ``device``. OSError if its table cannot be read (gone: ESRCH/ENOENT;
     another user's process and the daemon not root: EACCES)."""
     devices: dict[str, str] | None = None
+    line = b"\nino:\t%d\n" % ino
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             info = _fdinfo(pid, fd)
         except FileNotFoundError:  # closed meanwhile
             continue
-        if info.get("ino", "").strip() != str(ino):
+        if line not in info:  # most descriptors: another inode
             continue
-        if int(info.get("flags", "0").strip(), 8) & os.O_ACCMODE == os.O_RDONLY:
+        if int(_field(info, b"flags") or "0", 8) & os.O_ACCMODE == os.O_RDONLY:
             continue  # a reader of the same file: it cannot change it
         if devices is None:
             devices = _mount_devices(pid)
-        if devices.get(info.get("mnt_id", "").strip()) == device:
+        if devices.get(_field(info, b"mnt_id")) == device:
             return True
     return False

@@ -1035,9 +1035,11 @@ class Operations(fuse.Operations):
         return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content)), attrs
 
     def _made(self, rel: str, mode: int, uid: int, gid: int, pid: int | None) -> tuple[FileContent, int | None]:
-        """A create's blocking part, one thread hop: the new stub, its content, the opener's process."""
+        """A create's blocking part, one thread hop: the new stub, its content, the opener's process.
+        The stub was just written empty: its content is a new empty one, as for an ``O_TRUNC`` open
+        (nothing to read back)."""
         self.repo.create(rel, mode, uid, gid)
-        content = self.files.load(rel)
+        content = self.files.replacement(rel)
         return content, openers.task_group(pid) if pid is not None else None
 
     async def flush(self, fh: int) -> None:

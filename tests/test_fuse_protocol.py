@@ -201,7 +201,7 @@ class Recorder(api.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         return memoryview(bytes(range(256)) * 8)[off : off + size]
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         self.calls.append(("write", fh, off, bytes(buf)))
         return len(buf)
 
@@ -339,7 +339,7 @@ class Modes(api.Operations):
             self.mode = stat.S_IMODE(attr.st_mode)
         return attrs(inode, stat.S_IFREG | self.mode)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         self.writes += 1
         return len(buf)
 

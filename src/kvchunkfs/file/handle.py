@@ -52,9 +52,10 @@ class FileHandle:
             self.cursor.locations = content.locations  # looked up once, at load
         self.reader = HandleReader(fetcher, self.cursor)
 
-    async def write(self, offset: int, data: bytes) -> None:
+    async def write(self, offset: int, data: bytes | memoryview) -> None:
         """Apply one write, in arrival order with the file's others; then, if the chunker is far
-        behind, wait for it (in a worker thread: the event loop goes on serving others)."""
+        behind, wait for it (in a worker thread: the event loop goes on serving others). ``data``
+        may be a view of a buffer the caller reuses once this returns: the content copies what it keeps."""
         content = self.content
         async with self.lock:
             while True:

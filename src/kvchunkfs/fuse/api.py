@@ -238,7 +238,9 @@ class Operations:
     async def read(self, fh: int, off: int, size: int) -> Any:  # bytes or any contiguous buffer
         raise FUSEError(errno.ENOSYS)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
+        """``buf`` is a view of the session's request buffer, valid until this returns: a
+        filesystem that keeps the bytes copies them."""
         raise FUSEError(errno.ENOSYS)
 
     async def flush(self, fh: int) -> None:

@@ -6,8 +6,8 @@ handles the request it read to the end (the handler awaits as it likes; meanwhil
 read and handle others). When no worker is left waiting for the device, one more is started, up to
 ``max_tasks``; a worker finding ``min_tasks`` others waiting retires. Each worker reads
 into a buffer of its own, allocated once; a reply is one ``write``/``writev`` of the header and the
-payload (a read's bytes are never copied on the way). Only a write's bytes are copied out of the
-buffer, once: the filesystem keeps them.
+payload (a read's bytes are never copied on the way). A write's bytes are handed on as a view of
+the buffer: the filesystem copies them only where it keeps them.
 
 **Modes.** At INIT the session negotiates passthrough where the kernel offers it (Linux 6.9+), the
 daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *served*. In both,
@@ -567,8 +567,7 @@ class Session:
             if await self._drop_setid(nodeid, RequestContext(uid, gid, pid)):
                 await trio.to_thread.run_sync(self._forget_attrs, nodeid)
         start = protocol.WRITE_IN_SIZE
-        data = bytes(body[start : start + size])  # the one copy: the filesystem keeps the bytes
-        written = await self.ops.write(fh, offset, data)
+        written = await self.ops.write(fh, offset, body[start : start + size])  # copied only if kept
         self._send(_OUT(_OUT_SIZE + 8, 0, unique) + protocol.WRITE_OUT.pack(written, 0))
 
     async def _flush(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:

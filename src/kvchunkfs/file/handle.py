@@ -81,6 +81,17 @@ class FileHandle:
             return self.fetcher.read_cached(content.index, offset, size, self.cursor, ahead)
         return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
 
+    def plain_range(self, offset: int, size: int) -> tuple[int, int] | None:
+        """The file a read may be copied from by the kernel: the whole file in memory (served
+        mode), its descriptor and how many of the ``size`` bytes at ``offset`` it has (it may end
+        first); None if the bytes are elsewhere (a whole file on disk is read in a worker thread)."""
+        content = self.content
+        fd = content.whole_fd()
+        whole = content.whole
+        if fd < 0 or whole is None or not whole.in_memory:
+            return None
+        return fd, max(0, min(size, os.fstat(fd).st_size - offset))
+
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         content = self.content
         fd = content.whole_fd()

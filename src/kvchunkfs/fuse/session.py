@@ -6,8 +6,10 @@ handles the request it read to the end (the handler awaits as it likes; meanwhil
 read and handle others). When no worker is left waiting for the device, one more is started, up to
 ``max_tasks``; a worker finding ``min_tasks`` others waiting retires. Each worker reads
 into a buffer of its own, allocated once; a reply is one ``write``/``writev`` of the header and the
-payload (a read's bytes are never copied on the way). A write's bytes are handed on as a view of
-the buffer: the filesystem copies them only where it keeps them.
+payload (a read's bytes are never copied on the way); a read of a plain file in memory
+(``Operations.read_plain``) is spliced from the file into the reply instead (fuse/splicing.py), its
+bytes never entering the daemon. A write's bytes are handed on as a view of the buffer: the
+filesystem copies them only where it keeps them.
 
 **Modes.** At INIT the session negotiates passthrough where the kernel offers it (Linux 6.9+), the
 daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *served*. In both,

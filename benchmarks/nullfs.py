@@ -327,7 +327,7 @@ class NullOperations(fuse.Operations):
             return memoryview(f.data)[off : off + n]
         return self._read_buffer(n)[:n]
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         f = self._file(fh)
         self.served_writes += 1
         f.size = max(f.size, off + len(buf))

@@ -46,6 +46,7 @@ UNIT_MODULES = {
     "test_prefix_match",
     "test_prefixtree",
     "test_putback",
+    "test_splicing",
     "test_stream_interleave",
     "test_units",
 }

@@ -410,7 +410,7 @@ class PowerFS(fuse.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         return os.pread(fh, size, off)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         self._data_change(os.fstat(fh).st_ino, fh, off, len(buf))
         self.stats["writes"] += 1
         return os.pwrite(fh, buf, off)

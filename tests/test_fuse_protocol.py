@@ -5,6 +5,7 @@ the session, whose replies are read back from a pipe standing in for /dev/fuse."
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import struct
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from kvchunkfs.fuse import api, kernel, protocol
+from kvchunkfs.fuse import api, kernel, protocol, splicing
 from kvchunkfs.fuse.protocol import Op
 from kvchunkfs.fuse.session import Session
 
@@ -201,7 +202,7 @@ class Recorder(api.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         return memoryview(bytes(range(256)) * 8)[off : off + size]
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         self.calls.append(("write", fh, off, bytes(buf)))
         return len(buf)
 
@@ -339,7 +340,7 @@ class Modes(api.Operations):
             self.mode = stat.S_IMODE(attr.st_mode)
         return attrs(inode, stat.S_IFREG | self.mode)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         self.writes += 1
         return len(buf)
 
@@ -394,3 +395,73 @@ def test_a_write_without_the_flag_or_to_an_inode_not_set_id_changes_no_mode() ->
     finally:
         os.close(r)
         os.close(w)
+
+
+class PlainReads(api.Operations):
+    """A file whose reads may be spliced from ``fd`` (``read_plain``); ``read`` answers otherwise."""
+
+    def __init__(self, fd: int, data: bytes) -> None:
+        self.fd, self.data = fd, data
+        self.plain_asked = 0
+        self.reads = 0
+
+    def read_plain(self, fh: int, off: int, size: int) -> tuple[int, int] | None:
+        self.plain_asked += 1
+        return self.fd, max(0, min(size, len(self.data) - off))
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        self.reads += 1
+        return self.data[off : off + size]
+
+
+def splicing_session(ops: api.Operations) -> tuple[Session, set[str], int, int]:
+    """A session as ``start`` makes it (its reply pipe, its mount options), replying into a pipe."""
+    session = Session(ops, "/nonexistent", set())
+    options = session._splice_options()
+    r, w = os.pipe2(os.O_CLOEXEC)
+    fcntl.fcntl(w, splicing.F_SETPIPE_SZ, 1 << 20)
+    session.fd = w
+    return session, options, r, w
+
+
+def read_in(offset: int, size: int) -> bytes:
+    return protocol.READ_IN.pack(1, offset, size) + bytes(24)
+
+
+def test_a_read_of_a_plain_file_is_spliced_whole() -> None:
+    data = os.urandom(300_000)
+    fd = os.memfd_create("plain")
+    os.write(fd, data)
+    ops = PlainReads(fd, data)
+    session, options, r, w = splicing_session(ops)
+    try:
+        largest = session._reply_pipe.largest() if session._reply_pipe else 0
+        # Reads are capped to what the pipe holds only if it cannot hold the largest.
+        assert (f"max_read={largest}" in options) == (largest < session.max_write)
+        for off, size in ((0, 131072), (4000, 65536), (len(data) - 100, 4096), (len(data), 4096)):
+            handle(session, Op.READ, read_in(off, size))
+            assert reply(r) == (0, 77, data[off : off + size])
+        assert ops.reads == 0 and ops.plain_asked == 4
+    finally:
+        session._close_pipe()
+        for x in (fd, r, w):
+            os.close(x)
+
+
+def test_a_file_that_refuses_splicing_is_read_as_before(tmp_path, caplog) -> None:
+    """A file system that cannot splice (a directory stands in): the read is answered by ``read``,
+    and so are the next ones, without asking for the plain file again; said once."""
+    data = os.urandom(10_000)
+    d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    ops = PlainReads(d, data)
+    session, _, r, w = splicing_session(ops)
+    try:
+        for _ in range(2):
+            handle(session, Op.READ, read_in(100, 5000))
+            assert reply(r) == (0, 77, data[100:5100])
+        assert ops.reads == 2 and ops.plain_asked == 1
+        assert caplog.text.count("reads are no longer spliced") == 1
+    finally:
+        session._close_pipe()
+        for x in (d, r, w):
+            os.close(x)

@@ -403,8 +403,10 @@ class FileContent:
                 yield piece
                 pos += n
 
-    def write(self, offset: int, data: bytes) -> bool:
-        """Apply a write planned as DIRECT; False if the worker took the bytes it patches meanwhile."""
+    def write(self, offset: int, data: bytes | memoryview) -> bool:
+        """Apply a write planned as DIRECT; False if the worker took the bytes it patches meanwhile.
+        ``data`` may be a view of the caller's buffer: a plain file is written from it, and only the
+        bytes queued for the chunker are copied (they outlive the call)."""
         with self.cond:
             if self.error:
                 raise self.error
@@ -418,8 +420,8 @@ class FileContent:
         os.pwrite(fd, data, offset)
         return True
 
-    def _queue(self, offset: int, data: bytes) -> bool:
-        """STREAM or CLEAN mode, under ``cond``: queue bytes for the chunker."""
+    def _queue(self, offset: int, data: bytes | memoryview) -> bool:
+        """STREAM or CLEAN mode, under ``cond``: queue bytes for the chunker (a copy, if a view)."""
         if self.mode is Mode.STREAM and offset < self._skip_to:  # cut from the source: not needed
             cut = min(len(data), self._skip_to - offset)
             data, offset = data[cut:], offset + cut
@@ -432,8 +434,9 @@ class FileContent:
             self.tail = b""
         start = self.end - len(self.buf)
         self._changed()
+        data = bytes(data)  # kept until chunked (no copy of what is bytes already)
         if offset > self.end:
-            self.ahead[offset] = bytes(data)
+            self.ahead[offset] = data
             return True
         if offset == self.end:
             self.buf.append(data)

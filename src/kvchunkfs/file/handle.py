@@ -52,9 +52,10 @@ class FileHandle:
             self.cursor.locations = content.locations  # looked up once, at load
         self.reader = HandleReader(fetcher, self.cursor)
 
-    async def write(self, offset: int, data: bytes) -> None:
+    async def write(self, offset: int, data: bytes | memoryview) -> None:
         """Apply one write, in arrival order with the file's others; then, if the chunker is far
-        behind, wait for it (in a worker thread: the event loop goes on serving others)."""
+        behind, wait for it (in a worker thread: the event loop goes on serving others). ``data``
+        may be a view of a buffer the caller reuses once this returns: the content copies what it keeps."""
         content = self.content
         async with self.lock:
             while True:
@@ -79,6 +80,17 @@ class FileHandle:
             ahead = content.read_ahead_limit(offset + size)
             return self.fetcher.read_cached(content.index, offset, size, self.cursor, ahead)
         return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
+
+    def plain_range(self, offset: int, size: int) -> tuple[int, int] | None:
+        """The file a read may be copied from by the kernel: the whole file in memory (served
+        mode), its descriptor and how many of the ``size`` bytes at ``offset`` it has (it may end
+        first); None if the bytes are elsewhere (a whole file on disk is read in a worker thread)."""
+        content = self.content
+        fd = content.whole_fd()
+        whole = content.whole
+        if fd < 0 or whole is None or not whole.in_memory:
+            return None
+        return fd, max(0, min(size, os.fstat(fd).st_size - offset))
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         content = self.content

@@ -238,7 +238,15 @@ class Operations:
     async def read(self, fh: int, off: int, size: int) -> Any:  # bytes or any contiguous buffer
         raise FUSEError(errno.ENOSYS)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    def read_plain(self, fh: int, off: int, size: int) -> tuple[int, int] | None:
+        """Where a read's bytes lie in a plain file in memory, for the kernel to copy them from it
+        (splice): the file's descriptor and how many of the ``size`` bytes at ``off`` it has; None
+        to answer with ``read``. Called on the event loop: must not block."""
+        return None
+
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
+        """``buf`` is a view of the session's request buffer, valid until this returns: a
+        filesystem that keeps the bytes copies them."""
         raise FUSEError(errno.ENOSYS)
 
     async def flush(self, fh: int) -> None:

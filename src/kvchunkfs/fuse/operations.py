@@ -1302,7 +1302,11 @@ class Operations(fuse.Operations):
             log.error("read of %s at %d failed: %s", handle.node.path, off, e)
             raise fuse.FUSEError(_errno_of(e)) from None
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    def read_plain(self, fh: int, off: int, size: int) -> tuple[int, int] | None:
+        handle = self.handles.get(fh)
+        return handle.file.plain_range(off, size) if handle is not None else None
+
+    async def write(self, fh: int, off: int, buf: memoryview) -> int:
         handle = self.handles[fh]
         node = handle.node
         self.write_requests += 1

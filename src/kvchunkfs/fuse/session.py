@@ -6,8 +6,10 @@ handles the request it read to the end (the handler awaits as it likes; meanwhil
 read and handle others). When no worker is left waiting for the device, one more is started, up to
 ``max_tasks``; a worker finding ``min_tasks`` others waiting retires. Each worker reads
 into a buffer of its own, allocated once; a reply is one ``write``/``writev`` of the header and the
-payload (a read's bytes are never copied on the way). Only a write's bytes are copied out of the
-buffer, once: the filesystem keeps them.
+payload (a read's bytes are never copied on the way); a read of a plain file in memory
+(``Operations.read_plain``) is spliced from the file into the reply instead (fuse/splicing.py), its
+bytes never entering the daemon. A write's bytes are handed on as a view of the buffer: the
+filesystem copies them only where it keeps them.
 
 **Modes.** At INIT the session negotiates passthrough where the kernel offers it (Linux 6.9+), the
 daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *served*. In both,
@@ -33,7 +35,7 @@ from typing import Any
 
 import trio
 
-from kvchunkfs.fuse import kernel, protocol
+from kvchunkfs.fuse import kernel, protocol, splicing
 from kvchunkfs.fuse.api import (
     EntryAttributes,
     FileInfo,
@@ -96,6 +98,8 @@ class Session:
         self._min_tasks = 1
         self._max_tasks = 1
         self._read_lock = trio.Lock()
+        self._splice_reads = False  # reads of plain files in memory: spliced (until that fails for good)
+        self._reply_pipe: splicing.ReplyPipe | None = None
         self._nursery: trio.Nursery | None = None
         self._handlers = self._handler_table()
 
@@ -103,9 +107,32 @@ class Session:
 
     def start(self) -> None:
         """Mount (OSError if that fails). The kernel's first request, INIT, is answered by ``run``."""
-        self.fd = kernel.mount(self.mountpoint, self.options)
+        options = self._splice_options()
+        try:
+            self.fd = kernel.mount(self.mountpoint, options)
+        except BaseException:
+            self._close_pipe()
+            raise
         os.set_blocking(self.fd, False)
         self.ops.session = self
+
+    def _splice_options(self) -> set[str]:
+        """The mount options, with reads capped to what the reply pipe holds (``max_read``) where
+        it cannot hold the largest (a pipe above ``/proc/sys/fs/pipe-max-size`` needs
+        CAP_SYS_RESOURCE); the pipe made if the filesystem has reads to splice (``read_plain``)."""
+        if type(self.ops).read_plain is Operations.read_plain:
+            return self.options
+        try:
+            self._reply_pipe = splicing.ReplyPipe(self.max_write)
+        except OSError as e:
+            log.warning("FUSE: reads are not spliced: no pipe for replies (%s)", e.strerror)
+            return self.options
+        self._splice_reads = True
+        largest = self._reply_pipe.largest()
+        if largest >= self.max_write or any(o.startswith("max_read=") for o in self.options):
+            return self.options
+        log.info("FUSE: reads of at most %d KiB: the most a pipe holds in one reply", largest >> 10)
+        return self.options | {f"max_read={largest}"}
 
     async def run(self, min_tasks: int = 1, max_tasks: int = 99) -> None:
         """Serve until the kernel ends the connection or ``terminate``; returns once every request
@@ -138,12 +165,19 @@ class Session:
         gone = self._gone or kernel.connection_gone(self.fd)
         os.close(self.fd)  # first: a synchronous unmount would wait for this very daemon
         self.fd = -1
+        self._close_pipe()
         self.ops.session = None
         if unmount and not gone:
             try:
                 kernel.unmount(self.mountpoint)
             except OSError as e:
                 log.warning("unmounting %s: %s", self.mountpoint, e)
+
+    def _close_pipe(self) -> None:
+        self._splice_reads = False
+        if self._reply_pipe is not None:
+            self._reply_pipe.close()
+            self._reply_pipe = None
 
     # -- notifications (blocking: the kernel takes the directory's lock) --------------------
 
@@ -557,9 +591,37 @@ class Session:
 
     async def _read(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size = _READ_IN(body)
+        if self._splice_reads and self._read_spliced(unique, fh, offset, size):
+            return
         data = await self.ops.read(fh, offset, size)
         n = data.nbytes if isinstance(data, memoryview) else len(data)
         self._sendv([_OUT(_OUT_SIZE + n, 0, unique), data])
+
+    def _read_spliced(self, unique: int, fh: int, offset: int, size: int) -> bool:
+        """Answer a read of a plain file in memory by splicing it (``splicing``); False if it is
+        to be answered by ``ops.read``. On the event loop, without yielding: the pipe is shared."""
+        plain = self.ops.read_plain(fh, offset, size)
+        if plain is None:
+            return False
+        fd, n = plain
+        if self._reply_pipe is None or not self._reply_pipe.fits(n):
+            return False
+        try:
+            self._reply_pipe.reply(self.fd, _OUT(_OUT_SIZE + n, 0, unique), fd, offset, n)
+        except splicing.Unspliced as e:
+            if e.lasting:
+                self._no_splice(str(e))
+            else:
+                log.debug("read answered without splice: %s", e)
+            return False
+        except OSError as e:
+            self._send_failed(e)
+        return True
+
+    def _no_splice(self, why: str) -> None:
+        """Reads are answered with ``ops.read`` from now on (said once)."""
+        self._splice_reads = False
+        log.warning("FUSE: reads are no longer spliced: %s", why)
 
     async def _write(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size, write_flags, _, _ = _WRITE_IN(body)
@@ -567,8 +629,7 @@ class Session:
             if await self._drop_setid(nodeid, RequestContext(uid, gid, pid)):
                 await trio.to_thread.run_sync(self._forget_attrs, nodeid)
         start = protocol.WRITE_IN_SIZE
-        data = bytes(body[start : start + size])  # the one copy: the filesystem keeps the bytes
-        written = await self.ops.write(fh, offset, data)
+        written = await self.ops.write(fh, offset, body[start : start + size])  # copied only if kept
         self._send(_OUT(_OUT_SIZE + 8, 0, unique) + protocol.WRITE_OUT.pack(written, 0))
 
     async def _flush(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:

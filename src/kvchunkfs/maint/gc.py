@@ -44,9 +44,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import trio
 
+from kvchunkfs.format import idarrays
 from kvchunkfs.format import index as idx
+from kvchunkfs.format.idarrays import PrefixSet
 from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkstore import PruneStore
 from kvchunkfs.store.layout import file_size
@@ -159,16 +162,16 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     start = time.monotonic()
     report = GCReport(dry_run=True)
     store = repo.store
-    named = named_ids(repo, report) | kept_ids(repo)
-    candidates = _candidates(repo, named, report)
-    dead: dict[bytes, int] = {}
+    candidates = _candidates(repo, _with_kept(named_ids(repo, report), kept_ids(repo)), report)
+    dead = np.empty(0, idarrays.ID)  # in id order
     if report.unreadable:  # as ``_sweep``: what they name is unknown
         report.errors += [f"{what}; no chunk would be freed" for what in report.unreadable]
     else:
         pinned = store.pinned()
-        dead = {cid: n for cid, n in candidates.items() if cid not in pinned}
+        keep = np.fromiter((cid in pinned for cid in idarrays.to_list(candidates.ids)), bool, len(candidates))
+        dead = candidates.ids[~keep]
+        report.bytes_freed = int(candidates.lengths[~keep].sum())
     report.chunks_freed = len(dead)
-    report.bytes_freed = sum(dead.values())
     report.live_chunks = store.stats()[0] - len(dead)
     for pack in store.pack_ids():
         _plan_pack(repo, pack, dead, threshold, report)
@@ -176,11 +179,14 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     return report
 
 
-def _plan_pack(repo: Repository, pack: int, dead: dict[bytes, int], threshold: float, report: GCReport) -> None:
-    """``reclaim_packs``' decision for one pack, as if ``dead`` were gone, counted in ``report``."""
+def _plan_pack(repo: Repository, pack: int, dead: np.ndarray, threshold: float, report: GCReport) -> None:
+    """``reclaim_packs``' decision for one pack, as if ``dead`` (sorted ids) were gone, counted in
+    ``report``."""
     store = repo.store
     size = file_size(store.pack_path(pack))
-    rows = [(off, n) for cid, off, n in store.chunks_in_pack(pack) if cid not in dead]
+    in_pack = store.chunks_in_pack(pack)
+    gone = idarrays.contains(dead, idarrays.from_list([cid for cid, _, _ in in_pack]))
+    rows = [(off, n) for (_, off, n), drop in zip(in_pack, gone.tolist(), strict=True) if not drop]
     live = sum(n for _, n in rows)
     if rows and not size:  # the pack is missing (fsck's business): nothing to reclaim
         return
@@ -226,10 +232,19 @@ def salvage_ids(data: bytes) -> list[bytes]:
     return [data[o + 8 : o + _ITEM] for o in range(_ITEMS_AT, len(data) - _ITEM + 1, _ITEM)]
 
 
-def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
-    """Ids the stubs name (one full walk). An entry that cannot be read may name any chunk: it goes
-    to ``report.unreadable`` and the sweep then frees nothing."""
-    named: set[bytes] = set()
+def salvage_array(data: bytes) -> np.ndarray:
+    """``salvage_ids`` as ``idarrays.ID`` rows (a view of ``data``)."""
+    n = max(0, (len(data) - _ITEMS_AT - _ITEM) // _ITEM + 1)
+    if not n:
+        return np.empty(0, idarrays.ID)
+    return np.ndarray((n,), idarrays.ID, data, _ITEMS_AT + 8, (_ITEM,))
+
+
+def named_ids(repo: Repository, report: GCReport) -> PrefixSet:
+    """Ids the stubs name (one full walk), as prefixes (8 bytes a distinct id: a chunk whose
+    prefix some stub names is kept, so a chance collision only keeps a chunk). An entry that cannot
+    be read may name any chunk: it goes to ``report.unreadable`` and the sweep then frees nothing."""
+    named = PrefixSet()
     report.snapshots = report.unreadable_snapshots = 0
     report.skipped, report.unreadable = [], []
     for entry in walk_stubs(repo.snapshots):
@@ -237,30 +252,48 @@ def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
     return named
 
 
-def _add_entry(entry: stubs.Entry, named: set[bytes], report: GCReport) -> None:
+def _add_entry(entry: stubs.Entry, named: PrefixSet, report: GCReport) -> None:
     if entry.skipped is not None:
         report.skipped.append(entry.problem())
         return
     try:
         if entry.error is not None:
             raise entry.error
-        data, _ = entry.read()
+        fd = entry.open()
     except FileNotFoundError:  # renamed or unlinked meanwhile: the namespace log tells
         return
     except OSError as e:
         entry.error = e
         report.unreadable.append(entry.problem())
         return
+    try:
+        valid = add_stub_ids(fd, named)
+    except OSError as e:
+        entry.error = e
+        report.unreadable.append(entry.problem())
+        return
+    finally:
+        os.close(fd)
     report.snapshots += 1
-    ids = stub_ids(data)
-    if ids is None:
+    if not valid:
         report.unreadable_snapshots += 1
         log.warning("gc: %s is not a valid index; keeping every chunk it may name", entry.rel)
-        ids = salvage_ids(data)
-    named.update(ids)
 
 
-def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: GCReport) -> None:
+def add_stub_ids(fd: int, named: PrefixSet) -> bool:
+    """Add the ids the open stub ``fd`` names, read a piece at a time; False if it is not a valid
+    index (then whatever it seems to name is added: ``salvage_ids``)."""
+    try:
+        for _, ids in stubs.read_table(fd):
+            named.add(ids)
+        return True
+    except idx.IndexFormatError:
+        data, _ = stubs.read_stub(fd)
+        named.add(salvage_array(data))
+        return False
+
+
+def _add_created(repo: Repository, paths: list[str], named: PrefixSet, report: GCReport) -> None:
     """Read what namespace changes created during the walk."""
     for entry in created_entries(repo, paths):
         _add_entry(entry, named, report)
@@ -300,7 +333,7 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(repo, named | kept_ids(repo), report)
+        candidates = _candidates(repo, _with_kept(named, kept_ids(repo)), report)
         with store.lock:
             if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
@@ -320,58 +353,115 @@ def checkpoint(repo: Repository) -> None:
         log.warning("checkpoint before gc failed: %s", e)
 
 
-def kept_ids(repo: Repository) -> set[bytes]:
+def _with_kept(named: PrefixSet, kept: PrefixSet) -> PrefixSet:
+    """``named`` and ``kept`` together (a new set only if ``kept`` holds anything)."""
+    if not len(kept):
+        return named
+    both = PrefixSet()
+    both.update(named)
+    both.update(kept)
+    return both
+
+
+def kept_ids(repo: Repository) -> PrefixSet:
     """Ids named by the versions kept in ``prev/`` for a power cut (durability=close): a save that
     replaced one after GC's checkpoint is not durable yet, so its old version may come back.
     Read after the generation the sweep checks: a save links its old version before its rename
     begins (``Repository._keep_previous``), so a link made later comes with a change that makes
     the sweep catch up first."""
-    out: set[bytes] = set()
+    out = PrefixSet()
     try:
         entries = list(os.scandir(repo.layout.prev))
     except FileNotFoundError:
         return out
     for entry in entries:
         try:
-            data, _ = stubs.read_stub(entry.path)
+            fd = stubs.open_stub(entry.path)
         except OSError:
             continue  # gone (a checkpoint dropped it), or not a stub: nothing to put back
-        out.update(stub_ids(data) or ())
+        try:
+            _add_valid_ids(fd, out)
+        finally:
+            os.close(fd)
     return out
 
 
-def _candidates(repo: Repository, named: set[bytes], report: GCReport) -> dict[bytes, int]:
-    """Mapped chunks no stub names (id -> length); pins are subtracted under the lock."""
-    mapped = repo.store.chunk_lengths()
-    missing = {cid for cid in named if cid not in mapped}
-    report.missing_chunks = len(missing - _in_bucket(repo) if missing else missing)
-    return {cid: n for cid, n in mapped.items() if cid not in named}
+def _add_valid_ids(fd: int, out: PrefixSet) -> None:
+    """The ids of the open stub ``fd`` if it is a valid index (nothing if it is not)."""
+    found = PrefixSet()
+    try:
+        for _, ids in stubs.read_table(fd):
+            found.add(ids)
+    except (OSError, idx.IndexFormatError):
+        return
+    out.update(found)
 
 
-def _in_bucket(repo: Repository) -> set[bytes]:
+@dataclass
+class Candidates:
+    """Mapped chunks no stub names: ``ids`` (``idarrays.ID`` rows, in id order) and their lengths."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _candidates(repo: Repository, named: PrefixSet, report: GCReport) -> Candidates:
+    """Mapped chunks no stub names; pins are subtracted under the lock. The map is read a page at
+    a time in id order (its lock held per page): what a page holds is checked against ``named``, so
+    memory is ``named`` plus one page and the candidates, not the map."""
+    live = named.sorted()
+    found = np.zeros(len(live), bool)  # named prefixes some mapped chunk has
+    ids, lengths = [], []
+    for page, page_lengths in repo.store.mapped_pages():
+        keys = idarrays.prefixes(page)
+        at = np.searchsorted(live, keys) if len(live) else np.zeros(len(keys), np.int64)
+        hit = at < len(live)
+        hit[hit] = live[at[hit]] == keys[hit]
+        found[at[hit]] = True
+        ids.append(page[~hit])
+        lengths.append(page_lengths[~hit])
+    missing = live[~found]
+    if len(missing):
+        missing = missing[~idarrays.contains(_in_bucket(repo).sorted(), missing)]
+    report.missing_chunks = len(missing)
+    if not ids:
+        return Candidates(np.empty(0, idarrays.ID), np.empty(0, np.int64))
+    return Candidates(np.concatenate(ids), np.concatenate(lengths))
+
+
+def _in_bucket(repo: Repository) -> PrefixSet:
     """Ids named by stubs the shared tier holds whole (their content is the version ``remote.db``
     says was synced): evicted or not yet fetched, not missing. Empty without a shared tier."""
-    out: set[bytes] = set()
+    out = PrefixSet()
     for rel, sha in read_synced(repo.root).items():
         try:
-            data, _ = stubs.read_stub(repo.path(rel))
+            fd = stubs.open_stub(repo.path(rel))
         except OSError:
             continue
-        if hashlib.sha256(data).digest() == sha:
-            out.update(stub_ids(data) or ())
+        try:
+            if stubs.hash_stub(fd).digest() == sha:
+                _add_valid_ids(fd, out)
+        finally:
+            os.close(fd)
     return out
 
 
-def _sweep(store: PruneStore, candidates: dict[bytes, int], report: GCReport) -> None:
+def _sweep(store: PruneStore, candidates: Candidates, report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
     if report.unreadable:  # what they name is unknown: any candidate may be live
         report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
         report.live_chunks = store.stats()[0]
         return
     pinned = store.pinned()
-    dead = [cid for cid in candidates if cid not in pinned]
-    report.chunks_freed = store.delete_chunks(dead)
-    report.bytes_freed = sum(candidates[cid] for cid in dead)
+    for first in range(0, len(candidates), SWEEP_BATCH):
+        ids = idarrays.to_list(candidates.ids[first : first + SWEEP_BATCH])
+        lengths = candidates.lengths[first : first + SWEEP_BATCH].tolist()
+        dead = [(cid, n) for cid, n in zip(ids, lengths, strict=True) if cid not in pinned]
+        report.chunks_freed += store.delete_chunks([cid for cid, _ in dead])
+        report.bytes_freed += sum(n for _, n in dead)
     report.live_chunks = store.stats()[0]
 
 
@@ -408,7 +498,7 @@ def collect_changes(
             if dead is None:
                 store.requeue_fresh(candidates)  # a walk follows; keep them in case it fails
                 return None
-            kept = kept_ids(repo) & dead  # left for a later run, once the checkpoint dropped them
+            kept = _kept_of(kept_ids(repo), dead)  # left for a later run, once the checkpoint dropped them
             todo = dead - kept
             settled = _sweep_while(repo, gen, todo, report, packs)
             candidates = todo | kept  # what is left is asked about again
@@ -425,6 +515,12 @@ def collect_changes(
     report.live_chunks = store.stats()[0]
     report.duration_s = time.monotonic() - start
     return report
+
+
+def _kept_of(kept: PrefixSet, ids: set[bytes]) -> set[bytes]:
+    """Those of ``ids`` that ``kept`` may hold."""
+    listed = list(ids)
+    return {cid for cid, hit in zip(listed, kept.might_hold(idarrays.from_list(listed)).tolist(), strict=True) if hit}
 
 
 def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, packs: set[int]) -> bool:

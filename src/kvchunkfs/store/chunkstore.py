@@ -16,6 +16,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkmap import Location
 
@@ -92,6 +94,7 @@ class PruneStore(Protocol):
 
     # the sweep
     def chunk_lengths(self) -> dict[bytes, int]: ...
+    def mapped_pages(self) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
     def stats(self) -> tuple[int, int]: ...
     def pinned(self) -> set[bytes]: ...
     def is_pinned(self, cid: bytes) -> bool: ...

@@ -364,6 +364,20 @@ def read_table(read: Callable[[int, int], bytes], length: int, entries: int = PI
         yield ends.astype(np.uint64), np.ndarray((k,), f"V{ID_LEN}", buf, 8, (ITEM_BYTES,))
 
 
+def read_head(read: Callable[[int, int], bytes], length: int, entries: int) -> tuple[Index, int]:
+    """(an Index of the first ``entries`` entries of an index ``length`` bytes long, the number of
+    entries of the whole), checked as ``decode`` checks them: the start of a file, e.g. to read its
+    header, without the whole table."""
+    if length < FIXED_BYTES:
+        raise IndexFormatError(f"bad index length {length}")
+    head = _exact(read, 0, TABLE_AT)
+    limits, n = _check_frame(head, _exact(read, length - _TAIL.size, _TAIL.size), length)
+    k = min(entries, n)
+    buf = _exact(read, TABLE_AT, k * ITEM_BYTES)
+    _check_ends(np.ndarray((k,), "<u8", buf, 0, (ITEM_BYTES,)), 0)
+    return Index._shared(limits, buf, 0, k), n
+
+
 def _exact(read: Callable[[int, int], bytes], offset: int, size: int) -> bytes:
     data = read(offset, size)
     if len(data) != size:

@@ -22,6 +22,7 @@ import numpy as np
 ID_LEN = 32
 ID = np.dtype(f"V{ID_LEN}")
 NONE = -1  # ``RefCounts.find``: no slot holds the id
+RESERVE_MAX = 1 << 26  # ``RefCounts.reserve``: slots at most (2.5 GiB of address space)
 FENCE = 64  # ``RefCounts``: every FENCE-th id of an order is kept for a first search
 
 
@@ -75,9 +76,9 @@ def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
 class PrefixSet:
     """A growing set of id prefixes, kept as one sorted unique uint64 array (8 bytes an id).
 
-    Added ids wait in a list until they are as many as half the set, then everything is merged
-    (sorted once more): memory stays within ~3x the set at a merge, and the cost of merging is
-    amortised over the ids added."""
+    Added ids wait in a list until they are as many as half the set, then they are sorted and
+    merged in: memory stays within ~2.5x the set at a merge, and the cost of merging is amortised
+    over the ids added."""
 
     def __init__(self) -> None:
         self._sorted = np.empty(0, np.uint64)
@@ -100,9 +101,16 @@ class PrefixSet:
         self.add_prefixes(other.sorted())
 
     def _merge(self) -> None:
-        if self._pending:
-            self._sorted = np.unique(np.concatenate([self._sorted, *self._pending]))
-            self._pending, self._pending_n = [], 0
+        """The pending prefixes merged into the sorted ones (not a sort of all of them: one copy)."""
+        if not self._pending:
+            return
+        new = np.unique(np.concatenate(self._pending))
+        self._pending, self._pending_n = [], 0
+        if len(self._sorted):
+            new = new[~contains(self._sorted, new)]
+            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, new), new)
+        else:
+            self._sorted = new
 
     def sorted(self) -> np.ndarray:
         """The prefixes, sorted and unique."""
@@ -259,6 +267,12 @@ class RefCounts:
         """Merge now (after a load: the order in one piece, dead slots freed); only between
         changes (a slot made for a change has count 0 until the owner counts it)."""
         self._merge()
+
+    def reserve(self, slots: int) -> None:
+        """Room for ``slots`` slots (at most ``RESERVE_MAX``) before any is made: a load that knows
+        how many ids may come grows no array (a copy holds both). The room is address space: memory
+        is taken only as slots are filled."""
+        self._grow(min(slots, RESERVE_MAX))
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` slots, a quarter more at a time."""

@@ -237,6 +237,8 @@ class LiveCatalog:
         base = f"{rel}/" if rel else ""
         paths = [base + entry.rel for entry in stubs.walk(self.snapshots_dir / rel) if entry.kind == "file"]
         seen = set(paths)
+        if not self.entries:  # the first load: room for as many ids as the stubs may name
+            self._refs.reserve(sum(_entries_in(self.snapshots_dir / p) for p in paths))
         # One thread: 8 reading stubs in parallel loaded 50,000 no faster with the page cache
         # warm (20.9/19.8 s against 19.6/15.8 s) and only unevenly faster cold (20.9/29.1 s
         # against 35.8/27.1 s): the work is Python under the GIL.
@@ -317,13 +319,16 @@ class LiveCatalog:
 
     def _count_pieces(self, fd: int, path: Path, info: catalog.StubInfo) -> tuple[np.ndarray, np.ndarray]:
         """(slots, lengths) of the distinct chunks of the open stub ``fd`` (the length an id's
-        last entry gives, as a dict filled in file order keeps); sets ``info``'s size and chunks."""
-        slots, lens = [], []
+        last entry gives, as a dict filled in file order keeps); sets ``info``'s size and chunks.
+
+        Each piece is made distinct on its own; across pieces, from the last one back, a flag per
+        slot drops the ones a later piece had: a few bytes a chunk, no sort of the whole."""
+        pieces = []
         end = chunks = 0
         try:
             for ends, ids in stubs.read_table(fd):
-                lens.append(np.diff(ends, prepend=np.uint64(end)))
-                slots.append(self._refs.slots(ids).astype(np.uint32))
+                lens = np.diff(ends, prepend=np.uint64(end))
+                pieces.append(_last_of_each(self._refs.slots(ids), lens))
                 end, chunks = int(ends[-1]), chunks + len(ends)
         except idx.IndexFormatError as e:
             raise stubs.StubError(f"{path}: {e}") from e
@@ -331,13 +336,19 @@ class LiveCatalog:
         if size is not None and size != end:
             raise stubs.StubError(f"{path}: size xattr {size} does not match index size {end}")
         info.size, info.chunks = end, chunks
+        if len(pieces) == 1:
+            return pieces[0]
+        seen = np.zeros(self._refs.n, bool)  # touched only where a slot is set
+        slots, lengths = [], []
+        while pieces:
+            piece, piece_lens = pieces.pop()
+            fresh = ~seen[piece]
+            seen[piece] = True
+            slots.append(piece[fresh])
+            lengths.append(piece_lens[fresh])
         if not slots:
             return NO_SLOTS, NO_SLOTS
-        every, every_len = np.concatenate(slots), np.concatenate(lens)
-        del slots, lens
-        distinct, last = np.unique(every[::-1], return_index=True)
-        lengths = every_len[::-1][last]
-        return distinct, lengths.astype(np.uint32 if int(lengths.max()) < 1 << 32 else np.uint64)
+        return np.concatenate(slots), np.concatenate(lengths)
 
     def _tokens_of(self, fd: int, path: Path) -> tuple[array.array | None, str | None]:
         """The token prefix, from the first ``HEAD_ENTRIES`` entries of the index (the whole index
@@ -396,17 +407,17 @@ class LiveCatalog:
     def _add(self, read: Read) -> None:
         info, slots, lens = read.info, read.slots, read.lens
         sid = self._new_sid()
-        wide = lens.astype(np.int64)
-        entry = Entry(sid, info, slots, lens, len(slots), int(wide.sum()), tokens=read.tokens,
+        entry = Entry(sid, info, slots, lens, len(slots), _total(lens), tokens=read.tokens,
                       token_error=read.token_error)  # fmt: skip
         refs = self._refs
         count = refs.count[slots]
-        new = count == 0
-        entry.unique = int(wide[new].sum())
+        entry.unique = _total(lens, count == 0)
         self.referenced_bytes += entry.unique
-        self._move_unique(refs.xor[slots[count == 1]], wide[count == 1], -1)
-        refs.count[slots] = count + 1
-        refs.xor[slots] ^= np.uint32(sid)
+        self._move_unique(slots, lens, count == 1, -1)
+        count += 1
+        refs.count[slots] = count
+        del count
+        np.bitwise_xor.at(refs.xor, slots, np.uint32(sid))
         refs.tidy()
         self.entries[info.path] = entry
         self._by_sid[sid] = entry
@@ -418,13 +429,14 @@ class LiveCatalog:
         self._sorted = None
         self.generation += 1
 
-    def _move_unique(self, holders: np.ndarray, lengths: np.ndarray, sign: int) -> None:
-        """Add ``sign`` * the lengths to the unique bytes of the snapshot each holder number names."""
-        if not len(holders):
+    def _move_unique(self, slots: np.ndarray, lens: np.ndarray, only: np.ndarray, sign: int) -> None:
+        """Add ``sign`` * the length of each chunk ``only`` picks to the unique bytes of the snapshot
+        its xor names (its count is one: the xor is its one holder's number)."""
+        if not only.any():
             return
-        who, at = np.unique(holders, return_inverse=True)
+        who, at = np.unique(self._refs.xor[slots[only]], return_inverse=True)
         sums = np.zeros(len(who), np.int64)
-        np.add.at(sums, at.ravel(), lengths)
+        np.add.at(sums, at.ravel(), lens[only])
         for sid, n in zip(who.tolist(), sums.tolist(), strict=True):
             self._by_sid[sid].unique += sign * n
 
@@ -435,14 +447,16 @@ class LiveCatalog:
         del self._by_sid[entry.sid]
         if entry.tokens is not None:
             self._remove_tokens(entry.tokens, rel)
-        refs, slots, wide = self._refs, entry.slots, entry.lens.astype(np.int64)
-        count = refs.count[slots] - 1
+        refs, slots, lens = self._refs, entry.slots, entry.lens
+        count = refs.count[slots]
+        count -= 1
         refs.count[slots] = count
-        refs.xor[slots] ^= np.uint32(entry.sid)
+        np.bitwise_xor.at(refs.xor, slots, np.uint32(entry.sid))
         gone = count == 0
-        self.referenced_bytes -= int(wide[gone].sum())
+        self.referenced_bytes -= _total(lens, gone)
         self._note_dropped(refs.ids(slots[gone]))
-        self._move_unique(refs.xor[slots[count == 1]], wide[count == 1], 1)
+        self._move_unique(slots, lens, count == 1, 1)
+        del count, gone
         refs.tidy()
         self.logical_bytes -= entry.info.size
         self._broken -= entry.info.error is not None
@@ -706,6 +720,30 @@ def cyclic_gc_paused() -> Iterator[None]:
             _gc_pauses -= 1
             if _gc_pauses == 0:
                 gc.enable()
+
+
+def _total(lens: np.ndarray, where: np.ndarray | None = None) -> int:
+    """The sum of ``lens`` (where ``where`` is set), as a Python int (no widened copy)."""
+    if where is None:
+        return int(lens.sum(dtype=np.int64))
+    return int(np.sum(lens, where=where, dtype=np.int64))
+
+
+def _entries_in(path: Path) -> int:
+    """How many entries the index at ``path`` has, going by its size (0 if it cannot be told)."""
+    try:
+        return max(0, os.lstat(path).st_size - idx.FIXED_BYTES) // idx.ITEM_BYTES
+    except OSError:
+        return 0
+
+
+def _last_of_each(slots: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct slots as uint32, the length of each one's last entry): uint32 lengths unless one
+    needs more."""
+    distinct, last = np.unique(slots[::-1], return_index=True)
+    lengths = lens[::-1][last]
+    narrow = len(lengths) and int(lengths.max()) < 1 << 32
+    return distinct.astype(np.uint32), lengths.astype(np.uint32) if narrow or not len(lengths) else lengths
 
 
 def _subset_lcp(lcp: list[int], kept: list[int]) -> list[int]:

@@ -162,7 +162,9 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     start = time.monotonic()
     report = GCReport(dry_run=True)
     store = repo.store
-    candidates = _candidates(repo, _with_kept(named_ids(repo, report), kept_ids(repo)), report)
+    named = named_ids(repo, report)
+    named.add_prefixes(kept_ids(repo).sorted())
+    candidates = _candidates(repo, named, report)
     dead = np.empty(0, idarrays.ID)  # in id order
     if report.unreadable:  # as ``_sweep``: what they name is unknown
         report.errors += [f"{what}; no chunk would be freed" for what in report.unreadable]
@@ -240,11 +242,46 @@ def salvage_array(data: bytes) -> np.ndarray:
     return np.ndarray((n,), idarrays.ID, data, _ITEMS_AT + 8, (_ITEM,))
 
 
-def named_ids(repo: Repository, report: GCReport) -> PrefixSet:
-    """Ids the stubs name (one full walk), as prefixes (8 bytes a distinct id: a chunk whose
-    prefix some stub names is kept, so a chance collision only keeps a chunk). An entry that cannot
+class Marks:
+    """The mark phase's memory: the map's ids when the walk began, as sorted prefixes (their first
+    8 bytes: the map is read in id order, so no sort), and a flag each: named by a stub. 9 bytes a
+    mapped chunk, nothing per stub entry. A chunk whose prefix a stub names is kept (a chance
+    collision only keeps a chunk). Named ids not in the map then are kept as prefixes too, to count
+    the chunks stubs name that the store lacks."""
+
+    def __init__(self, store: PruneStore) -> None:
+        mapped = np.empty(store.stats()[0], np.uint64)
+        n = 0
+        for page, _ in store.mapped_pages():
+            if n + len(page) > len(mapped):  # rows the count missed
+                mapped = np.concatenate([mapped[:n], np.empty(n + len(page) - len(mapped), np.uint64)])
+            mapped[n : n + len(page)] = idarrays.prefixes(page)
+            n += len(page)
+        self.mapped = mapped[:n]
+        self.named = np.zeros(n, bool)
+        self.unmapped = PrefixSet()
+
+    def add(self, ids: np.ndarray) -> None:
+        """Mark ``idarrays.ID`` rows as named."""
+        self.add_prefixes(idarrays.prefixes(ids))
+
+    def add_prefixes(self, keys: np.ndarray) -> None:
+        at, hit = self.lookup(keys)
+        self.named[at[hit]] = True
+        self.unmapped.add_prefixes(keys[~hit])
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(position in ``mapped``, whether it is there) of each prefix (the first of equal ones)."""
+        at = np.searchsorted(self.mapped, keys)
+        hit = at < len(self.mapped)
+        hit[hit] = self.mapped[at[hit]] == keys[hit]
+        return at, hit
+
+
+def named_ids(repo: Repository, report: GCReport) -> Marks:
+    """Ids the stubs name (one full walk), marked against the map (``Marks``). An entry that cannot
     be read may name any chunk: it goes to ``report.unreadable`` and the sweep then frees nothing."""
-    named = PrefixSet()
+    named = Marks(repo.store)
     report.snapshots = report.unreadable_snapshots = 0
     report.skipped, report.unreadable = [], []
     for entry in walk_stubs(repo.snapshots):
@@ -252,7 +289,7 @@ def named_ids(repo: Repository, report: GCReport) -> PrefixSet:
     return named
 
 
-def _add_entry(entry: stubs.Entry, named: PrefixSet, report: GCReport) -> None:
+def _add_entry(entry: stubs.Entry, named: Marks, report: GCReport) -> None:
     if entry.skipped is not None:
         report.skipped.append(entry.problem())
         return
@@ -280,7 +317,7 @@ def _add_entry(entry: stubs.Entry, named: PrefixSet, report: GCReport) -> None:
         log.warning("gc: %s is not a valid index; keeping every chunk it may name", entry.rel)
 
 
-def add_stub_ids(fd: int, named: PrefixSet) -> bool:
+def add_stub_ids(fd: int, named: Marks | PrefixSet) -> bool:
     """Add the ids the open stub ``fd`` names, read a piece at a time; False if it is not a valid
     index (then whatever it seems to name is added: ``salvage_ids``)."""
     try:
@@ -293,7 +330,7 @@ def add_stub_ids(fd: int, named: PrefixSet) -> bool:
         return False
 
 
-def _add_created(repo: Repository, paths: list[str], named: PrefixSet, report: GCReport) -> None:
+def _add_created(repo: Repository, paths: list[str], named: Marks, report: GCReport) -> None:
     """Read what namespace changes created during the walk."""
     for entry in created_entries(repo, paths):
         _add_entry(entry, named, report)
@@ -333,7 +370,8 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(repo, _with_kept(named, kept_ids(repo)), report)
+        named.add_prefixes(kept_ids(repo).sorted())  # read after the generation the sweep checks
+        candidates = _candidates(repo, named, report)
         with store.lock:
             if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
@@ -351,16 +389,6 @@ def checkpoint(repo: Repository) -> None:
         repo.checkpoint()
     except OSError as e:
         log.warning("checkpoint before gc failed: %s", e)
-
-
-def _with_kept(named: PrefixSet, kept: PrefixSet) -> PrefixSet:
-    """``named`` and ``kept`` together (a new set only if ``kept`` holds anything)."""
-    if not len(kept):
-        return named
-    both = PrefixSet()
-    both.update(named)
-    both.update(kept)
-    return both
 
 
 def kept_ids(repo: Repository) -> PrefixSet:
@@ -408,22 +436,26 @@ class Candidates:
         return len(self.ids)
 
 
-def _candidates(repo: Repository, named: PrefixSet, report: GCReport) -> Candidates:
+def _candidates(repo: Repository, named: Marks, report: GCReport) -> Candidates:
     """Mapped chunks no stub names; pins are subtracted under the lock. The map is read a page at
-    a time in id order (its lock held per page): what a page holds is checked against ``named``, so
-    memory is ``named`` plus one page and the candidates, not the map."""
-    live = named.sorted()
-    found = np.zeros(len(live), bool)  # named prefixes some mapped chunk has
+    a time in id order (its lock held per page) and checked against ``named``: memory is the marks,
+    one page and the candidates. A row mapped since the walk began is no candidate (its save pins
+    it until its stub is in place, which a catch-up reads; the next run looks at it)."""
+    unmapped = named.unmapped.sorted()
+    found = np.zeros(len(unmapped), bool)  # named ids outside the marks' map that the map has now
     ids, lengths = [], []
     for page, page_lengths in repo.store.mapped_pages():
         keys = idarrays.prefixes(page)
-        at = np.searchsorted(live, keys) if len(live) else np.zeros(len(keys), np.int64)
-        hit = at < len(live)
-        hit[hit] = live[at[hit]] == keys[hit]
-        found[at[hit]] = True
-        ids.append(page[~hit])
-        lengths.append(page_lengths[~hit])
-    missing = live[~found]
+        at, hit = named.lookup(keys)
+        hit[hit] = ~named.named[at[hit]]  # in the marks and not named
+        ids.append(page[hit])
+        lengths.append(page_lengths[hit])
+        if len(unmapped):
+            where = np.searchsorted(unmapped, keys)
+            inside = where < len(unmapped)
+            inside[inside] = unmapped[where[inside]] == keys[inside]
+            found[where[inside]] = True
+    missing = unmapped[~found]
     if len(missing):
         missing = missing[~idarrays.contains(_in_bucket(repo).sorted(), missing)]
     report.missing_chunks = len(missing)

@@ -73,6 +73,10 @@ class NameIndex(Protocol):
 
     def unnamed(self, ids: Iterable[bytes]) -> set[bytes] | None: ...
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the catalog has read every stub once (waiting up to ``timeout``)."""
+        ...
+
 
 @dataclass
 class GCReport:
@@ -880,6 +884,11 @@ class GarbageCollector:
     async def _loop(self) -> None:
         timer = False  # the run at mount always walks: it is what finds a crash's leftovers
         walk = True
+        # The walk at mount waits for the catalog's first load: both read every stub, and one
+        # after the other the daemon holds the transient memory of one only (with an index of a
+        # million chunks, tens of MB).
+        while self.names is not None and not await trio.to_thread.run_sync(self.names.wait, 1.0):
+            pass
         while True:
             self._wake = wake = trio.Event()  # a request during this run triggers one more run
             await trio.to_thread.run_sync(self._run_logged, timer, walk)

@@ -336,19 +336,23 @@ class LiveCatalog:
         if size is not None and size != end:
             raise stubs.StubError(f"{path}: size xattr {size} does not match index size {end}")
         info.size, info.chunks = end, chunks
-        if len(pieces) == 1:
-            return pieces[0]
+        if len(pieces) <= 1:
+            return pieces[0] if pieces else (NO_SLOTS, NO_SLOTS)
         seen = np.zeros(self._refs.n, bool)  # touched only where a slot is set
-        slots, lengths = [], []
-        while pieces:
+        wide = any(p[1].dtype != np.uint32 for p in pieces)
+        # Room for every entry; only the distinct ones are written (the rest is never touched).
+        slots = np.empty(sum(len(p[0]) for p in pieces), np.uint32)
+        lengths = np.empty(len(slots), np.uint64 if wide else np.uint32)
+        n = 0
+        while pieces:  # each piece freed once copied
             piece, piece_lens = pieces.pop()
             fresh = ~seen[piece]
             seen[piece] = True
-            slots.append(piece[fresh])
-            lengths.append(piece_lens[fresh])
-        if not slots:
-            return NO_SLOTS, NO_SLOTS
-        return np.concatenate(slots), np.concatenate(lengths)
+            k = int(np.count_nonzero(fresh))
+            slots[n : n + k] = piece[fresh]
+            lengths[n : n + k] = piece_lens[fresh]
+            n += k
+        return slots[:n], lengths[:n]
 
     def _tokens_of(self, fd: int, path: Path) -> tuple[array.array | None, str | None]:
         """The token prefix, from the first ``HEAD_ENTRIES`` entries of the index (the whole index

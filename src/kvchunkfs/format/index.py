@@ -344,7 +344,7 @@ TABLE_AT = _HEADER.size + _TABLE_HEADER.size  # where the entries begin
 PIECE_ENTRIES = 1 << 16  # ``read_table``: entries per piece (2.5 MiB)
 
 
-def read_table(read: Callable[[int, int], bytes], length: int, entries: int = PIECE_ENTRIES
+def read_table(read: Callable[[int, int], bytes], length: int, entries: int | None = None
                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """The entries of an index ``length`` bytes long, ``read(offset, size)`` a piece at a time:
     (end offsets as uint64, ids as ``V32`` rows) per piece of at most ``entries``, checked as
@@ -354,6 +354,7 @@ def read_table(read: Callable[[int, int], bytes], length: int, entries: int = PI
     if length < FIXED_BYTES:
         raise IndexFormatError(f"bad index length {length}")
     _, n = _check_frame(_exact(read, 0, TABLE_AT), _exact(read, length - _TAIL.size, _TAIL.size), length)
+    entries = entries or PIECE_ENTRIES
     before = 0
     for first in range(0, n, entries):
         k = min(entries, n - first)

@@ -254,7 +254,7 @@ class Marks:
     the chunks stubs name that the store lacks."""
 
     def __init__(self, store: PruneStore) -> None:
-        mapped = np.empty(store.stats()[0], np.uint64)
+        mapped = idarrays.empty(store.stats()[0], np.uint64)
         n = 0
         for page, _ in store.mapped_pages():
             if n + len(page) > len(mapped):  # rows the count missed
@@ -262,7 +262,7 @@ class Marks:
             mapped[n : n + len(page)] = idarrays.prefixes(page)
             n += len(page)
         self.mapped = mapped[:n]
-        self.named = np.zeros(n, bool)
+        self.named = idarrays.zeros(n, bool)
         self.unmapped = PrefixSet()
 
     def add(self, ids: np.ndarray) -> None:
@@ -777,6 +777,10 @@ class GarbageCollector:
         self.evictor: Callable[[threading.Event], Any] | None = None
         self._evict_thread: threading.Thread | None = None
         self._evict_lock = threading.Lock()  # leaf: starting the eviction thread
+        # Gives free heap pages back to the system (set by the daemon): before and after the walk at
+        # mount, so the catalog's first load and the walk (tens of MB each for an index of a
+        # million chunks) do not stay in the heap, each in its thread's arena.
+        self.trim: Callable[[], None] | None = None
 
     def run(self, walk: bool = False) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
@@ -891,7 +895,11 @@ class GarbageCollector:
             pass
         while True:
             self._wake = wake = trio.Event()  # a request during this run triggers one more run
+            if walk and self.trim is not None:
+                await trio.to_thread.run_sync(self.trim)
             await trio.to_thread.run_sync(self._run_logged, timer, walk)
+            if walk and self.trim is not None:
+                await trio.to_thread.run_sync(self.trim)
             walk = False
             with trio.move_on_after(self.interval or math.inf):
                 await wake.wait()

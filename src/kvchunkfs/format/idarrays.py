@@ -15,10 +15,7 @@ per distinct id (full ids, 40 bytes an id plus 4 in its lookup order).
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -27,42 +24,6 @@ ID = np.dtype(f"V{ID_LEN}")
 NONE = -1  # ``RefCounts.find``: no slot holds the id
 RESERVE_MAX = 1 << 26  # ``RefCounts.reserve``: slots at most (2.5 GiB of address space)
 FENCE = 64  # ``RefCounts``: every FENCE-th id of an order is kept for a first search
-
-
-MAPPED_FROM = 1 << 20  # ``empty``: arrays of at least this many bytes get pages of their own
-
-
-def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``np.empty``, but a big array gets anonymous pages of its own, given back to the system as
-    soon as it goes. From the heap (the daemon keeps freed heap for reuse, one arena per thread), a
-    series of growing arrays leaves holes none of the next fits: the heap grows by their sum.
-    Untouched pages cost nothing, and they read as zeros."""
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else shape
-    size = math.prod(shape) * dtype.itemsize
-    if size < MAPPED_FROM:
-        return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, size), dtype).reshape(shape)
-
-
-def zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``np.zeros`` by ``empty`` (new anonymous pages are zero: nothing is written)."""
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else shape
-    if math.prod(shape) * dtype.itemsize < MAPPED_FROM:
-        return np.zeros(shape, dtype)
-    return empty(shape, dtype)
-
-
-def insert(order: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``np.insert(order, at, values)`` into an array made by ``empty`` (``at``: sorted positions)."""
-    out = empty(len(order) + len(values), order.dtype)
-    where = at + np.arange(len(values))  # where each value lands
-    keep = np.ones(len(out), bool)
-    keep[where] = False
-    out[keep] = order
-    out[where] = values
-    return out
 
 
 def from_bytes(data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -294,7 +255,7 @@ class RefCounts:
         """``order`` with ``slots`` (in id order, none of their ids in it) merged in."""
         if not len(order):
             return slots
-        return insert(order, self._search(order, self.keys[slots]), slots.astype(order.dtype))
+        return np.insert(order, self._search(order, self.keys[slots]), slots)
 
     def tidy(self) -> None:
         """After the owner applied a change's counts: merge the orders once the recent one is an
@@ -320,7 +281,7 @@ class RefCounts:
         size = max(need, len(self.count) + len(self.count) // 4, 1 << 12)
         for name in ("keys", "count", "xor"):
             old = getattr(self, name)
-            new = empty((size, *old.shape[1:]), old.dtype)
+            new = np.empty((size, *old.shape[1:]), old.dtype)
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
 

@@ -254,7 +254,7 @@ class Marks:
     the chunks stubs name that the store lacks."""
 
     def __init__(self, store: PruneStore) -> None:
-        mapped = idarrays.empty(store.stats()[0], np.uint64)
+        mapped = np.empty(store.stats()[0], np.uint64)
         n = 0
         for page, _ in store.mapped_pages():
             if n + len(page) > len(mapped):  # rows the count missed
@@ -262,7 +262,7 @@ class Marks:
             mapped[n : n + len(page)] = idarrays.prefixes(page)
             n += len(page)
         self.mapped = mapped[:n]
-        self.named = idarrays.zeros(n, bool)
+        self.named = np.zeros(n, bool)
         self.unmapped = PrefixSet()
 
     def add(self, ids: np.ndarray) -> None:

@@ -438,8 +438,8 @@ class _Mapped:
         self.ids: np.ndarray | None = None
         if not whole:
             return
-        ids = idarrays.empty(store.stats()[0], idarrays.ID)  # pages come in id order: filled in place
-        lens = idarrays.empty(len(ids), np.uint32)
+        ids = np.empty(store.stats()[0], idarrays.ID)  # pages come in id order: filled in place
+        lens = np.empty(len(ids), np.uint32)
         n = 0
         for page, page_lens in store.mapped_pages():
             if n + len(page) > len(ids):  # rows the count missed: room for them

@@ -338,11 +338,11 @@ class LiveCatalog:
         info.size, info.chunks = end, chunks
         if len(pieces) <= 1:
             return pieces[0] if pieces else (NO_SLOTS, NO_SLOTS)
-        seen = idarrays.zeros(self._refs.n, bool)  # touched only where a slot is set
+        seen = np.zeros(self._refs.n, bool)  # touched only where a slot is set
         wide = any(p[1].dtype != np.uint32 for p in pieces)
         # Room for every entry; only the distinct ones are written (the rest is never touched).
-        slots = idarrays.empty(sum(len(p[0]) for p in pieces), np.uint32)
-        lengths = idarrays.empty(len(slots), np.uint64 if wide else np.uint32)
+        slots = np.empty(sum(len(p[0]) for p in pieces), np.uint32)
+        lengths = np.empty(len(slots), np.uint64 if wide else np.uint32)
         n = 0
         while pieces:  # each piece freed once copied
             piece, piece_lens = pieces.pop()

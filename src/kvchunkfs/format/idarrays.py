@@ -9,8 +9,11 @@ are rows of numpy arrays:
   prefix names one chunk but for a chance collision: a set of prefixes answers "might this id be
   in the set" with no false "no". Used only where a false "yes" is safe (GC keeps a chunk).
 
-``PrefixSet`` is GC's set of named ids (8 bytes an id); ``RefCounts`` the catalog's reference count
-per distinct id (full ids, 40 bytes an id plus 4 in its lookup order).
+``PrefixSet`` is a set of ids kept as prefixes (8 bytes an id); ``RefCounts`` the catalog's
+reference count per distinct id, keyed by the id's first 16 bytes (``KEY_LEN``: 24 bytes an id
+plus 4 in its lookup order). Two chunks whose SHA-256 ids agree in 16 bytes (a collision of 128
+bits: 2^64 work to make one, by design of the hash) would count as one chunk: their snapshots'
+unique and shared bytes would be off, and GC, which asks whether a key is named, would keep them.
 """
 
 from __future__ import annotations
@@ -125,21 +128,28 @@ class PrefixSet:
         return contains(self.sorted(), prefixes(ids))
 
 
+KEY_LEN = 16  # ``RefCounts``: the bytes of an id it keys by
+_WORDS = KEY_LEN // 8
+
+
 def as_rows(ids: np.ndarray) -> np.ndarray:
-    """``ID`` rows as (n, 4) native uint64 whose row order (column by column) is the ids' byte order."""
-    return np.ascontiguousarray(ids).view(">u8").reshape(len(ids), 4).astype(np.uint64)
+    """The keys (first ``KEY_LEN`` bytes) of ``ID`` rows as (n, 2) native uint64 whose row order
+    (column by column) is the ids' byte order."""
+    words = np.ascontiguousarray(ids).view(">u8").reshape(len(ids), ID_LEN // 8)
+    return words[:, :_WORDS].astype(np.uint64)
 
 
-def from_rows(rows: np.ndarray) -> np.ndarray:
-    """``as_rows`` undone."""
-    return np.ascontiguousarray(rows.astype(">u8")).view(ID).ravel()
+def key_bytes(rows: np.ndarray) -> list[bytes]:
+    """``as_rows`` keys as ``KEY_LEN``-byte strings."""
+    data = np.ascontiguousarray(rows.astype(">u8")).tobytes()
+    return [data[i : i + KEY_LEN] for i in range(0, len(data), KEY_LEN)]
 
 
 def _less(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row: whether row ``a[i]`` sorts before ``b[i]`` ((n, 4) uint64 rows)."""
+    """Per row: whether key ``a[i]`` sorts before ``b[i]`` ((n, 2) uint64 rows)."""
     lt = np.zeros(len(a), bool)
     eq = np.ones(len(a), bool)
-    for c in range(4):
+    for c in range(_WORDS):
         lt |= eq & (a[:, c] < b[:, c])
         eq &= a[:, c] == b[:, c]
     return lt
@@ -149,9 +159,9 @@ class RefCounts:
     """A reference count per distinct id, with the xor of the owners holding it.
 
     Each id has a *slot* that stays its own while any owner holds it: owners keep slot numbers
-    (4 bytes an id), not ids. Per slot: the id (``as_rows`` form), the count and the xor of the
-    owners' numbers (owner numbers are 32-bit), so an id whose count falls to one names its last
-    owner: 40 bytes a distinct id, plus 4 in the lookup order.
+    (4 bytes an id), not ids. Per slot: the id's key (``as_rows``: its first 16 bytes), the count
+    and the xor of the owners' numbers (owner numbers are 32-bit), so an id whose count falls to one
+    names its last owner: 24 bytes a distinct id, plus 4 in the lookup order.
 
     Lookups binary-search an order of the slots (vectorised over the ids looked up): ``_main``
     and ``_recent`` (slots made since the last merge, merged into ``_main`` by ``tidy`` once they
@@ -161,7 +171,7 @@ class RefCounts:
     """
 
     def __init__(self) -> None:
-        self.keys = np.empty((0, 4), np.uint64)
+        self.keys = np.empty((0, _WORDS), np.uint64)
         self.count = np.empty(0, np.uint32)
         self.xor = np.empty(0, np.uint32)
         self.n = 0  # slots ever made (the arrays' first ``n`` rows)
@@ -174,9 +184,9 @@ class RefCounts:
         """Ids with a count of at least one."""
         return int(np.count_nonzero(self.count[: self.n]))
 
-    def ids(self, slots: np.ndarray) -> np.ndarray:
-        """The ``ID`` of each slot."""
-        return from_rows(self.keys[slots])
+    def key_bytes(self, slots: np.ndarray) -> list[bytes]:
+        """The key of each slot (the first ``KEY_LEN`` bytes of its ids)."""
+        return key_bytes(self.keys[slots])
 
     def _search(self, order: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """For each row: the first position in ``order`` whose id does not sort before it.
@@ -213,6 +223,10 @@ class RefCounts:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each ``ID`` row in ``keys`` (int64), ``NONE`` where no slot has it."""
         return self._find_rows(as_rows(keys))
+
+    def find_keys(self, rows: np.ndarray) -> np.ndarray:
+        """``find`` for keys given as ``keys`` rows."""
+        return self._find_rows(rows)
 
     def _find_rows(self, rows: np.ndarray) -> np.ndarray:
         out = np.full(len(rows), NONE, np.int64)

@@ -105,9 +105,13 @@ class PrefixMatch:
 
 
 class LiveCatalog:
-    def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None) -> None:
+    def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None,
+                 ids_with_keys: Callable[[list[bytes]], list[bytes]] | None = None) -> None:  # fmt: skip
         self.snapshots_dir = snapshots_dir
         self.read_chunks = read_chunks
+        # The store's ids that begin with some keys (``ChunkMap.ids_with_keys``): the counts keep
+        # keys (``idarrays.KEY_LEN`` bytes), GC deletes by id.
+        self.ids_with_keys = ids_with_keys
         self._lock = threading.Lock()  # the catalog itself; held across stub reads, never by FUSE
         self._queue_lock = threading.Lock()  # only list operations under it
         self._queue: list[str] = []
@@ -129,7 +133,7 @@ class LiveCatalog:
         self.logical_bytes = 0
         self.referenced_bytes = 0
         self._broken = 0  # rows whose chunks are unknown (``info.error``)
-        # Ids whose count fell to 0 since GC asked (``idarrays.ID`` rows); None: too many.
+        # Keys whose count fell to 0 since GC asked (``RefCounts.keys`` rows); None: too many.
         self._dropped: list[np.ndarray] | None = []
         self._dropped_n = 0
         self.load_seconds = 0.0
@@ -458,7 +462,7 @@ class LiveCatalog:
         np.bitwise_xor.at(refs.xor, slots, np.uint32(entry.sid))
         gone = count == 0
         self.referenced_bytes -= _total(lens, gone)
-        self._note_dropped(refs.ids(slots[gone]))
+        self._note_dropped(refs.keys[slots[gone]])
         self._move_unique(slots, lens, count == 1, 1)
         del count, gone
         refs.tidy()
@@ -488,10 +492,10 @@ class LiveCatalog:
         order = self._by_tokens
         return prefixtree.common_prefix_len(order[i][0], order[j][0]) if i >= 0 else 0
 
-    def _note_dropped(self, ids: np.ndarray) -> None:
-        if self._dropped is not None and len(ids):
-            self._dropped.append(ids)
-            self._dropped_n += len(ids)
+    def _note_dropped(self, keys: np.ndarray) -> None:
+        if self._dropped is not None and len(keys):
+            self._dropped.append(keys)
+            self._dropped_n += len(keys)
             if self._dropped_n > DROPPED_MAX:
                 self._dropped = None
 
@@ -503,15 +507,26 @@ class LiveCatalog:
         a row's chunks are unknown, or more ids went than were kept (GC then walks every stub)."""
         with self._reading():
             dropped, self._dropped, self._dropped_n = self._dropped, [], 0
-            if dropped is None or self._broken:
+            if dropped is None or self._broken or (dropped and self.ids_with_keys is None):
                 return None
-            asked = list(dict.fromkeys([*ids, *(cid for part in dropped for cid in idarrays.to_list(part))]))
+            asked = list(dict.fromkeys([*ids, *self._ids_of(dropped)]))
             if not asked:
                 return set()
             slots = self._refs.find(idarrays.from_list(asked))
             named = slots != idarrays.NONE
             named[named] = self._refs.count[slots[named]] > 0
             return {cid for cid, is_named in zip(asked, named.tolist(), strict=True) if not is_named}
+
+    def _ids_of(self, dropped: list[np.ndarray]) -> list[bytes]:
+        """The store's ids under the dropped keys that are still not named."""
+        if not dropped:
+            return []
+        keys = np.concatenate(dropped)
+        slots = self._refs.find_keys(keys)
+        named = slots != idarrays.NONE
+        named[named] = self._refs.count[slots[named]] > 0
+        assert self.ids_with_keys is not None
+        return self.ids_with_keys(idarrays.key_bytes(np.unique(keys[~named], axis=0)))
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:

@@ -186,6 +186,21 @@ class ChunkMap:
         with self._db_lock:
             return dict(self.db.execute("SELECT id, length FROM chunks"))
 
+    def ids_with_keys(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Mapped ids that begin with one of ``keys`` (each shorter than an id), a batch of keys
+        per hold of the map's lock."""
+        keys = list(keys)
+        out: list[bytes] = []
+        for i in range(0, len(keys), _SQL_BATCH):
+            with self._db_lock:
+                for key in keys[i : i + _SQL_BATCH]:
+                    pad = idarrays.ID_LEN - len(key)
+                    rows = self.db.execute(
+                        "SELECT id FROM chunks WHERE id >= ? AND id <= ?", (key + b"\0" * pad, key + b"\xff" * pad)
+                    )
+                    out += [cid for (cid,) in rows]
+        return out
+
     def mapped_pages(self, rows: int = PAGE_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every mapped chunk as (ids as ``idarrays.ID`` rows, lengths) pages of up to ``rows``, in
         id order, the map's lock held per page (a save waits for one page at most). A row added or

@@ -40,12 +40,6 @@ def test_ids_round_trip_and_prefixes_keep_id_order() -> None:
         idarrays.from_list([b"short"])
 
 
-def test_last_lengths_keeps_the_last_entry_of_a_repeated_id() -> None:
-    ids = idarrays.from_list([cid(1), cid(2), cid(1), cid(3), cid(1)])
-    distinct, lengths = idarrays.last_lengths(ids, np.array([10, 20, 11, 30, 12]))
-    assert dict(zip(idarrays.to_list(distinct), lengths.tolist(), strict=True)) == {cid(1): 12, cid(2): 20, cid(3): 30}
-
-
 def test_prefix_set_never_answers_no_for_an_id_it_holds() -> None:
     s = PrefixSet()
     held = [cid(n) for n in range(200_000)]

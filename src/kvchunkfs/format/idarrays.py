@@ -29,11 +29,6 @@ RESERVE_MAX = 1 << 26  # ``RefCounts.reserve``: slots at most (2.5 GiB of addres
 FENCE = 64  # ``RefCounts``: every FENCE-th id of an order is kept for a first search
 
 
-def from_bytes(data: bytes | bytearray | memoryview) -> np.ndarray:
-    """``ID`` rows of a buffer of whole ids (copied: the array owns its memory)."""
-    return np.frombuffer(bytes(data), ID)
-
-
 def from_list(ids: Iterable[bytes]) -> np.ndarray:
     """``ID`` rows of some ids (each must be 32 bytes)."""
     ids = ids if isinstance(ids, Sequence) else list(ids)
@@ -54,16 +49,6 @@ def prefixes(ids: np.ndarray) -> np.ndarray:
         return np.empty(0, np.uint64)
     rows = np.ascontiguousarray(ids).view(np.uint8).reshape(len(ids), ID_LEN)
     return np.ascontiguousarray(rows[:, :8]).view(">u8").ravel().astype(np.uint64)
-
-
-def last_lengths(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct ids sorted, the length their *last* occurrence has): an id repeated in one file
-    counts once, with the length a ``dict`` filled in file order would keep."""
-    if not len(ids):
-        return np.empty(0, ID), np.empty(0, np.int64)
-    rev = ids[::-1]
-    distinct, first = np.unique(rev, return_index=True)
-    return distinct, np.asarray(lengths)[::-1][first]
 
 
 def contains(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:

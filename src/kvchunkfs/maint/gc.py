@@ -1,6 +1,7 @@
 """Garbage collection: drop chunks no snapshot and no open file needs, and give their space back.
 
-1. Mark (no lock): walk ``snapshots/`` and collect every chunk id a stub names. A stub renamed
+1. Mark (no lock): walk ``snapshots/`` and mark every mapped chunk a stub names (``Marks``: the
+   map's ids as sorted 8-byte prefixes and a flag each, no Python object per chunk). A stub renamed
    during the walk may be missed by the directory listing, so the repository logs the path every
    rename and save creates; after the walk GC reads those paths (and again, for changes made
    meanwhile) until a round finds none (see ``mark_and_sweep``).
@@ -39,7 +40,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -223,14 +224,6 @@ def walk_stubs(snapshots: Path) -> Iterator[stubs.Entry]:
     if not snapshots.is_dir():  # an empty walk would make every chunk garbage
         raise FileNotFoundError(errno.ENOENT, "the snapshots directory is missing", str(snapshots))
     return stubs.walk(snapshots)
-
-
-def stub_ids(data: bytes) -> Sequence[bytes] | None:
-    """Chunk ids of a stub's index, or None if it is not a valid index."""
-    try:
-        return idx.decode(data).ids
-    except idx.IndexFormatError:
-        return None
 
 
 def salvage_ids(data: bytes) -> list[bytes]:

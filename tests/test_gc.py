@@ -298,6 +298,24 @@ def make_repo(root: Path) -> tuple[Repository, bytes]:
     return repo, cid
 
 
+def test_a_walk_over_more_rows_than_the_map_counted_keeps_what_stubs_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves go on during a walk: the map holds more rows than its count said when the walk began."""
+    repo, cid = make_repo(tmp_path)
+    repo.rename("a.tmp", "a")
+    garbage = [os.urandom(5000) for _ in range(40)]
+    owner = object()
+    repo.store.put_many([(bytes.fromhex(sha(d)), d) for d in garbage], owner)
+    repo.store.unpin(owner)
+    monkeypatch.setattr(repo.store, "stats", lambda: (1, 0))  # a count from before the saves
+    monkeypatch.setattr("kvchunkfs.store.chunkmap.PAGE_ROWS", 3)
+    report = gc.run_gc(repo, 0.5)
+    assert not report.errors and report.chunks_freed == len(garbage)
+    assert repo.store.locate(cid)
+    repo.close()
+
+
 def test_a_rename_during_the_walk_is_caught_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The listing misses a stub renamed meanwhile; GC reads the renamed path before it sweeps."""
     repo, cid = make_repo(tmp_path)

@@ -29,6 +29,14 @@ RESERVE_MAX = 1 << 26  # ``RefCounts.reserve``: slots at most (2.5 GiB of addres
 FENCE = 64  # ``RefCounts``: every FENCE-th id of an order is kept for a first search
 
 
+def grown(array: np.ndarray, used: int, need: int) -> np.ndarray:
+    """``array`` (its first ``used`` rows) in a new one with room for ``need`` rows, a quarter more
+    at least (an array filled page by page from a count that was low: saves went on meanwhile)."""
+    out = np.empty((max(need, len(array) + len(array) // 4), *array.shape[1:]), array.dtype)
+    out[:used] = array[:used]
+    return out
+
+
 def from_list(ids: Iterable[bytes]) -> np.ndarray:
     """``ID`` rows of some ids (each must be 32 bytes)."""
     ids = ids if isinstance(ids, Sequence) else list(ids)

@@ -250,8 +250,8 @@ class Marks:
         mapped = np.empty(store.stats()[0], np.uint64)
         n = 0
         for page, _ in store.mapped_pages():
-            if n + len(page) > len(mapped):  # rows the count missed
-                mapped = np.concatenate([mapped[:n], np.empty(n + len(page) - len(mapped), np.uint64)])
+            if n + len(page) > len(mapped):  # rows added since the count (saves go on meanwhile)
+                mapped = idarrays.grown(mapped, n, n + len(page))
             mapped[n : n + len(page)] = idarrays.prefixes(page)
             n += len(page)
         self.mapped = mapped[:n]

@@ -443,8 +443,7 @@ class _Mapped:
         n = 0
         for page, page_lens in store.mapped_pages():
             if n + len(page) > len(ids):  # rows the count missed: room for them
-                ids = np.concatenate([ids[:n], np.empty(n + len(page) - len(ids), idarrays.ID)])
-                lens = np.concatenate([lens[:n], np.empty(len(ids) - n, lens.dtype)])
+                ids, lens = idarrays.grown(ids, n, n + len(page)), idarrays.grown(lens, n, n + len(page))
             if len(page_lens) and int(page_lens.max()) >= 1 << 32 and lens.dtype != np.int64:
                 lens = lens.astype(np.int64)
             ids[n : n + len(page)] = page

@@ -201,10 +201,11 @@ class ChunkMap:
                     out += [cid for (cid,) in rows]
         return out
 
-    def mapped_pages(self, rows: int = PAGE_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def mapped_pages(self, rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every mapped chunk as (ids as ``idarrays.ID`` rows, lengths) pages of up to ``rows``, in
         id order, the map's lock held per page (a save waits for one page at most). A row added or
         dropped meanwhile may or may not be in a page; every row present throughout is, once."""
+        rows = rows or PAGE_ROWS
         after = b""
         while True:
             with self._db_lock:

@@ -341,7 +341,7 @@ def _check_ends(ends: np.ndarray, before: int) -> None:
 
 
 TABLE_AT = _HEADER.size + _TABLE_HEADER.size  # where the entries begin
-PIECE_ENTRIES = 1 << 16  # ``read_table``: entries per piece (2.5 MiB)
+PIECE_ENTRIES = 1 << 14  # ``read_table``: entries per piece (640 KiB)
 
 
 def read_table(read: Callable[[int, int], bytes], length: int, entries: int | None = None

@@ -297,8 +297,9 @@ class RefCounts:
         slots whose count is 0 are freed for reuse."""
         main, recent = self._main, self._recent
         dead_main, dead_recent = self.count[main] == 0, self.count[recent] == 0
-        self._free = np.concatenate([self._free, main[dead_main], recent[dead_recent]])
-        if dead_main.any():
-            main = main[~dead_main]
-        self._main = self._insert(main, recent[~dead_recent])
+        if dead_main.any() or dead_recent.any():  # else no copies (a first load's million slots)
+            self._free = np.concatenate([self._free, main[dead_main], recent[dead_recent]])
+            main, recent = main[~dead_main], recent[~dead_recent]
+        del dead_main, dead_recent
         self._recent = np.empty(0, np.uint32)
+        self._main = self._insert(main, recent)

@@ -180,7 +180,7 @@ def main() -> int:
             daemon.proc.kill()
             daemon.proc.wait()
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, capture_output=True)
-        subprocess.run(["umount", str(whole)], check=False)
+        subprocess.run(["umount", "-R", str(whole)], check=False)  # with the tmpfs each daemon mounted in it
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     out = {k: round(v, 1) for k, v in out.items()}

@@ -39,6 +39,7 @@ UNIT_MODULES = {
     "test_fuse_protocol",
     "test_formula",
     "test_gc_changes",
+    "test_idarrays",
     "test_ingest_memory",
     "test_layers",
     "test_ops_inprocess",

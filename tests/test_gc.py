@@ -298,13 +298,31 @@ def make_repo(root: Path) -> tuple[Repository, bytes]:
     return repo, cid
 
 
+def test_a_walk_over_more_rows_than_the_map_counted_keeps_what_stubs_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves go on during a walk: the map holds more rows than its count said when the walk began."""
+    repo, cid = make_repo(tmp_path)
+    repo.rename("a.tmp", "a")
+    garbage = [os.urandom(5000) for _ in range(40)]
+    owner = object()
+    repo.store.put_many([(bytes.fromhex(sha(d)), d) for d in garbage], owner)
+    repo.store.unpin(owner)
+    monkeypatch.setattr(repo.store, "stats", lambda: (1, 0))  # a count from before the saves
+    monkeypatch.setattr("kvchunkfs.store.chunkmap.PAGE_ROWS", 3)
+    report = gc.run_gc(repo, 0.5)
+    assert not report.errors and report.chunks_freed == len(garbage)
+    assert repo.store.locate(cid)
+    repo.close()
+
+
 def test_a_rename_during_the_walk_is_caught_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The listing misses a stub renamed meanwhile; GC reads the renamed path before it sweeps."""
     repo, cid = make_repo(tmp_path)
 
-    def racing_walk(repo: Repository, report: gc.GCReport) -> set[bytes]:
+    def racing_walk(repo: Repository, report: gc.GCReport) -> gc.Marks:
         repo.rename("a.tmp", "a")  # the walk listed the directory before, so it saw nothing
-        return set()
+        return gc.Marks(repo.store)
 
     monkeypatch.setattr(gc, "named_ids", racing_walk)
     report = gc.run_gc(repo, 0.5)
@@ -320,13 +338,13 @@ def test_renames_during_the_catch_up_are_caught_up_too(tmp_path: Path, monkeypat
     renames = iter(["b", "c", "d"])
     current = "a.tmp"
 
-    def racing_walk(repo: Repository, report: gc.GCReport) -> set[bytes]:
+    def racing_walk(repo: Repository, report: gc.GCReport) -> gc.Marks:
         nonlocal current
         repo.rename(current, "a")
         current = "a"
-        return set()
+        return gc.Marks(repo.store)
 
-    def racing_add(repo: Repository, paths: list[str], named: set[bytes], report: gc.GCReport) -> None:
+    def racing_add(repo: Repository, paths: list[str], named: gc.Marks, report: gc.GCReport) -> None:
         nonlocal current
         nxt = next(renames, None)
         if nxt is not None:  # the stub moves again right before we read the paths we were given
@@ -347,13 +365,13 @@ def test_endless_renames_skip_the_sweep_instead_of_blocking(tmp_path: Path, monk
     names = iter(f"n{i}" for i in range(1000))
     current = "a.tmp"
 
-    def always_racing(repo: Repository, paths: list[str], named: set[bytes], report: gc.GCReport) -> None:
+    def always_racing(repo: Repository, paths: list[str], named: gc.Marks, report: gc.GCReport) -> None:
         nonlocal current
         nxt = next(names)
         repo.rename(current, nxt)
         current = nxt
 
-    monkeypatch.setattr(gc, "named_ids", lambda repo, report: set())
+    monkeypatch.setattr(gc, "named_ids", lambda repo, report: gc.Marks(repo.store))
     monkeypatch.setattr(gc, "_add_created", always_racing)
     report = gc.run_gc(repo, 0.5)
     assert report.catch_ups == gc.MAX_CATCH_UPS and report.chunks_freed == 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvchunkfs.service import prefixtree
 from kvchunkfs.service.catalog import StubInfo
-from kvchunkfs.service.live import LiveCatalog, PrefixMatch
+from kvchunkfs.service.live import NO_SLOTS, LiveCatalog, PrefixMatch, Read
 
 tokens = st.lists(st.integers(0, 3), max_size=8)  # a small alphabet: long shared prefixes and ties
 names = st.sampled_from([f"{d}{n}{s}" for d in ("", "a/", "b/") for n in "xyzw" for s in ("", ".tmp")])
@@ -49,7 +49,8 @@ def test_prefix_match_equals_a_scan_of_every_row(tmp_path_factory, rows, drops, 
     cat.load()
     for path, toks in rows:
         cat._drop(path)  # a save replaces the row
-        cat._add(info(path), None if toks is None else array.array("i", toks), None if toks is not None else "none")
+        tokens_read = None if toks is None else array.array("i", toks)
+        cat._add(Read(info(path), NO_SLOTS, NO_SLOTS, tokens_read, None if toks is not None else "none"))
     for path in drops:
         cat._drop(path)
     for query, prefix, no_tmp, limit in queries:

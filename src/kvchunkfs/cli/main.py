@@ -69,6 +69,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     clean = False
     try:
         recover(repo, moved_aside)  # before serving: catch the map up with the packs, drop temp files, report damage
+        daemon.trim_memory()  # a full check read every map row: its pages go back before serving
         if cfg.remote:
             try:
                 repo.remote = _remote_tier(cfg, repo)
@@ -88,6 +89,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
             return 1
         collector.names = api.service.live  # its reference counts: GC runs without reading every stub
+        collector.trim = daemon.trim_memory
         try:
             daemon.serve(
                 files,

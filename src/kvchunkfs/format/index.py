@@ -13,7 +13,7 @@ A clear SHA-512/256 flag means chunk ids are SHA-256 digests.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -311,6 +311,81 @@ def encode(index: Index) -> bytes:
     )
 
 
+def _check_frame(head: bytes, tail: bytes, length: int) -> tuple[tuple[int, int, int], int]:
+    """((chunk_min, avg, max), entries) of an index ``length`` bytes long, from its first 64 bytes
+    (``head``) and last 40 (``tail``); IndexFormatError if they are not a SHA-256 caibx index's."""
+    fixed = _HEADER.size + _TABLE_HEADER.size + _TAIL.size
+    if length < fixed or (length - fixed) % _ITEM.size:
+        raise IndexFormatError(f"bad index length {length}")
+    size, typ, flags, cmin, cavg, cmax = _HEADER.unpack_from(head, 0)
+    if size != 48 or typ != CA_FORMAT_INDEX:
+        raise IndexFormatError("not a caibx index (bad header)")
+    if flags & CA_FORMAT_SHA512_256:
+        raise IndexFormatError("index uses SHA-512/256 chunk ids, expected SHA-256")
+    if _TABLE_HEADER.unpack_from(head, _HEADER.size) != (0xFFFFFFFFFFFFFFFF, CA_FORMAT_TABLE):
+        raise IndexFormatError("bad table header")
+    n = (length - fixed) // _ITEM.size
+    if _TAIL.unpack_from(tail, 0) != (0, 0, 48, 16 + 40 * n + 40, CA_FORMAT_TABLE_TAIL_MARKER):
+        raise IndexFormatError("bad table tail")
+    return (cmin, cavg, cmax), n
+
+
+def _check_ends(ends: np.ndarray, before: int) -> None:
+    """End offsets must rise from ``before`` (the previous piece's last, 0 at the start)."""
+    if not len(ends):
+        return
+    bad = np.flatnonzero(ends[1:] <= ends[:-1])
+    if ends[0] <= before or len(bad):
+        at = 0 if ends[0] <= before else int(bad[0]) + 1
+        raise IndexFormatError(f"chunk end offsets not increasing at {int(ends[at])}")
+
+
+TABLE_AT = _HEADER.size + _TABLE_HEADER.size  # where the entries begin
+PIECE_ENTRIES = 1 << 14  # ``read_table``: entries per piece (640 KiB)
+
+
+def read_table(read: Callable[[int, int], bytes], length: int, entries: int | None = None
+               ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """The entries of an index ``length`` bytes long, ``read(offset, size)`` a piece at a time:
+    (end offsets as uint64, ids as ``V32`` rows) per piece of at most ``entries``, checked as
+    ``decode`` checks them. For what needs every id once but not the index: an index of a million
+    chunks is then 2.5 MiB at a time, not its 40 MB. IndexFormatError may come after some pieces
+    (a bad end offset is found in its piece); OSError if the bytes end early."""
+    if length < FIXED_BYTES:
+        raise IndexFormatError(f"bad index length {length}")
+    _, n = _check_frame(_exact(read, 0, TABLE_AT), _exact(read, length - _TAIL.size, _TAIL.size), length)
+    entries = entries or PIECE_ENTRIES
+    before = 0
+    for first in range(0, n, entries):
+        k = min(entries, n - first)
+        buf = _exact(read, TABLE_AT + first * ITEM_BYTES, k * ITEM_BYTES)
+        ends = np.ndarray((k,), "<u8", buf, 0, (ITEM_BYTES,))
+        _check_ends(ends, before)
+        before = int(ends[-1])
+        yield ends.astype(np.uint64), np.ndarray((k,), f"V{ID_LEN}", buf, 8, (ITEM_BYTES,))
+
+
+def read_head(read: Callable[[int, int], bytes], length: int, entries: int) -> tuple[Index, int]:
+    """(an Index of the first ``entries`` entries of an index ``length`` bytes long, the number of
+    entries of the whole), checked as ``decode`` checks them: the start of a file, e.g. to read its
+    header, without the whole table."""
+    if length < FIXED_BYTES:
+        raise IndexFormatError(f"bad index length {length}")
+    head = _exact(read, 0, TABLE_AT)
+    limits, n = _check_frame(head, _exact(read, length - _TAIL.size, _TAIL.size), length)
+    k = min(entries, n)
+    buf = _exact(read, TABLE_AT, k * ITEM_BYTES)
+    _check_ends(np.ndarray((k,), "<u8", buf, 0, (ITEM_BYTES,)), 0)
+    return Index._shared(limits, buf, 0, k), n
+
+
+def _exact(read: Callable[[int, int], bytes], offset: int, size: int) -> bytes:
+    data = read(offset, size)
+    if len(data) != size:
+        raise OSError(f"index ends early: {len(data)} bytes at {offset}, expected {size}")
+    return data
+
+
 def decode(data: bytes) -> Index:
     """Parse and validate an index; raises IndexFormatError on anything unexpected.
 
@@ -318,25 +393,10 @@ def decode(data: bytes) -> Index:
     table, not an object per entry."""
     if not isinstance(data, bytes):
         data = bytes(data)
-    fixed = _HEADER.size + _TABLE_HEADER.size + _TAIL.size
-    if len(data) < fixed or (len(data) - fixed) % _ITEM.size:
+    if len(data) < FIXED_BYTES:
         raise IndexFormatError(f"bad index length {len(data)}")
-    size, typ, flags, cmin, cavg, cmax = _HEADER.unpack_from(data, 0)
-    if size != 48 or typ != CA_FORMAT_INDEX:
-        raise IndexFormatError("not a caibx index (bad header)")
-    if flags & CA_FORMAT_SHA512_256:
-        raise IndexFormatError("index uses SHA-512/256 chunk ids, expected SHA-256")
-    if _TABLE_HEADER.unpack_from(data, _HEADER.size) != (0xFFFFFFFFFFFFFFFF, CA_FORMAT_TABLE):
-        raise IndexFormatError("bad table header")
-    n = (len(data) - fixed) // _ITEM.size
-    tail = _TAIL.unpack_from(data, len(data) - _TAIL.size)
-    if tail != (0, 0, 48, 16 + 40 * n + 40, CA_FORMAT_TABLE_TAIL_MARKER):
-        raise IndexFormatError("bad table tail")
-    lo = _HEADER.size + _TABLE_HEADER.size
+    head, n = _check_frame(data, data[len(data) - _TAIL.size :], len(data))
+    lo = TABLE_AT
     if n:
-        ends = np.ndarray((n,), "<u8", data, lo, (ITEM_BYTES,))  # a view: no copy
-        bad = np.flatnonzero(ends[1:] <= ends[:-1])
-        if ends[0] == 0 or len(bad):
-            at = 0 if ends[0] == 0 else int(bad[0]) + 1
-            raise IndexFormatError(f"chunk end offsets not increasing at {int(ends[at])}")
-    return Index._shared((cmin, cavg, cmax), data, lo, n)
+        _check_ends(np.ndarray((n,), "<u8", data, lo, (ITEM_BYTES,)), 0)  # a view: no copy
+    return Index._shared(head, data, lo, n)

@@ -1,6 +1,7 @@
 """Garbage collection: drop chunks no snapshot and no open file needs, and give their space back.
 
-1. Mark (no lock): walk ``snapshots/`` and collect every chunk id a stub names. A stub renamed
+1. Mark (no lock): walk ``snapshots/`` and mark every mapped chunk a stub names (``Marks``: the
+   map's ids as sorted 8-byte prefixes and a flag each, no Python object per chunk). A stub renamed
    during the walk may be missed by the directory listing, so the repository logs the path every
    rename and save creates; after the walk GC reads those paths (and again, for changes made
    meanwhile) until a round finds none (see ``mark_and_sweep``).
@@ -39,14 +40,17 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import trio
 
+from kvchunkfs.format import idarrays
 from kvchunkfs.format import index as idx
+from kvchunkfs.format.idarrays import PrefixSet
 from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkstore import PruneStore
 from kvchunkfs.store.layout import file_size
@@ -69,6 +73,10 @@ class NameIndex(Protocol):
     """What ``collect_changes`` asks of the daemon's catalog (``service.live.LiveCatalog``)."""
 
     def unnamed(self, ids: Iterable[bytes]) -> set[bytes] | None: ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the catalog has read every stub once (waiting up to ``timeout``)."""
+        ...
 
 
 @dataclass
@@ -159,16 +167,18 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     start = time.monotonic()
     report = GCReport(dry_run=True)
     store = repo.store
-    named = named_ids(repo, report) | kept_ids(repo)
+    named = named_ids(repo, report)
+    named.add_prefixes(kept_ids(repo).sorted())
     candidates = _candidates(repo, named, report)
-    dead: dict[bytes, int] = {}
+    dead = np.empty(0, idarrays.ID)  # in id order
     if report.unreadable:  # as ``_sweep``: what they name is unknown
         report.errors += [f"{what}; no chunk would be freed" for what in report.unreadable]
     else:
         pinned = store.pinned()
-        dead = {cid: n for cid, n in candidates.items() if cid not in pinned}
+        keep = np.fromiter((cid in pinned for cid in idarrays.to_list(candidates.ids)), bool, len(candidates))
+        dead = candidates.ids[~keep]
+        report.bytes_freed = int(candidates.lengths[~keep].sum())
     report.chunks_freed = len(dead)
-    report.bytes_freed = sum(dead.values())
     report.live_chunks = store.stats()[0] - len(dead)
     for pack in store.pack_ids():
         _plan_pack(repo, pack, dead, threshold, report)
@@ -176,11 +186,14 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     return report
 
 
-def _plan_pack(repo: Repository, pack: int, dead: dict[bytes, int], threshold: float, report: GCReport) -> None:
-    """``reclaim_packs``' decision for one pack, as if ``dead`` were gone, counted in ``report``."""
+def _plan_pack(repo: Repository, pack: int, dead: np.ndarray, threshold: float, report: GCReport) -> None:
+    """``reclaim_packs``' decision for one pack, as if ``dead`` (sorted ids) were gone, counted in
+    ``report``."""
     store = repo.store
     size = file_size(store.pack_path(pack))
-    rows = [(off, n) for cid, off, n in store.chunks_in_pack(pack) if cid not in dead]
+    in_pack = store.chunks_in_pack(pack)
+    gone = idarrays.contains(dead, idarrays.from_list([cid for cid, _, _ in in_pack]))
+    rows = [(off, n) for (_, off, n), drop in zip(in_pack, gone.tolist(), strict=True) if not drop]
     live = sum(n for _, n in rows)
     if rows and not size:  # the pack is missing (fsck's business): nothing to reclaim
         return
@@ -213,23 +226,59 @@ def walk_stubs(snapshots: Path) -> Iterator[stubs.Entry]:
     return stubs.walk(snapshots)
 
 
-def stub_ids(data: bytes) -> Sequence[bytes] | None:
-    """Chunk ids of a stub's index, or None if it is not a valid index."""
-    try:
-        return idx.decode(data).ids
-    except idx.IndexFormatError:
-        return None
-
-
 def salvage_ids(data: bytes) -> list[bytes]:
     """Whatever a damaged index seems to name: kept live so a stub fsck may still rescue loses nothing."""
     return [data[o + 8 : o + _ITEM] for o in range(_ITEMS_AT, len(data) - _ITEM + 1, _ITEM)]
 
 
-def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
-    """Ids the stubs name (one full walk). An entry that cannot be read may name any chunk: it goes
-    to ``report.unreadable`` and the sweep then frees nothing."""
-    named: set[bytes] = set()
+def salvage_array(data: bytes) -> np.ndarray:
+    """``salvage_ids`` as ``idarrays.ID`` rows (a view of ``data``)."""
+    n = max(0, (len(data) - _ITEMS_AT - _ITEM) // _ITEM + 1)
+    if not n:
+        return np.empty(0, idarrays.ID)
+    return np.ndarray((n,), idarrays.ID, data, _ITEMS_AT + 8, (_ITEM,))
+
+
+class Marks:
+    """The mark phase's memory: the map's ids when the walk began, as sorted prefixes (their first
+    8 bytes: the map is read in id order, so no sort), and a flag each: named by a stub. 9 bytes a
+    mapped chunk, nothing per stub entry. A chunk whose prefix a stub names is kept (a chance
+    collision only keeps a chunk). Named ids not in the map then are kept as prefixes too, to count
+    the chunks stubs name that the store lacks."""
+
+    def __init__(self, store: PruneStore) -> None:
+        mapped = np.empty(store.stats()[0], np.uint64)
+        n = 0
+        for page, _ in store.mapped_pages():
+            if n + len(page) > len(mapped):  # rows added since the count (saves go on meanwhile)
+                mapped = idarrays.grown(mapped, n, n + len(page))
+            mapped[n : n + len(page)] = idarrays.prefixes(page)
+            n += len(page)
+        self.mapped = mapped[:n]
+        self.named = np.zeros(n, bool)
+        self.unmapped = PrefixSet()
+
+    def add(self, ids: np.ndarray) -> None:
+        """Mark ``idarrays.ID`` rows as named."""
+        self.add_prefixes(idarrays.prefixes(ids))
+
+    def add_prefixes(self, keys: np.ndarray) -> None:
+        at, hit = self.lookup(keys)
+        self.named[at[hit]] = True
+        self.unmapped.add_prefixes(keys[~hit])
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(position in ``mapped``, whether it is there) of each prefix (the first of equal ones)."""
+        at = np.searchsorted(self.mapped, keys)
+        hit = at < len(self.mapped)
+        hit[hit] = self.mapped[at[hit]] == keys[hit]
+        return at, hit
+
+
+def named_ids(repo: Repository, report: GCReport) -> Marks:
+    """Ids the stubs name (one full walk), marked against the map (``Marks``). An entry that cannot
+    be read may name any chunk: it goes to ``report.unreadable`` and the sweep then frees nothing."""
+    named = Marks(repo.store)
     report.snapshots = report.unreadable_snapshots = 0
     report.skipped, report.unreadable = [], []
     for entry in walk_stubs(repo.snapshots):
@@ -237,30 +286,48 @@ def named_ids(repo: Repository, report: GCReport) -> set[bytes]:
     return named
 
 
-def _add_entry(entry: stubs.Entry, named: set[bytes], report: GCReport) -> None:
+def _add_entry(entry: stubs.Entry, named: Marks, report: GCReport) -> None:
     if entry.skipped is not None:
         report.skipped.append(entry.problem())
         return
     try:
         if entry.error is not None:
             raise entry.error
-        data, _ = entry.read()
+        fd = entry.open()
     except FileNotFoundError:  # renamed or unlinked meanwhile: the namespace log tells
         return
     except OSError as e:
         entry.error = e
         report.unreadable.append(entry.problem())
         return
+    try:
+        valid = add_stub_ids(fd, named)
+    except OSError as e:
+        entry.error = e
+        report.unreadable.append(entry.problem())
+        return
+    finally:
+        os.close(fd)
     report.snapshots += 1
-    ids = stub_ids(data)
-    if ids is None:
+    if not valid:
         report.unreadable_snapshots += 1
         log.warning("gc: %s is not a valid index; keeping every chunk it may name", entry.rel)
-        ids = salvage_ids(data)
-    named.update(ids)
 
 
-def _add_created(repo: Repository, paths: list[str], named: set[bytes], report: GCReport) -> None:
+def add_stub_ids(fd: int, named: Marks | PrefixSet) -> bool:
+    """Add the ids the open stub ``fd`` names, read a piece at a time; False if it is not a valid
+    index (then whatever it seems to name is added: ``salvage_ids``)."""
+    try:
+        for _, ids in stubs.read_table(fd):
+            named.add(ids)
+        return True
+    except idx.IndexFormatError:
+        data, _ = stubs.read_stub(fd)
+        named.add(salvage_array(data))
+        return False
+
+
+def _add_created(repo: Repository, paths: list[str], named: Marks, report: GCReport) -> None:
     """Read what namespace changes created during the walk."""
     for entry in created_entries(repo, paths):
         _add_entry(entry, named, report)
@@ -300,7 +367,8 @@ def mark_and_sweep(repo: Repository, report: GCReport) -> None:
         now, created = repo.created_since(gen)
         _add_created(repo, created, named, report)
         gen = now
-        candidates = _candidates(repo, named | kept_ids(repo), report)
+        named.add_prefixes(kept_ids(repo).sorted())  # read after the generation the sweep checks
+        candidates = _candidates(repo, named, report)
         with store.lock:
             if repo.ns_settled(gen):
                 _sweep(store, candidates, report)
@@ -320,58 +388,109 @@ def checkpoint(repo: Repository) -> None:
         log.warning("checkpoint before gc failed: %s", e)
 
 
-def kept_ids(repo: Repository) -> set[bytes]:
+def kept_ids(repo: Repository) -> PrefixSet:
     """Ids named by the versions kept in ``prev/`` for a power cut (durability=close): a save that
     replaced one after GC's checkpoint is not durable yet, so its old version may come back.
     Read after the generation the sweep checks: a save links its old version before its rename
     begins (``Repository._keep_previous``), so a link made later comes with a change that makes
     the sweep catch up first."""
-    out: set[bytes] = set()
+    out = PrefixSet()
     try:
         entries = list(os.scandir(repo.layout.prev))
     except FileNotFoundError:
         return out
     for entry in entries:
         try:
-            data, _ = stubs.read_stub(entry.path)
+            fd = stubs.open_stub(entry.path)
         except OSError:
             continue  # gone (a checkpoint dropped it), or not a stub: nothing to put back
-        out.update(stub_ids(data) or ())
+        try:
+            _add_valid_ids(fd, out)
+        finally:
+            os.close(fd)
     return out
 
 
-def _candidates(repo: Repository, named: set[bytes], report: GCReport) -> dict[bytes, int]:
-    """Mapped chunks no stub names (id -> length); pins are subtracted under the lock."""
-    mapped = repo.store.chunk_lengths()
-    missing = {cid for cid in named if cid not in mapped}
-    report.missing_chunks = len(missing - _in_bucket(repo) if missing else missing)
-    return {cid: n for cid, n in mapped.items() if cid not in named}
+def _add_valid_ids(fd: int, out: PrefixSet) -> None:
+    """The ids of the open stub ``fd`` if it is a valid index (nothing if it is not)."""
+    found = PrefixSet()
+    try:
+        for _, ids in stubs.read_table(fd):
+            found.add(ids)
+    except (OSError, idx.IndexFormatError):
+        return
+    out.update(found)
 
 
-def _in_bucket(repo: Repository) -> set[bytes]:
+@dataclass
+class Candidates:
+    """Mapped chunks no stub names: ``ids`` (``idarrays.ID`` rows, in id order) and their lengths."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _candidates(repo: Repository, named: Marks, report: GCReport) -> Candidates:
+    """Mapped chunks no stub names; pins are subtracted under the lock. The map is read a page at
+    a time in id order (its lock held per page) and checked against ``named``: memory is the marks,
+    one page and the candidates. A row mapped since the walk began is no candidate (its save pins
+    it until its stub is in place, which a catch-up reads; the next run looks at it)."""
+    unmapped = named.unmapped.sorted()
+    found = np.zeros(len(unmapped), bool)  # named ids outside the marks' map that the map has now
+    ids, lengths = [], []
+    for page, page_lengths in repo.store.mapped_pages():
+        keys = idarrays.prefixes(page)
+        at, hit = named.lookup(keys)
+        hit[hit] = ~named.named[at[hit]]  # in the marks and not named
+        ids.append(page[hit])
+        lengths.append(page_lengths[hit])
+        if len(unmapped):
+            where = np.searchsorted(unmapped, keys)
+            inside = where < len(unmapped)
+            inside[inside] = unmapped[where[inside]] == keys[inside]
+            found[where[inside]] = True
+    missing = unmapped[~found]
+    if len(missing):
+        missing = missing[~idarrays.contains(_in_bucket(repo).sorted(), missing)]
+    report.missing_chunks = len(missing)
+    if not ids:
+        return Candidates(np.empty(0, idarrays.ID), np.empty(0, np.int64))
+    return Candidates(np.concatenate(ids), np.concatenate(lengths))
+
+
+def _in_bucket(repo: Repository) -> PrefixSet:
     """Ids named by stubs the shared tier holds whole (their content is the version ``remote.db``
     says was synced): evicted or not yet fetched, not missing. Empty without a shared tier."""
-    out: set[bytes] = set()
+    out = PrefixSet()
     for rel, sha in read_synced(repo.root).items():
         try:
-            data, _ = stubs.read_stub(repo.path(rel))
+            fd = stubs.open_stub(repo.path(rel))
         except OSError:
             continue
-        if hashlib.sha256(data).digest() == sha:
-            out.update(stub_ids(data) or ())
+        try:
+            if stubs.hash_stub(fd).digest() == sha:
+                _add_valid_ids(fd, out)
+        finally:
+            os.close(fd)
     return out
 
 
-def _sweep(store: PruneStore, candidates: dict[bytes, int], report: GCReport) -> None:
+def _sweep(store: PruneStore, candidates: Candidates, report: GCReport) -> None:
     """Under ``store.lock``: nothing can pin or add a chunk until the rows are gone."""
     if report.unreadable:  # what they name is unknown: any candidate may be live
         report.errors += [f"{what}; no chunk was freed" for what in report.unreadable]
         report.live_chunks = store.stats()[0]
         return
     pinned = store.pinned()
-    dead = [cid for cid in candidates if cid not in pinned]
-    report.chunks_freed = store.delete_chunks(dead)
-    report.bytes_freed = sum(candidates[cid] for cid in dead)
+    for first in range(0, len(candidates), SWEEP_BATCH):
+        ids = idarrays.to_list(candidates.ids[first : first + SWEEP_BATCH])
+        lengths = candidates.lengths[first : first + SWEEP_BATCH].tolist()
+        dead = [(cid, n) for cid, n in zip(ids, lengths, strict=True) if cid not in pinned]
+        report.chunks_freed += store.delete_chunks([cid for cid, _ in dead])
+        report.bytes_freed += sum(n for _, n in dead)
     report.live_chunks = store.stats()[0]
 
 
@@ -408,7 +527,7 @@ def collect_changes(
             if dead is None:
                 store.requeue_fresh(candidates)  # a walk follows; keep them in case it fails
                 return None
-            kept = kept_ids(repo) & dead  # left for a later run, once the checkpoint dropped them
+            kept = _kept_of(kept_ids(repo), dead)  # left for a later run, once the checkpoint dropped them
             todo = dead - kept
             settled = _sweep_while(repo, gen, todo, report, packs)
             candidates = todo | kept  # what is left is asked about again
@@ -425,6 +544,12 @@ def collect_changes(
     report.live_chunks = store.stats()[0]
     report.duration_s = time.monotonic() - start
     return report
+
+
+def _kept_of(kept: PrefixSet, ids: set[bytes]) -> set[bytes]:
+    """Those of ``ids`` that ``kept`` may hold."""
+    listed = list(ids)
+    return {cid for cid, hit in zip(listed, kept.might_hold(idarrays.from_list(listed)).tolist(), strict=True) if hit}
 
 
 def _sweep_while(repo: Repository, gen: int, ids: set[bytes], report: GCReport, packs: set[int]) -> bool:
@@ -645,6 +770,10 @@ class GarbageCollector:
         self.evictor: Callable[[threading.Event], Any] | None = None
         self._evict_thread: threading.Thread | None = None
         self._evict_lock = threading.Lock()  # leaf: starting the eviction thread
+        # Gives free heap pages back to the system (set by the daemon): before and after the walk at
+        # mount, so the catalog's first load and the walk (tens of MB each for an index of a
+        # million chunks) do not stay in the heap, each in its thread's arena.
+        self.trim: Callable[[], None] | None = None
 
     def run(self, walk: bool = False) -> GCReport:
         """Collect now (waits for a collection already running, then starts a new one); ``walk``:
@@ -752,9 +881,18 @@ class GarbageCollector:
     async def _loop(self) -> None:
         timer = False  # the run at mount always walks: it is what finds a crash's leftovers
         walk = True
+        # The walk at mount waits for the catalog's first load: both read every stub, and one
+        # after the other the daemon holds the transient memory of one only (with an index of a
+        # million chunks, tens of MB).
+        while self.names is not None and not await trio.to_thread.run_sync(self.names.wait, 1.0):
+            pass
         while True:
             self._wake = wake = trio.Event()  # a request during this run triggers one more run
+            if walk and self.trim is not None:
+                await trio.to_thread.run_sync(self.trim)
             await trio.to_thread.run_sync(self._run_logged, timer, walk)
+            if walk and self.trim is not None:
+                await trio.to_thread.run_sync(self.trim)
             walk = False
             with trio.move_on_after(self.interval or math.inf):
                 await wake.wait()

@@ -12,9 +12,13 @@ the event, so once the queue of reported paths is drained every path equals what
 read. The events only go into a list under a lock that is never held across I/O, so the FUSE thread
 never waits for a listing.
 
-Unique and shared bytes are kept per snapshot by a reference count over distinct chunk ids: each
-chunk's value packs (length, xor of the ids of the snapshots naming it, count), so when a count
-falls to one the xor names the last holder, whose unique bytes grow by the chunk's length.
+Unique and shared bytes are kept per snapshot by a reference count over distinct chunk ids
+(``idarrays.RefCounts``: numpy arrays, no Python object per chunk): each distinct id has a slot
+holding the id, its count and the xor of the numbers of the snapshots naming it, so when a count
+falls to one the xor names the last holder, whose unique bytes grow by the chunk's length. A row
+keeps the slots of its distinct chunks and their lengths (8 bytes a chunk); the counts take 44
+bytes a distinct chunk of the store. A stub is read a piece of its index at a time (its token
+prefix from the first piece), so a load never holds an index of a million chunks whole.
 
 GC's collection of the changes (maint/gc.py) asks ``unnamed`` which of some ids no snapshot names:
 the ids whose count fell to zero since its last question, plus the ids the store mapped meanwhile.
@@ -29,7 +33,6 @@ import bisect
 import contextlib
 import dataclasses
 import gc
-import itertools
 import logging
 import os
 import stat
@@ -39,6 +42,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvchunkfs.format import idarrays
+from kvchunkfs.format import index as idx
 from kvchunkfs.format.index import Index
 from kvchunkfs.formula import Formula
 from kvchunkfs.service import catalog, prefixtree
@@ -46,9 +53,7 @@ from kvchunkfs.store import stubs
 
 log = logging.getLogger(__name__)
 
-_COUNT_BITS = 32
-_SID_BITS = 32
-_MASK = (1 << 32) - 1
+_SID_LIMIT = 1 << 32  # snapshot numbers are 32-bit (``RefCounts.xor``)
 # Rows read so far are moved out of the cyclic garbage collector's sight (``gc.freeze``) every so
 # many: they live as long as their snapshot, hold no cycles (reference counting frees them), and a
 # full collection scanning millions of catalog objects held the GIL, and so the FUSE thread, for
@@ -56,6 +61,7 @@ _MASK = (1 << 32) - 1
 # it grew).
 FREEZE_EVERY = 4096
 DROPPED_MAX = 1 << 18  # ids kept for GC between its questions; past it GC walks every stub
+HEAD_ENTRIES = 1 << 12  # index entries read for a token prefix (more only if the header is longer)
 ReadChunks = Callable[[Index, int, int], bytes]
 
 
@@ -64,18 +70,28 @@ class Entry:
     """One snapshot: its listing fields, its distinct chunks and its token prefix."""
 
     sid: int
-    info: catalog.StubInfo  # ``lengths`` emptied: the chunks live in ``ids``/``lens``
-    ids: bytes  # distinct chunk ids, 32 bytes each
-    lens: array.array  # their lengths
+    info: catalog.StubInfo  # ``lengths`` empty: the chunks are ``slots``/``lens``
+    slots: np.ndarray  # the ``RefCounts`` slots of its distinct chunks (uint32)
+    lens: np.ndarray  # their lengths (uint32; uint64 if a stub claims a chunk of 4 GiB or more)
     distinct: int
     distinct_bytes: int
     unique: int = 0
     tokens: array.array | None = None
     token_error: str | None = None
 
-    def cids(self) -> Iterable[tuple[bytes, int]]:
-        ids = self.ids
-        return ((ids[i * 32 : i * 32 + 32], n) for i, n in enumerate(self.lens))
+
+@dataclass
+class Read:
+    """What reading a stub gave: its row, its distinct chunks' slots and lengths, its tokens."""
+
+    info: catalog.StubInfo
+    slots: np.ndarray
+    lens: np.ndarray
+    tokens: array.array | None = None
+    token_error: str | None = None
+
+
+NO_SLOTS = np.empty(0, np.uint32)
 
 
 @dataclass
@@ -89,15 +105,19 @@ class PrefixMatch:
 
 
 class LiveCatalog:
-    def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None) -> None:
+    def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None,
+                 ids_with_keys: Callable[[list[bytes]], list[bytes]] | None = None) -> None:  # fmt: skip
         self.snapshots_dir = snapshots_dir
         self.read_chunks = read_chunks
+        # The store's ids that begin with some keys (``ChunkMap.ids_with_keys``): the counts keep
+        # keys (``idarrays.KEY_LEN`` bytes), GC deletes by id.
+        self.ids_with_keys = ids_with_keys
         self._lock = threading.Lock()  # the catalog itself; held across stub reads, never by FUSE
         self._queue_lock = threading.Lock()  # only list operations under it
         self._queue: list[str] = []
         self._ready = threading.Event()
         self.entries: dict[str, Entry] = {}
-        self._refs: dict[bytes, int] = {}  # chunk id -> length << 64 | xor of sids << 32 | count
+        self._refs = idarrays.RefCounts()
         self._by_sid: dict[int, Entry] = {}
         self._next_sid = 1
         self._sorted: list[str] | None = None
@@ -113,7 +133,9 @@ class LiveCatalog:
         self.logical_bytes = 0
         self.referenced_bytes = 0
         self._broken = 0  # rows whose chunks are unknown (``info.error``)
-        self._dropped: set[bytes] | None = set()  # ids whose count fell to 0 since GC asked; None: too many
+        # Keys whose count fell to 0 since GC asked (``RefCounts.keys`` rows); None: too many.
+        self._dropped: list[np.ndarray] | None = []
+        self._dropped_n = 0
         self.load_seconds = 0.0
         self.generation = 0  # bumped by every row added or dropped
 
@@ -219,6 +241,8 @@ class LiveCatalog:
         base = f"{rel}/" if rel else ""
         paths = [base + entry.rel for entry in stubs.walk(self.snapshots_dir / rel) if entry.kind == "file"]
         seen = set(paths)
+        if not self.entries:  # the first load: room for as many ids as the stubs may name
+            self._refs.reserve(sum(_entries_in(self.snapshots_dir / p) for p in paths))
         # One thread: 8 reading stubs in parallel loaded 50,000 no faster with the page cache
         # warm (20.9/19.8 s against 19.6/15.8 s) and only unevenly faster cold (20.9/29.1 s
         # against 35.8/27.1 s): the work is Python under the GIL.
@@ -259,17 +283,95 @@ class LiveCatalog:
     def _read(self, rel: str) -> None:
         if self._metadata_only(rel):
             return
-        index = None
+        # Dropped first: the slots a read makes for new ids must be counted before anything
+        # tidies the counts (``RefCounts.tidy`` frees slots whose count is 0).
+        self._drop(rel)
         try:
-            info, index = catalog.read_stub_index(self.snapshots_dir, rel)
+            read = self._read_stub(rel)
         except FileNotFoundError:
-            self._drop(rel)
             return
         except OSError as e:
-            info = catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e))
-        tokens, why = self._tokens(index) if index is not None else (None, info.error)
-        self._drop(rel)
-        self._add(info, tokens, why)
+            read = Read(catalog.StubInfo(rel, 0, 0, {}, 0.0, 0, None, {}, error=str(e)), NO_SLOTS, NO_SLOTS)
+        if read.info.error is not None:
+            read.token_error = read.info.error
+        self._add(read)
+
+    def _read_stub(self, rel: str) -> Read:
+        """Read the stub at ``rel`` (one open file throughout: a rename meanwhile changes nothing
+        read) a piece of its index at a time; a stub that is not a valid index gives a row with
+        ``error``. Its chunks get slots (count 0 until ``_add`` counts them)."""
+        path = self.snapshots_dir / rel
+        info = catalog.StubInfo(path=rel, size=stubs.stub_size(path) or 0, chunks=0, lengths={}, created=0.0,
+                                use_count=0, last_use=None, labels={})  # fmt: skip
+        catalog.read_metadata(path, info)
+        fd = stubs.open_stub(path)
+        try:
+            info.digest = stubs.hash_stub(fd).digest()
+            try:
+                slots, lens = self._count_pieces(fd, path, info)
+            except OSError as e:  # StubError, or the bytes ended early
+                info.error = str(e)
+                return Read(info, NO_SLOTS, NO_SLOTS)
+            read = Read(info, slots, lens)
+            if self.read_chunks is not None:
+                read.tokens, read.token_error = self._tokens_of(fd, path)
+            else:
+                read.token_error = "no chunk reader"
+            return read
+        finally:
+            os.close(fd)
+
+    def _count_pieces(self, fd: int, path: Path, info: catalog.StubInfo) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, lengths) of the distinct chunks of the open stub ``fd`` (the length an id's
+        last entry gives, as a dict filled in file order keeps); sets ``info``'s size and chunks.
+
+        Each piece is made distinct on its own; across pieces, from the last one back, a flag per
+        slot drops the ones a later piece had: a few bytes a chunk, no sort of the whole."""
+        pieces = []
+        end = chunks = 0
+        try:
+            for ends, ids in stubs.read_table(fd):
+                lens = np.diff(ends, prepend=np.uint64(end))
+                pieces.append(_last_of_each(self._refs.slots(ids), lens))
+                end, chunks = int(ends[-1]), chunks + len(ends)
+        except idx.IndexFormatError as e:
+            raise stubs.StubError(f"{path}: {e}") from e
+        size = stubs.stub_size(fd)
+        if size is not None and size != end:
+            raise stubs.StubError(f"{path}: size xattr {size} does not match index size {end}")
+        info.size, info.chunks = end, chunks
+        if len(pieces) <= 1:
+            return pieces[0] if pieces else (NO_SLOTS, NO_SLOTS)
+        seen = np.zeros(self._refs.n, bool)  # touched only where a slot is set
+        wide = any(p[1].dtype != np.uint32 for p in pieces)
+        # Room for every entry; only the distinct ones are written (the rest is never touched).
+        slots = np.empty(sum(len(p[0]) for p in pieces), np.uint32)
+        lengths = np.empty(len(slots), np.uint64 if wide else np.uint32)
+        n = 0
+        while pieces:  # each piece freed once copied
+            piece, piece_lens = pieces.pop()
+            fresh = ~seen[piece]
+            seen[piece] = True
+            k = int(np.count_nonzero(fresh))
+            slots[n : n + k] = piece[fresh]
+            lengths[n : n + k] = piece_lens[fresh]
+            n += k
+        return slots[:n], lengths[:n]
+
+    def _tokens_of(self, fd: int, path: Path) -> tuple[array.array | None, str | None]:
+        """The token prefix, from the first ``HEAD_ENTRIES`` entries of the index (the whole index
+        only if the header reaches past them)."""
+
+        def read(offset: int, size: int) -> bytes:
+            return os.pread(fd, size, offset)
+
+        length = os.fstat(fd).st_size
+        index, n = idx.read_head(read, length, HEAD_ENTRIES)
+        tokens, why, reached = self._tokens(index)
+        if reached and n > len(index):  # the header may go on past the entries read
+            index = stubs.decode_stub(stubs.read_stub(fd)[0], None, path)
+            tokens, why, _ = self._tokens(index)
+        return tokens, why
 
     def _metadata_only(self, rel: str) -> bool:
         """Refresh only the row's metadata if its stub still holds the same index (a use, a label:
@@ -290,45 +392,61 @@ class LiveCatalog:
         self.generation += 1
         return True
 
-    def _tokens(self, index: Index) -> tuple[array.array | None, str | None]:
-        """The token prefix, read once per change of the stub (later trees need no pack reads)."""
-        if self.read_chunks is None:
-            return None, "no chunk reader"
+    def _tokens(self, index: Index) -> tuple[array.array | None, str | None, bool]:
+        """(the token prefix, why there is none, whether reading it reached the end of ``index``),
+        read once per change of the stub (later trees need no pack reads)."""
+        assert self.read_chunks is not None
+        reader = catalog.ChunkReader(index, self.read_chunks)
         try:
-            return array.array("i", prefixtree.read_tokens(catalog.ChunkReader(index, self.read_chunks))), None  # type: ignore[arg-type]
+            tokens = array.array("i", prefixtree.read_tokens(reader))  # type: ignore[arg-type]
+            return tokens, None, reader.pos + len(reader._buf) >= index.size
         except (OSError, ValueError, LookupError) as e:  # not a ggsq file, a missing or corrupt chunk
-            return None, str(e) or type(e).__name__
+            return None, str(e) or type(e).__name__, reader.pos + len(reader._buf) >= index.size
 
     # -- reference counts --------------------------------------------------------------------
 
-    def _add(self, info: catalog.StubInfo, tokens: array.array | None, why: str | None) -> None:
+    def _new_sid(self) -> int:
         sid = self._next_sid
-        self._next_sid += 1
-        # Chunk lengths fit 32 bits (chunk_max <= 16 MiB): half the memory; a stub claiming more keeps 64.
-        lens = array.array("I" if max(info.lengths.values(), default=0) < 1 << 32 else "Q", info.lengths.values())
-        entry = Entry(sid, info, b"".join(info.lengths), lens, len(lens), sum(lens), tokens=tokens, token_error=why)
-        info.lengths = {}
-        refs, by_sid = self._refs, self._by_sid
-        for cid, n in entry.cids():
-            v = refs.get(cid)
-            if v is None:
-                refs[cid] = n << 64 | sid << _COUNT_BITS | 1
-                entry.unique += n
-                self.referenced_bytes += n
-                continue
-            count, xor = v & _MASK, (v >> _COUNT_BITS) & _MASK
-            if count == 1:
-                by_sid[xor].unique -= n
-            refs[cid] = n << 64 | (xor ^ sid) << _COUNT_BITS | (count + 1)
+        while sid in self._by_sid or not 0 < sid < _SID_LIMIT:  # wrapped around: skip those in use
+            sid = sid % (_SID_LIMIT - 1) + 1
+        self._next_sid = sid + 1
+        return sid
+
+    def _add(self, read: Read) -> None:
+        info, slots, lens = read.info, read.slots, read.lens
+        sid = self._new_sid()
+        entry = Entry(sid, info, slots, lens, len(slots), _total(lens), tokens=read.tokens,
+                      token_error=read.token_error)  # fmt: skip
+        refs = self._refs
+        count = refs.count[slots]
+        entry.unique = _total(lens, count == 0)
+        self.referenced_bytes += entry.unique
+        self._move_unique(slots, lens, count == 1, -1)
+        count += 1
+        refs.count[slots] = count
+        del count
+        np.bitwise_xor.at(refs.xor, slots, np.uint32(sid))
+        refs.tidy()
         self.entries[info.path] = entry
-        by_sid[sid] = entry
+        self._by_sid[sid] = entry
         self._broken += info.error is not None
-        if tokens is not None:
-            self._insert_tokens(tokens, info.path)
+        if read.tokens is not None:
+            self._insert_tokens(read.tokens, info.path)
         self.logical_bytes += info.size
         self._count_dirs(info.path, 1)
         self._sorted = None
         self.generation += 1
+
+    def _move_unique(self, slots: np.ndarray, lens: np.ndarray, only: np.ndarray, sign: int) -> None:
+        """Add ``sign`` * the length of each chunk ``only`` picks to the unique bytes of the snapshot
+        its xor names (its count is one: the xor is its one holder's number)."""
+        if not only.any():
+            return
+        who, at = np.unique(self._refs.xor[slots[only]], return_inverse=True)
+        sums = np.zeros(len(who), np.int64)
+        np.add.at(sums, at.ravel(), lens[only])
+        for sid, n in zip(who.tolist(), sums.tolist(), strict=True):
+            self._by_sid[sid].unique += sign * n
 
     def _drop(self, rel: str) -> None:
         entry = self.entries.pop(rel, None)
@@ -337,18 +455,17 @@ class LiveCatalog:
         del self._by_sid[entry.sid]
         if entry.tokens is not None:
             self._remove_tokens(entry.tokens, rel)
-        refs, by_sid, sid = self._refs, self._by_sid, entry.sid
-        for cid, n in entry.cids():
-            v = refs[cid]
-            count, xor = (v & _MASK) - 1, ((v >> _COUNT_BITS) & _MASK) ^ sid
-            if count == 0:
-                del refs[cid]
-                self.referenced_bytes -= n
-                self._note_dropped(cid)
-                continue
-            if count == 1:
-                by_sid[xor].unique += n
-            refs[cid] = n << 64 | xor << _COUNT_BITS | count
+        refs, slots, lens = self._refs, entry.slots, entry.lens
+        count = refs.count[slots]
+        count -= 1
+        refs.count[slots] = count
+        np.bitwise_xor.at(refs.xor, slots, np.uint32(entry.sid))
+        gone = count == 0
+        self.referenced_bytes -= _total(lens, gone)
+        self._note_dropped(refs.keys[slots[gone]])
+        self._move_unique(slots, lens, count == 1, 1)
+        del count, gone
+        refs.tidy()
         self.logical_bytes -= entry.info.size
         self._broken -= entry.info.error is not None
         self._count_dirs(rel, -1)
@@ -375,10 +492,11 @@ class LiveCatalog:
         order = self._by_tokens
         return prefixtree.common_prefix_len(order[i][0], order[j][0]) if i >= 0 else 0
 
-    def _note_dropped(self, cid: bytes) -> None:
-        if self._dropped is not None:
-            self._dropped.add(cid)
-            if len(self._dropped) > DROPPED_MAX:
+    def _note_dropped(self, keys: np.ndarray) -> None:
+        if self._dropped is not None and len(keys):
+            self._dropped.append(keys)
+            self._dropped_n += len(keys)
+            if self._dropped_n > DROPPED_MAX:
                 self._dropped = None
 
     # -- queries (each takes the catalog lock and applies pending changes first) ------------------
@@ -388,11 +506,27 @@ class LiveCatalog:
         last snapshot went since the previous call no snapshot names. None if that cannot be told:
         a row's chunks are unknown, or more ids went than were kept (GC then walks every stub)."""
         with self._reading():
-            dropped, self._dropped = self._dropped, set()
-            if dropped is None or self._broken:
+            dropped, self._dropped, self._dropped_n = self._dropped, [], 0
+            if dropped is None or self._broken or (dropped and self.ids_with_keys is None):
                 return None
-            refs = self._refs
-            return {cid for cid in itertools.chain(ids, dropped) if cid not in refs}
+            asked = list(dict.fromkeys([*ids, *self._ids_of(dropped)]))
+            if not asked:
+                return set()
+            slots = self._refs.find(idarrays.from_list(asked))
+            named = slots != idarrays.NONE
+            named[named] = self._refs.count[slots[named]] > 0
+            return {cid for cid, is_named in zip(asked, named.tolist(), strict=True) if not is_named}
+
+    def _ids_of(self, dropped: list[np.ndarray]) -> list[bytes]:
+        """The store's ids under the dropped keys that are still not named."""
+        if not dropped:
+            return []
+        keys = np.concatenate(dropped)
+        slots = self._refs.find_keys(keys)
+        named = slots != idarrays.NONE
+        named[named] = self._refs.count[slots[named]] > 0
+        assert self.ids_with_keys is not None
+        return self.ids_with_keys(idarrays.key_bytes(np.unique(keys[~named], axis=0)))
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -563,28 +697,23 @@ class LiveCatalog:
         with self._reading():
             chosen = [self.entries[p] for p in dict.fromkeys(paths) if p in self.entries]
             missing = [p for p in dict.fromkeys(paths) if p not in self.entries]
-            seen: dict[bytes, int] = {}
-            for entry in chosen:
-                for cid, _ in entry.cids():
-                    seen[cid] = seen.get(cid, 0) + 1
-            freed = chunks = 0
-            for cid, times in seen.items():
-                v = self._refs[cid]
-                if v & _MASK == times:
-                    freed += v >> 64
-                    chunks += 1
-            return freed, chunks, missing
+            if not chosen:
+                return 0, 0, missing
+            slots = np.concatenate([e.slots for e in chosen])
+            lens = np.concatenate([e.lens.astype(np.int64) for e in chosen])
+            seen, first, times = np.unique(slots, return_index=True, return_counts=True)
+            freed = self._refs.count[seen] == times
+            return int(lens[first][freed].sum()), int(np.count_nonzero(freed)), missing
 
     def recount(self) -> dict[str, tuple[int, int]]:
         """path -> (unique, shared) recounted from scratch, for checks (``verify``)."""
         with self._reading():
-            counts: dict[bytes, int] = {}
+            counts = np.zeros(self._refs.n, np.int64)
             for entry in self.entries.values():
-                for cid, _ in entry.cids():
-                    counts[cid] = counts.get(cid, 0) + 1
+                np.add.at(counts, entry.slots, 1)
             out = {}
             for path, entry in self.entries.items():
-                unique = sum(n for cid, n in entry.cids() if counts[cid] == 1)
+                unique = int(entry.lens.astype(np.int64)[counts[entry.slots] == 1].sum())
                 out[path] = (unique, entry.distinct_bytes - unique)
             return out
 
@@ -610,6 +739,30 @@ def cyclic_gc_paused() -> Iterator[None]:
             _gc_pauses -= 1
             if _gc_pauses == 0:
                 gc.enable()
+
+
+def _total(lens: np.ndarray, where: np.ndarray | None = None) -> int:
+    """The sum of ``lens`` (where ``where`` is set), as a Python int (no widened copy)."""
+    if where is None:
+        return int(lens.sum(dtype=np.int64))
+    return int(np.sum(lens, where=where, dtype=np.int64))
+
+
+def _entries_in(path: Path) -> int:
+    """How many entries the index at ``path`` has, going by its size (0 if it cannot be told)."""
+    try:
+        return max(0, os.lstat(path).st_size - idx.FIXED_BYTES) // idx.ITEM_BYTES
+    except OSError:
+        return 0
+
+
+def _last_of_each(slots: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct slots as uint32, the length of each one's last entry): uint32 lengths unless one
+    needs more."""
+    distinct, last = np.unique(slots[::-1], return_index=True)
+    lengths = lens[::-1][last]
+    narrow = len(lengths) and int(lengths.max()) < 1 << 32
+    return distinct.astype(np.uint32), lengths.astype(np.uint32) if narrow or not len(lengths) else lengths
 
 
 def _subset_lcp(lcp: list[int], kept: list[int]) -> list[int]:

@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvchunkfs.format import idarrays
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.layout import Layout
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 _SQL_BATCH = 500
+PAGE_ROWS = 1 << 14  # ``mapped_pages``: rows per page (~2.5 MiB as Python rows, 0.6 MiB as arrays)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
     id BLOB PRIMARY KEY, pack INTEGER NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
@@ -181,6 +185,38 @@ class ChunkMap:
         """Every mapped chunk id with its length."""
         with self._db_lock:
             return dict(self.db.execute("SELECT id, length FROM chunks"))
+
+    def ids_with_keys(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Mapped ids that begin with one of ``keys`` (each shorter than an id), a batch of keys
+        per hold of the map's lock."""
+        keys = list(keys)
+        out: list[bytes] = []
+        for i in range(0, len(keys), _SQL_BATCH):
+            with self._db_lock:
+                for key in keys[i : i + _SQL_BATCH]:
+                    pad = idarrays.ID_LEN - len(key)
+                    rows = self.db.execute(
+                        "SELECT id FROM chunks WHERE id >= ? AND id <= ?", (key + b"\0" * pad, key + b"\xff" * pad)
+                    )
+                    out += [cid for (cid,) in rows]
+        return out
+
+    def mapped_pages(self, rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every mapped chunk as (ids as ``idarrays.ID`` rows, lengths) pages of up to ``rows``, in
+        id order, the map's lock held per page (a save waits for one page at most). A row added or
+        dropped meanwhile may or may not be in a page; every row present throughout is, once."""
+        rows = rows or PAGE_ROWS
+        after = b""
+        while True:
+            with self._db_lock:
+                page = self.db.execute(
+                    "SELECT id, length FROM chunks WHERE id > ? ORDER BY id LIMIT ?", (after, rows)
+                ).fetchall()
+            if not page:
+                return
+            after = page[-1][0]
+            page = [row for row in page if len(row[0]) == idarrays.ID_LEN]  # a map row is never anything else
+            yield idarrays.from_list([cid for cid, _ in page]), np.array([n for _, n in page], np.int64)
 
     def pack_usage(self, packs: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
         """pack -> (mapped chunks, mapped bytes, end of its last mapped chunk), for every mapped

@@ -92,6 +92,12 @@ def read_stub(path: Path | str | int) -> tuple[bytes, int | None]:
             os.close(fd)
 
 
+def read_table(fd: int) -> Iterator[tuple[Any, Any]]:
+    """The open stub's index entries a piece at a time (``index.read_table``): (end offsets, ids)
+    arrays, never the whole index in memory."""
+    return idx.read_table(lambda offset, size: os.pread(fd, size, offset), os.fstat(fd).st_size)
+
+
 def hash_stub(fd: int) -> Any:
     """A SHA-256 of the content of the open stub ``fd``, read a piece at a time (none of it kept)."""
     h = hashlib.sha256()

@@ -59,7 +59,7 @@ class Service:
     def __post_init__(self) -> None:
         self.formula = compile_formula(self.config.score)  # already validated by config.load
         repo = self.files.repo
-        self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many))
+        self.live = LiveCatalog(repo.snapshots, direct_reader(repo.store.get_many), repo.store.ids_with_keys)
         repo.watchers.append(self.live.changed)
         self._tree_lock = threading.Lock()
         self._tree_cache: dict[tuple[str, str, bool], tuple[int, bytes]] = {}

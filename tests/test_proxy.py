@@ -23,7 +23,8 @@ from conftest import Mount
 from fake_llama import FakeLlama, ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchunkfs.proxy.server import LABEL_XATTR, Proxy, check_mount
+from kvchunkfs.proxy.mountcheck import check_mount
+from kvchunkfs.proxy.server import LABEL_XATTR, Proxy
 
 SYSTEM = "you are a careful agent " * 30  # shared by every conversation: ~150 tokens
 

@@ -408,7 +408,8 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
-    from kvchunkfs.proxy.server import Proxy, check_mount, serve
+    from kvchunkfs.proxy.mountcheck import check_mount
+    from kvchunkfs.proxy.server import Proxy, serve
 
     if cfg.proxy_mount is None:
         print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",

@@ -44,19 +44,18 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from kvchunkfs.proxy.inputs import (
     RequestError,
@@ -65,6 +64,10 @@ from kvchunkfs.proxy.inputs import (
     read_body,
     too_many_tokens,
 )
+from kvchunkfs.proxy.metrics import ProxyMetrics
+from kvchunkfs.proxy.mountcheck import NotMounted, mount_problem
+from kvchunkfs.proxy.relay import Relay, TimingsScanner, prompt_ms, prompt_n, request_headers, response_headers
+from kvchunkfs.proxy.slots import Slot, SlotPool
 from kvchunkfs.service.apiclient import socket_path
 from kvchunkfs.service.prefixtree import common_prefix_len
 
@@ -85,9 +88,6 @@ DEFAULT_PROMPT_LIMIT = 1 << 20  # prompt tokens, when neither proxy_max_prompt_t
 TOKEN_JSON_BYTES = 12  # an upper bound of one token in /tokenize's answer ("151935, " is 8)
 KEY_TTL = 60.0  # seconds an API key the upstream accepted is not asked about again
 KEYS_KEPT = 4096
-# Not forwarded: per-connection headers, and the ones the HTTP layer recomputes.
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length"})  # fmt: skip
 _METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 # The client's Authorization header, for the proxy's own upstream calls on behalf of its request (a
 # llama-server with --api-key wants it on /tokenize, /slots, ...). Tasks started by the request
@@ -95,87 +95,9 @@ _METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 _AUTH: contextvars.ContextVar[str] = contextvars.ContextVar("kvcfs_proxy_auth", default="")
 
 
-def _request_headers(request: Request, identity: bool = False) -> dict[str, str]:
-    out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-    if identity:  # the proxy reads this body (timings): ask for it unencoded
-        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
-        out["accept-encoding"] = "identity"
-    return out
-
-
-def _response_headers(resp: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
-
-
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
     """An error in llama-server's shape, so OpenAI clients show the message."""
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status)
-
-
-# -- slots ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Slot:
-    """What the proxy knows of one llama-server slot."""
-
-    id: int
-    tokens: list[int] = field(default_factory=list)  # leading tokens it holds, as far as the proxy knows
-    n_tokens: int = 0  # its token count as llama-server reported it (a change behind our back shows here)
-    snapshot: str | None = None  # the stored file equal to its content
-    prompt_len: int = 0  # the prompt part of ``snapshot``
-    busy: bool = False
-    saving: bool = False  # its request is answered; the save is running
-    tenant: str | None = None  # with tenant isolation: whose content it holds (None: not known)
-    last_used: float = 0.0
-
-    def forget(self) -> None:
-        self.tokens, self.n_tokens, self.snapshot, self.prompt_len = [], 0, None, 0
-
-
-class SlotPool:
-    """Free slots handed to requests: the one holding the longest prefix of the prompt, else the least
-    recently used. Waits when every slot is busy, and when a slot still saving holds ``min_gain`` more
-    of the prompt than any free one: an agent sends its next turn as soon as it has the answer, and
-    that turn belongs on the slot that just produced the answer (the save takes milliseconds)."""
-
-    def __init__(self, n: int, min_gain: int = 1) -> None:
-        self.slots = [Slot(i) for i in range(n)]
-        self.min_gain = min_gain
-        self._changed = asyncio.Condition()
-
-    async def acquire(self, tokens: list[int], tenant: str | None = None) -> Slot:
-        """``tenant`` (with isolation): only slots holding that tenant's content count what they hold."""
-        async with self._changed:
-            while True:
-                slot = self._pick(tokens, tenant)
-                if slot is not None:
-                    slot.busy = True
-                    return slot
-                await self._changed.wait()
-
-    def _pick(self, tokens: list[int], tenant: str | None = None) -> Slot | None:
-        held = {s.id: common_prefix_len(tokens, s.tokens) if tenant is None or s.tenant == tenant else 0
-                for s in self.slots}  # fmt: skip
-        free = [s for s in self.slots if not s.busy]
-        best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
-        saving = [held[s.id] for s in self.slots if s.busy and s.saving]
-        if saving and max(saving) >= (held[best.id] if best else 0) + self.min_gain:
-            return None
-        return best
-
-    @contextlib.asynccontextmanager
-    async def changed(self) -> AsyncIterator[None]:
-        """Change slots under the pool's lock; waiting requests look again afterwards."""
-        async with self._changed:
-            yield
-            self._changed.notify_all()
-
-    async def release(self, slot: Slot) -> None:
-        async with self._changed:
-            slot.busy = slot.saving = False
-            slot.last_used = time.monotonic()
-            self._changed.notify_all()
 
 
 @dataclass
@@ -202,47 +124,6 @@ class Plan:
     restored_from: str | None = None  # the snapshot restored into the slot
     uncached: str = ""  # why the request runs without the cache (its prompt not known)
     request: str = ""  # "POST /v1/chat/completions", for its log line
-
-
-# -- metrics -----------------------------------------------------------------------------------
-
-
-class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvcfs_proxy_requests", "Generation requests by what served their prompt "
-                                "(restore: from the store; slot: already in the slot; miss; uncached: not "
-                                "tokenizable)", ["outcome"], registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("kvcfs_proxy_prompt_tokens", "Prompt tokens by source (store: restored, "
-                                     "slot: already held, evaluated: prefill)", ["source"], registry=r)  # fmt: skip
-        self.ttft = Histogram("kvcfs_proxy_time_to_first_token_seconds", "Request arrival to the first streamed "
-                              "chunk (non-streaming: preparation + llama-server's prompt_ms)", ["restore"],
-                              registry=r)  # fmt: skip
-        self.restore_s = Histogram("kvcfs_proxy_restore_seconds", "Slot restores from the store", registry=r)
-        self.save_s = Histogram("kvcfs_proxy_save_seconds", "Slot saves into the store (save + rename)", registry=r)
-        self.refused = Counter("kvcfs_proxy_refused_requests", "Requests the proxy refused itself (413: body over "
-                               "proxy_max_body; 400: not a JSON object, nested too deep, prompt over the token "
-                               "limit)", ["status"], registry=r)  # fmt: skip
-        self.errors = Counter("kvcfs_proxy_errors", "Failed steps (the request itself went on)", ["step"], registry=r)
-        self.skipped = Counter("kvcfs_proxy_skipped_saves", "Saves not made (not_mounted: the directory is not on a "
-                               "live kv-chunk-fs mount, so llama-server would write full files to the disk "
-                               "under it)", ["reason"], registry=r)  # fmt: skip
-        self.evicted = Counter("kvcfs_proxy_evicted_snapshots", "Snapshots deleted for cache_max_bytes", registry=r)
-        hit = Gauge("kvcfs_proxy_prompt_hit_ratio", "Share of prompt tokens not evaluated (store + slot)", registry=r)
-        hit.set_function(self.hit_ratio)
-        self._tokens = dict.fromkeys(("store", "slot", "evaluated"), 0)  # for the ratio, read without the registry
-
-    def count_tokens(self, source: str, n: int) -> None:
-        self._tokens[source] += n
-        self.prompt_tokens.labels(source).inc(n)
-
-    def hit_ratio(self) -> float:
-        total = sum(self._tokens.values())
-        return (self._tokens["store"] + self._tokens["slot"]) / total if total else 0.0
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 # -- the proxy ---------------------------------------------------------------------------------
@@ -367,16 +248,16 @@ class Proxy:
 
     async def forward(self, request: Request, body: bytes) -> Response:
         req = self.http.build_request(request.method, request.url.path, params=request.query_params,
-                                      headers=_request_headers(request), content=body)  # fmt: skip
+                                      headers=request_headers(request), content=body)  # fmt: skip
         resp = await self.http.send(req, stream=True)
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return Relay(resp.aiter_raw(), lambda: self.spawn(resp.aclose()), status_code=resp.status_code,
-                         headers=_response_headers(resp))  # fmt: skip
+                         headers=response_headers(resp))  # fmt: skip
         try:
             data = b"".join([chunk async for chunk in resp.aiter_raw()])
         finally:
             await resp.aclose()
-        return Response(data, resp.status_code, headers=_response_headers(resp))
+        return Response(data, resp.status_code, headers=response_headers(resp))
 
     async def upstream_refusal(self, request: Request) -> Response | None:
         """The upstream's 401/403 for this request's API key (asked with ``GET /props``, before the proxy
@@ -390,7 +271,7 @@ class Proxy:
             return None
         r = await self.http.get("/props", headers={"authorization": auth} if auth else {})
         if r.status_code in (401, 403):
-            return Response(r.content, r.status_code, headers=_response_headers(r))
+            return Response(r.content, r.status_code, headers=response_headers(r))
         if len(self._keys_ok) >= KEYS_KEPT:
             self._keys_ok.clear()
         self._keys_ok[key] = now + KEY_TTL
@@ -464,19 +345,19 @@ class Proxy:
             if plan.no_reuse:
                 payload["cache_prompt"] = False
             req = self.http.build_request("POST", request.url.path, params=request.query_params,
-                                          headers=_request_headers(request, identity=True),
+                                          headers=request_headers(request, identity=True),
                                           content=json.dumps(payload).encode())  # fmt: skip
             resp = await self.http.send(req, stream=True)
-            headers = _response_headers(resp)
+            headers = response_headers(resp)
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
                 relay = Relay(self._relay(resp, plan, start), self._finisher(slot, plan, tokens, resp),
                               status_code=resp.status_code, headers=headers)  # fmt: skip
                 handed_off = True
                 return relay
             data = await resp.aread()
-            plan.prompt_n = _prompt_n(data)
+            plan.prompt_n = prompt_n(data)
             if plan.prompt_n is not None and resp.status_code < 400:
-                self._observe_ttft(plan, plan.prepare_s + _prompt_ms(data) / 1000)
+                self._observe_ttft(plan, plan.prepare_s + prompt_ms(data) / 1000)
             handed_off = True
             self.spawn(self.finish(slot, plan, tokens, resp, ok=resp.status_code < 400))
             return Response(data, resp.status_code, headers=headers)
@@ -869,122 +750,6 @@ def _prompt_report(plan: Plan, tokens: list[int] | None) -> str:
         f"{evaluated} evaluated"
     )
 
-
-@dataclass
-class MountCheck:
-    """What the proxy found at its ``--mount`` when it started."""
-
-    mounted: bool  # a live kv-chunk-fs mount
-    level: int  # logging level of ``line``
-    line: str
-
-
-def check_mount(mount: Path, store: Path | None, timeout: float = 10.0) -> MountCheck:
-    """The working case is a kv-chunk-fs mount whose daemon answers on ``store``'s socket. A
-    directory that is not such a mount yet is a warning, not an error: the proxy serves anyway,
-    its saves skipped until the daemon mounts it (a directory that does not exist is the command's
-    error)."""
-    from kvchunkfs.service.apiclient import DaemonClient
-
-    problem = mount_problem(mount)
-    if problem is not None:
-        return MountCheck(False, logging.WARNING, f"saves are skipped until {mount} is a kv-chunk-fs mount: {problem}")
-    if store is None:
-        return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount")
-    try:
-        n = int(DaemonClient(store, timeout).json("GET", "/stats")["snapshots"])
-    except TimeoutError:
-        return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount (its daemon is still reading its "
-                          f"catalog: the snapshot count is not known yet)")  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return MountCheck(
-            True,
-            logging.WARNING,
-            f"{mount} is a kv-chunk-fs mount, but no daemon answers on "
-            f"{socket_path(store)} ({e}): no restores from the store (is --store the mount's store?)",
-        )
-    return MountCheck(True, logging.INFO, f"{mount} is a kv-chunk-fs mount with {n} snapshot{'' if n == 1 else 's'}")
-
-
-class NotMounted(Exception):
-    """The save directory is not on a live kv-chunk-fs mount."""
-
-
-FSTYPE = "fuse.kv-chunk-fs"  # what /proc/self/mountinfo calls the daemon's mounts (fsname and subtype)
-
-
-def mount_problem(directory: Path) -> str | None:
-    """None if ``directory`` is on a live kv-chunk-fs mount, else why not. Existing is not enough: with
-    the daemon stopped, the bare mountpoint is a directory on the root disk. The directory's device
-    must be a kv-chunk-fs mount in ``/proc/self/mountinfo`` (the mountpoint itself or a directory in
-    it), and it must answer (a killed daemon's mount fails with ENOTCONN)."""
-    try:
-        dev = os.stat(directory).st_dev
-        os.statvfs(directory)
-        with open("/proc/self/mountinfo") as f:
-            table = f.read()
-    except OSError as e:
-        return f"{directory}: {e.strerror or e}"
-    wanted = f"{os.major(dev)}:{os.minor(dev)}"
-    for line in table.splitlines():
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
-            fstype = fields[fields.index("-") + 1 :][:1]
-            if fstype == [FSTYPE]:
-                return None
-            return f"{directory} is on a {fstype[0] if fstype else 'unknown'} filesystem, not a kv-chunk-fs mount"
-    return f"{directory}: its device {wanted} is not in /proc/self/mountinfo"
-
-
-class Relay(StreamingResponse):
-    """A streamed response that calls ``on_close`` however it ends: finished, failed, or never started
-    because the client left (an async generator that never ran has no ``finally`` to run)."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-class TimingsScanner:
-    """Finds llama-server's ``timings`` in an SSE stream (its last event carries them)."""
-
-    def __init__(self) -> None:
-        self._partial = b""
-        self.prompt_n: int | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            if b'"timings"' in line and line.startswith(b"data:"):
-                n = _prompt_n(line[5:])
-                if n is not None:
-                    self.prompt_n = n
-
-
-def _prompt_n(data: bytes) -> int | None:
-    n = _timings(data).get("prompt_n")
-    return n if type(n) is int else None
-
-
-def _prompt_ms(data: bytes) -> float:
-    ms = _timings(data).get("prompt_ms")
-    return float(ms) if isinstance(ms, (int, float)) else 0.0
-
-
-def _timings(data: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return {}
-    timings = doc.get("timings") if isinstance(doc, dict) else None
-    return timings if isinstance(timings, dict) else {}
 
 
 def _text_only(messages: Any) -> bool:

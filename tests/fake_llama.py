@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 MAGIC = 0x67677371
 ROW = 64  # fake KV bytes per token
+F16, Q4_0 = 1, 2  # ggml type ids, as llama.cpp's state files record -ctk/-ctv
 BOS = 1
 
 
@@ -50,6 +51,33 @@ def rows(tokens: list[int]) -> bytes:
         h = hashlib.sha256(h + struct.pack("<i", t)).digest()
         out.append(h * (ROW // 32))
     return b"".join(out)
+
+
+def state_file(tokens: list[int], kv_type: int = F16) -> bytes:
+    """A slot file as llama.cpp writes one (version 4, one stream, one layer): the token header, the
+    cell records, then K and V of the layer (the type, with its rotation when quantized, as llama.cpp
+    records them) whose rows are ``rows(tokens)``."""
+    n, rot = len(tokens), 64 if kv_type != F16 else 0
+    out = [struct.pack("<3I", MAGIC, 4, n), struct.pack(f"<{n}i", *tokens), struct.pack("<2I", 1, n)]
+    if n:
+        out += [struct.pack("<iIi", i, 1, 0) for i in range(n)]
+        out += [struct.pack("<4I", 0, 1, rot, rot)]
+        out += [struct.pack("<iQ", kv_type, ROW), rows(tokens)] * 2
+    return b"".join(out)
+
+
+def read_state(data: bytes, kv_type: int) -> list[int] | None:
+    """The tokens of a slot file this server can load (its layout, rows matching tokens), else None."""
+    try:
+        magic, version, n = struct.unpack_from("<3I", data)
+        tokens = list(struct.unpack_from(f"<{n}i", data, 12))
+    except struct.error:
+        return None
+    if (magic, version) != (MAGIC, 4):
+        return None
+    if data[12 + 4 * n :] != state_file(tokens, kv_type)[12 + 4 * n :]:
+        return None  # another KV type or rotation ("incompatible key rotation"), or damaged rows
+    return tokens
 
 
 def next_token(tokens: list[int]) -> int:
@@ -84,10 +112,13 @@ class FakeLlama:
         self.save_delay = save_delay
         self.fail_restores = False
         self.save_fails = False
+        self.kv_type = F16  # -ctk/-ctv
         self.fail_erases = False
         self.slots = [FakeSlot(i) for i in range(n_slots)]
         self.records: list[Record] = []
         self.actions: list[tuple[str, int, str]] = []  # (save|restore, slot, filename)
+        self.probes: list[tuple[str, int, str]] = []  # the proxy's probe saves
+        self.probe_records: list[Record] = []  # one-token prompts: the proxy's probes
         self.app = Starlette(routes=[
             Route("/health", lambda r: JSONResponse({"status": "ok"})),
             Route("/props", self.props),
@@ -154,12 +185,12 @@ class FakeLlama:
         if "/" in filename:
             return _err(400, "Invalid filename")
         async with slot.lock:
-            self.actions.append((action or "", slot.id, filename))
+            probe = filename.startswith("kvp-probe-")  # the proxy learning the KV layout: kept apart
+            (self.probes if probe else self.actions).append((action or "", slot.id, filename))
             path = self.slot_dir / filename
             if action == "save":
                 await asyncio.sleep(self.save_delay)
-                n = len(slot.tokens)
-                data = struct.pack("<3I", MAGIC, 1, n) + struct.pack(f"<{n}i", *slot.tokens) + rows(slot.tokens)
+                data = state_file(slot.tokens, self.kv_type)
                 await run_in_threadpool(path.write_bytes, data[: len(data) // 2] if self.save_fails else data)
                 if self.save_fails:
                     return _err(500, "Unable to save slot")
@@ -167,18 +198,19 @@ class FakeLlama:
                                      "n_written": len(data), "timings": {"save_ms": 1.0}})  # fmt: skip
             if action == "restore":
                 if self.fail_restores:
-                    slot.tokens = []
+                    slot.tokens, slot.used = [], False
                     return _err(400, "Unable to restore slot: failing on purpose")
                 try:
                     data = await run_in_threadpool(path.read_bytes)
                 except FileNotFoundError:
-                    slot.tokens = []
+                    slot.tokens, slot.used = [], False
                     return _err(400, "Unable to restore slot: no such file")
-                magic, _, n = struct.unpack_from("<3I", data)
-                tokens = list(struct.unpack_from(f"<{n}i", data, 12))
-                if magic != MAGIC or data[12 + 4 * n :] != rows(tokens):
-                    slot.tokens = []
-                    return _err(500, "restored KV rows do not match their tokens")
+                tokens = read_state(data, self.kv_type)
+                if tokens is None:  # llama-server empties the slot when a restore fails
+                    slot.tokens, slot.used = [], False
+                    return _err(400, "Unable to restore slot: No available space in KV cache or invalid slot "
+                                "save file")  # fmt: skip
+                n = len(tokens)
                 slot.tokens, slot.used = tokens, True
                 return JSONResponse({"id_slot": slot.id, "filename": filename, "n_restored": n, "n_read": len(data),
                                      "timings": {"restore_ms": 1.0}})  # fmt: skip
@@ -205,7 +237,8 @@ class FakeLlama:
             if body.get("cache_prompt") is False:  # llama-server then reuses nothing the slot holds
                 common = 0
             timings = {"prompt_n": len(prompt) - common, "cache_n": common, "prompt_ms": 1.0 * (len(prompt) - common)}
-            self.records.append(Record(path, body.get("id_slot"), len(prompt) - common, common))
+            record = Record(path, body.get("id_slot"), len(prompt) - common, common)
+            (self.probe_records if len(prompt) == 1 else self.records).append(record)
             slot.tokens, slot.used = list(prompt), True
             n = int(body.get("n_predict", body.get("max_tokens", 8)) or 8)
             for _ in range(n):

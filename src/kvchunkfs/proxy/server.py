@@ -39,15 +39,12 @@ import contextvars
 import hashlib
 import json
 import logging
-import os
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -57,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvchunkfs.proxy.cache import NAME_PREFIX, SnapshotCache, _digest, _why
 from kvchunkfs.proxy.inputs import (
     RequestError,
     declared_too_large,
@@ -65,7 +63,6 @@ from kvchunkfs.proxy.inputs import (
     too_many_tokens,
 )
 from kvchunkfs.proxy.metrics import ProxyMetrics
-from kvchunkfs.proxy.mountcheck import NotMounted, mount_problem
 from kvchunkfs.proxy.relay import Relay, TimingsScanner, prompt_ms, prompt_n, request_headers, response_headers
 from kvchunkfs.proxy.slots import Slot, SlotPool
 from kvchunkfs.service.apiclient import socket_path
@@ -80,10 +77,6 @@ GENERATION = {
     "/chat/completions": "chat",
     "/v1/chat/completions": "chat",
 }
-NAME_PREFIX = "kvp-"
-TMP_SUFFIX = ".tmp"
-PROMPT_LABEL = "prompt_tokens"  # user.kvcfs.label.prompt_tokens: the prompt part of a snapshot's tokens
-LABEL_XATTR = "user.kvcfs.label." + PROMPT_LABEL
 DEFAULT_PROMPT_LIMIT = 1 << 20  # prompt tokens, when neither proxy_max_prompt_tokens nor the upstream says
 TOKEN_JSON_BYTES = 12  # an upper bound of one token in /tokenize's answer ("151935, " is 8)
 KEY_TTL = 60.0  # seconds an API key the upstream accepted is not asked about again
@@ -101,22 +94,15 @@ def _error(status: int, message: str, kind: str = "server_error") -> JSONRespons
 
 
 @dataclass
-class Match:
-    """A stored snapshot sharing ``match`` leading tokens with a prompt."""
-
-    path: str
-    match: int
-    tokens: int
-    prompt_len: int
-
-
-@dataclass
 class Plan:
     """What one generation request does with its slot."""
 
     name: str | None  # where the slot is saved afterwards (None: not saved)
-    held: int = 0  # prompt tokens the slot holds before the request (after a restore)
-    restored: int = 0  # of those, the ones a restore brought
+    held: int = 0  # prompt tokens the slot holds before llama-server evaluates (after a restore)
+    restored: int = 0  # of those, the ones a restore brought (the others were already in the slot)
+    loaded: int = 0  # tokens the restore loaded (the snapshot's, past the prompt's too)
+    refused: int = 0  # restores llama-server refused for this request
+    space: str = ""  # the namespace of its names
     prepare_s: float = 0.0
     first_token_s: float | None = None
     prompt_n: int | None = None  # tokens llama-server evaluated (its timings), when it said
@@ -129,7 +115,7 @@ class Plan:
 # -- the proxy ---------------------------------------------------------------------------------
 
 
-class Proxy:
+class Proxy(SnapshotCache):
     """The proxy's state and its ASGI app (``app``)."""
 
     def __init__(
@@ -168,7 +154,12 @@ class Proxy:
             transport = httpx.AsyncHTTPTransport(uds=str(socket_path(store)))
             self.daemon = httpx.AsyncClient(transport=transport, base_url="http://kvcfs", timeout=120.0)
         self.pool: SlotPool | None = None
-        self.tag = ""  # the model's part of every snapshot name
+        self.model_tag = ""  # the model's part of every snapshot name
+        self.layout: str | None = None
+        self.layout_stale = False
+        self.n_ctx = 0
+        self.refused: dict[str, tuple[int, int]] = {}
+        self.save_problem: str | None = None
         self._ready_lock = asyncio.Lock()
         self._budget_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -240,6 +231,7 @@ class Proxy:
             self.metrics.refused.labels(str(e.status)).inc()
             return _error(e.status, str(e), e.kind)
         except httpx.TransportError as e:
+            self.layout_stale = True  # it may come back configured otherwise
             log.warning("upstream %s unreachable for %s %s: %s", self.upstream_url, request.method,
                         request.url.path, e)  # fmt: skip
             return _error(502, f"upstream {self.upstream_url} unreachable: {e}", "unavailable_error")
@@ -290,7 +282,7 @@ class Proxy:
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     log.warning("cannot learn the upstream's slots and model (requests pass through): %s", e)
                     return False
-                self.pool, self.tag = SlotPool(n, self.min_restore), tag
+                self.pool, self.model_tag = SlotPool(n, self.min_restore, self.daemon is not None), tag
                 log.info("proxy: %d slot(s) upstream, snapshots named %s%s-*, prompts up to %d tokens", n,
                          NAME_PREFIX, tag, self.prompt_limit)  # fmt: skip
         return True
@@ -301,10 +293,11 @@ class Proxy:
         n = len(slots) if isinstance(slots, list) and slots else int(props["total_slots"])
         model = str(props.get("model_path") or props.get("model_alias") or "")
         self.open_upstream = (await self.http.get("/props")).status_code == 200  # no --api-key
+        settings = props.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        self.n_ctx = n_ctx if type(n_ctx) is int and n_ctx > 0 else 0
         if not self.max_prompt_tokens:  # llama-server refuses a prompt longer than a slot's context anyway
-            settings = props.get("default_generation_settings")
-            n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-            self.prompt_limit = n_ctx if type(n_ctx) is int and n_ctx > 0 else DEFAULT_PROMPT_LIMIT
+            self.prompt_limit = self.n_ctx or DEFAULT_PROMPT_LIMIT
         return n, hashlib.sha256(model.encode()).hexdigest()[:8]
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -461,35 +454,41 @@ class Proxy:
             self.metrics.requests.labels("uncached").inc()
             return Plan(None, no_reuse=no_reuse)
         await self._check_slot(slot)
+        if self.layout is None or self.layout_stale:  # what the upstream can load, before any restore
+            await self.probe(slot, tokens[:1])
         held = common_prefix_len(tokens, slot.tokens)
         # The next turn of the conversation the slot holds: its latest save is the slot's content, so the
         # store has no more of this prompt (steady state costs no round trip to the daemon).
         continues = slot.snapshot is not None and held >= slot.prompt_len > 0
         best = None if continues else await self.lookup(tokens, space)
-        restored, restored_from = 0, None
-        if best is not None and best.path == slot.snapshot:
-            held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
-        elif best is not None and min(best.match, len(tokens)) >= held + self.min_restore:
-            if await self.restore(slot, best, tokens):
-                restored = min(best.match, len(tokens)) - held
-                held += restored
-                restored_from = best.path
+        plan = Plan(None, space=space)
+        for _ in range(2):  # a refused restore emptied the slot: the next best candidate, once
+            if best is None:
+                break
+            if best.path == slot.snapshot:
+                held = max(held, min(best.match, len(tokens)))  # the slot holds that very file
+                break
+            if min(best.match, len(tokens)) < held + self.min_restore:
+                break  # not worth more than what the slot holds
+            loaded = await self.restore(slot, best, tokens)
+            if loaded is not None:
+                held = plan.restored = min(best.match, len(tokens))
+                plan.loaded, plan.restored_from = loaded, best.path
+                break
+            plan.refused, held = plan.refused + 1, 0
+            best = await self.lookup(tokens, space)
         parent = None
         if continues:
             parent = slot.snapshot  # the next turn of the slot's conversation: replace it
-        elif best is not None and best.match >= best.prompt_len > 0:
+        elif best is not None and best.match >= best.prompt_len > 0 and not plan.refused:
             parent = best.path
         name = parent or f"{self.name_prefix(space)}{_digest(tokens)}"
         if name in self._claimed:  # another continuation of the same turn replaces it: this one branches off
             name = f"{self.name_prefix(space)}{secrets.token_hex(8)}"
         self._claimed.add(name)  # released in finish(); nothing awaits in between, so no other request sees it free
-        self.metrics.requests.labels("restore" if restored else "slot" if held else "miss").inc()
-        return Plan(name, held=held, restored=restored, no_reuse=no_reuse and not restored, restored_from=restored_from)
-
-    def name_prefix(self, space: str) -> str:
-        """``kvp-MODEL-`` without tenant isolation, ``kvp-MODEL.NAMESPACE-`` with it: neither is a prefix
-        of the other, so a lookup in one never sees the other."""
-        return f"{NAME_PREFIX}{self.tag}.{space}-" if space else f"{NAME_PREFIX}{self.tag}-"
+        self.metrics.requests.labels("restored" if plan.restored else "in_slot" if held else "evaluated").inc()
+        plan.name, plan.held, plan.no_reuse = name, held, no_reuse and not plan.restored
+        return plan
 
     def namespace(self, request: Request) -> str | None:
         """The request's namespace: "" without tenant isolation; with it, a hash of the API key or of the
@@ -526,54 +525,10 @@ class Proxy:
         if n != slot.n_tokens:
             if slot.tokens:
                 log.info("slot %d holds %d tokens, not the %d the proxy saw last: forgotten", slot.id, n, slot.n_tokens)
+            if n < slot.n_tokens:  # emptied behind the proxy's back: perhaps a restart, perhaps reconfigured
+                self.layout_stale = True
             slot.forget()
             slot.n_tokens = n
-
-    async def lookup(self, tokens: list[int], space: str = "") -> Match | None:
-        """The stored snapshot of this model and namespace sharing the longest prefix with ``tokens``."""
-        if self.daemon is None:
-            return None
-        body = {"tokens": tokens, "prefix": self.name_prefix(space), "exclude_suffix": TMP_SUFFIX}
-        try:
-            r = await self._ask_daemon("POST", "/prefix-match", json=body)
-            r.raise_for_status()
-            matches = r.json()["matches"]
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            log.warning("prefix lookup in the store failed (no restore): %s", e)
-            self.metrics.errors.labels("lookup").inc()
-            return None
-        if not matches:
-            return None
-        m = matches[0]
-        return Match(m["path"], m["match"], m["tokens"], _int(m["labels"].get(PROMPT_LABEL), m["tokens"]))
-
-    async def _ask_daemon(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """A request to the daemon's API, sent again once if its connection is gone (a remount makes
-        a new socket; the pooled connection still points at the old one)."""
-        assert self.daemon is not None
-        try:
-            return await self.daemon.request(method, path, **kw)
-        except httpx.TransportError as e:
-            log.debug("daemon %s %s: %s; once more", method, path, e)
-            return await self.daemon.request(method, path, **kw)
-
-    async def restore(self, slot: Slot, match: Match, tokens: list[int]) -> bool:
-        start = time.monotonic()
-        try:
-            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "restore"},
-                                 json={"filename": match.path})  # fmt: skip
-            r.raise_for_status()
-            n = int(r.json()["n_restored"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            log.warning("restore of %s into slot %d failed (prefill instead): %s", match.path, slot.id, _why(e))
-            self.metrics.errors.labels("restore").inc()
-            slot.forget()  # llama-server clears a slot whose restore failed
-            return False
-        self.metrics.restore_s.observe(time.monotonic() - start)
-        slot.tokens, slot.n_tokens = tokens[: match.match], n
-        slot.snapshot, slot.prompt_len = match.path, match.prompt_len
-        log.debug("restored %s (%d tokens, %d shared) into slot %d", match.path, n, match.match, slot.id)
-        return True
 
     # -- after: save, budget ------------------------------------------------------------------------
 
@@ -591,7 +546,7 @@ class Proxy:
             if ok and plan.name is not None and tokens is not None:
                 async with self.pool.changed():  # the prompt is in the slot now: its next turn waits for it
                     slot.tokens, slot.saving = list(tokens), True
-                outcome = await self.save(slot, plan.name, tokens)
+                outcome = await self.save(slot, plan.name, plan.space, tokens)
             elif tokens is None:
                 slot.forget()
                 outcome = f"not saved: {plan.uncached or 'uncached'}"
@@ -603,131 +558,11 @@ class Proxy:
         if ok and plan.name is not None and self.cache_max_bytes:
             await self.keep_budget()
 
-    def owns(self, row: dict[str, Any]) -> bool:
-        """A listed snapshot is this proxy's: named as it names them (its model, its namespace: tenant
-        ones with tenant isolation, the others without) and labelled with a prompt length. A file a user
-        called ``kvp-something``, another model's or another namespace's snapshots are not."""
-        labels = row.get("labels")
-        return (isinstance(labels, dict) and PROMPT_LABEL in labels and "path_b64" not in row
-                and self._own_name.fullmatch(str(row.get("path", ""))) is not None)  # fmt: skip
-
-    @property
-    def _own_name(self) -> re.Pattern[str]:
-        space = r"\.[0-9a-f]{12}" if self.tenant != "none" else ""
-        return re.compile(re.escape(f"{NAME_PREFIX}{self.tag}") + space + r"-[0-9a-f]{16}")
-
     def _count_tokens(self, plan: Plan, n: int) -> None:
         evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, n - plan.held)
-        self.metrics.count_tokens("store", plan.restored)
-        self.metrics.count_tokens("slot", max(0, plan.held - plan.restored))
+        self.metrics.count_tokens("restored", plan.restored)
+        self.metrics.count_tokens("in_slot", max(0, plan.held - plan.restored))
         self.metrics.count_tokens("evaluated", evaluated)
-
-    async def save(self, slot: Slot, name: str, tokens: list[int]) -> str:
-        """Save the slot as ``name``; what happened, for the request's log line."""
-        if self.mount is None:
-            return "not saved: no mount to save into"
-        start = time.monotonic()
-        tmp = f"{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"  # its own: a concurrent save never renames it
-        try:
-            await asyncio.to_thread(self._check_mount)
-            r = await self._call("POST", f"/slots/{slot.id}", params={"action": "save"}, json={"filename": tmp})
-            r.raise_for_status()
-            n = int(r.json()["n_saved"])
-            prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
-            await asyncio.to_thread(self._install, tmp, name, prompt_len)
-        except NotMounted as e:
-            self._mount_state(str(e))
-            self.metrics.skipped.labels("not_mounted").inc()
-            slot.forget()
-            await asyncio.to_thread(self._discard, tmp)  # written while the mount went away: off the bare disk
-            return f"not saved: {e}"
-        except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("save of slot %d as %s failed: %s", slot.id, name, _why(e))
-            self.metrics.errors.labels("save").inc()
-            slot.forget()
-            await asyncio.to_thread(self._discard, tmp)
-            return f"save failed: {_why(e)}"
-        seconds = time.monotonic() - start
-        self.metrics.save_s.observe(seconds)
-        self._mount_state(None)
-        slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
-        return f"saved {n} tokens as {name} in {seconds * 1000:.0f} ms"
-
-    def _mount_state(self, problem: str | None) -> None:
-        """A warning when saves start being skipped (the mount is gone), a line when they resume:
-        not one per request (each request's own line says whether it was saved)."""
-        if problem is not None and self.mount_ok is not False:
-            log.warning("saves are skipped until %s is a kv-chunk-fs mount again: %s", self.mount, problem)
-        elif problem is None and self.mount_ok is False:
-            log.info("%s is a kv-chunk-fs mount again: saving", self.mount)
-        self.mount_ok = problem is None
-
-    def _discard(self, tmp: str) -> None:
-        """Remove a half-done save's temporary file (if llama-server wrote one): the store frees it at GC."""
-        assert self.mount is not None
-        with contextlib.suppress(OSError):
-            os.unlink(self.mount / tmp)
-
-    def _check_mount(self) -> None:
-        assert self.mount is not None
-        problem = mount_problem(self.mount)
-        if problem is not None:
-            raise NotMounted(problem)
-
-    def _install(self, tmp: str, name: str, prompt_len: int) -> None:
-        """Label the temporary file, then rename it over NAME: readers see the old or the new snapshot, whole.
-        The mount is checked again: it may have gone while llama-server was writing."""
-        assert self.mount is not None
-        self._check_mount()
-        os.setxattr(self.mount / tmp, LABEL_XATTR, str(prompt_len).encode())
-        os.rename(self.mount / tmp, self.mount / name)
-
-    async def keep_budget(self) -> None:
-        """Delete the lowest-score snapshots this proxy owns until what they hold alone (what deleting all
-        of them would free) fits ``cache_max_bytes``; other models', other namespaces' and users' files
-        are neither counted nor touched. One run at a time; a save arriving meanwhile is covered by the
-        run after it."""
-        if self.daemon is None or self._budget_lock.locked():
-            return
-        async with self._budget_lock:
-            try:
-                await self._evict()
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                log.warning("keeping cache_max_bytes failed: %s", e)
-                self.metrics.errors.labels("budget").inc()
-
-    async def _evict(self) -> None:
-        assert self.daemon is not None and self.pool is not None
-        r = await self._ask_daemon("GET", "/snapshots", params={"prefix": f"{NAME_PREFIX}{self.tag}", "sort": "score"})
-        r.raise_for_status()
-        own = [row for row in r.json()["snapshots"] if self.owns(row)]
-        if not own:
-            return
-        preview = await self._ask_daemon("POST", "/deletion-preview", json={"paths": [row["path"] for row in own]})
-        preview.raise_for_status()
-        excess = int(preview.json()["freed_bytes"]) - self.cache_max_bytes
-        if excess <= 0:
-            return
-        in_use = {s.snapshot for s in self.pool.slots if s.busy} | self._claimed  # about to be rewritten: keep
-        freed = deleted = 0
-        for row in own:
-            path = row["path"]
-            if path in in_use:
-                continue
-            d = await self._ask_daemon("DELETE", "/snapshots/" + quote(path, safe="/"))
-            if d.status_code >= 400 and d.status_code != 404:
-                d.raise_for_status()
-            # Unique bytes only: shared chunks stay for the others (an underestimate; the next run catches up).
-            freed, deleted = freed + int(row["unique_bytes"]), deleted + 1
-            for s in self.pool.slots:
-                if s.snapshot == path:
-                    s.snapshot = None
-            if freed >= excess:
-                break
-        if deleted:
-            self.metrics.evicted.inc(deleted)
-            (await self._ask_daemon("POST", "/gc")).raise_for_status()
-            log.info("cache_max_bytes: deleted %d snapshot(s), about %d bytes", deleted, freed)
 
 
 def _uncached_why(space: str | None, payload: dict[str, Any]) -> str:
@@ -740,16 +575,21 @@ def _uncached_why(space: str | None, payload: dict[str, Any]) -> str:
 
 
 def _prompt_report(plan: Plan, tokens: list[int] | None) -> str:
-    """Where a request's prompt came from, for its log line."""
+    """Where a request's prompt tokens came from, for its log line: restored + already in the slot +
+    evaluated (llama-server's own count; it re-evaluates at least the last one)."""
     if tokens is None:
         return "uncached"
     evaluated = plan.prompt_n if plan.prompt_n is not None else max(0, len(tokens) - plan.held)
-    restored = f"{plan.restored} restored from {plan.restored_from}" if plan.restored_from else "none restored"
-    return (
-        f"{len(tokens)} prompt tokens, {restored}, {max(0, plan.held - plan.restored)} already in the slot, "
-        f"{evaluated} evaluated"
+    restored = (
+        f"{plan.restored} restored ({plan.loaded} loaded from {plan.restored_from})"
+        if plan.restored_from
+        else "0 restored"
     )
-
+    refused = f", {plan.refused} restore(s) refused" if plan.refused else ""
+    return (
+        f"{len(tokens)} prompt tokens: {restored}, {max(0, plan.held - plan.restored)} already in the slot, "
+        f"{evaluated} evaluated{refused}"
+    )
 
 
 def _text_only(messages: Any) -> bool:
@@ -761,23 +601,6 @@ def _text_only(messages: Any) -> bool:
         if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             return False
     return True
-
-
-def _digest(tokens: list[int]) -> str:
-    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
-
-
-def _int(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, httpx.HTTPStatusError):
-        return f"{e.response.status_code} {e.response.text[:300]}"
-    return str(e) or type(e).__name__
 
 
 def serve(proxy: Proxy, listen: str) -> None:

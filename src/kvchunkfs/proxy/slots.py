@@ -30,14 +30,22 @@ class Slot:
 
 
 class SlotPool:
-    """Free slots handed to requests: the one holding the longest prefix of the prompt, else the least
-    recently used. Waits when every slot is busy, and when a slot still saving holds ``min_gain`` more
-    of the prompt than any free one: an agent sends its next turn as soon as it has the answer, and
-    that turn belongs on the slot that just produced the answer (the save takes milliseconds)."""
+    """Free slots handed to requests, in this order: the slot whose content the prompt continues (the
+    longest such prefix: the conversation's own slot), else an empty slot, else the least valuable one
+    (its content already saved, then the longest shared prefix, then least recently used). So
+    conversations sharing a system prompt do not take each other's slots while one sits empty; a
+    shared prefix is restored from the store into the empty slot instead. Without a store to restore
+    from (``restores`` False), the longest shared prefix comes first, as it cannot be brought back.
 
-    def __init__(self, n: int, min_gain: int = 1) -> None:
+    Waits when every slot is busy, and when a slot still saving holds the conversation the prompt
+    continues, ``min_gain`` tokens more than the pick: an agent sends its next turn as soon as it has
+    the answer, and that turn belongs on the slot that just produced the answer (the save takes
+    milliseconds)."""
+
+    def __init__(self, n: int, min_gain: int = 1, restores: bool = True) -> None:
         self.slots = [Slot(i) for i in range(n)]
         self.min_gain = min_gain
+        self.restores = restores
         self._changed = asyncio.Condition()
 
     async def acquire(self, tokens: list[int], tenant: str | None = None) -> Slot:
@@ -53,10 +61,25 @@ class SlotPool:
     def _pick(self, tokens: list[int], tenant: str | None = None) -> Slot | None:
         held = {s.id: common_prefix_len(tokens, s.tokens) if tenant is None or s.tenant == tenant else 0
                 for s in self.slots}  # fmt: skip
+
+        def continued(s: Slot) -> bool:  # the prompt goes on from all the slot holds (as far as known)
+            return held[s.id] > 0 and held[s.id] >= len(s.tokens)
+
+        def rank(s: Slot) -> tuple[int, ...]:
+            empty = not s.tokens and s.n_tokens == 0
+            if continued(s):
+                return (3, held[s.id])
+            if not self.restores:
+                return (1, held[s.id], empty, -int(s.last_used * 1000))
+            if empty:
+                return (2, -int(s.last_used * 1000))
+            return (1, s.snapshot is not None, held[s.id], -int(s.last_used * 1000))
+
         free = [s for s in self.slots if not s.busy]
-        best = max(free, key=lambda s: (held[s.id], -s.last_used)) if free else None
-        saving = [held[s.id] for s in self.slots if s.busy and s.saving]
-        if saving and max(saving) >= (held[best.id] if best else 0) + self.min_gain:
+        best = max(free, key=rank) if free else None
+        mine = best is not None and continued(best)
+        saving = [held[s.id] for s in self.slots if s.busy and s.saving and continued(s)]
+        if saving and max(saving) >= (held[best.id] if best is not None and mine else 0) + self.min_gain:
             return None
         return best
 

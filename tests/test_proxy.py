@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import struct
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from conftest import Mount
 from fake_llama import FakeLlama, ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchunkfs.proxy.mountcheck import check_mount
 from kvchunkfs.proxy.cache import LABEL_XATTR
+from kvchunkfs.proxy.mountcheck import check_mount
 from kvchunkfs.proxy.server import Proxy
 
 SYSTEM = "you are a careful agent " * 30  # shared by every conversation: ~150 tokens
@@ -668,8 +669,9 @@ def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
 
     assert main(["proxy", "--upstream", rig.upstream.url]) == 2  # no --mount: a clear error
     port = free_port()
-    argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--store", str(rig.mount.store), "--mount",
-            str(rig.mount.mnt), "--upstream", rig.upstream.url, "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    # The README's command: no --store (the mount table names the mount's store)
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--mount", str(rig.mount.mnt), "--upstream",
+            rig.upstream.url, "--listen", f"127.0.0.1:{port}"]  # fmt: skip
     proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(SRC)), stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
@@ -684,6 +686,16 @@ def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
         messages = [*conversation("CLI"), {"role": "user", "content": "hi"}]
         out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)  # type: ignore[arg-type]
         assert out.choices[0].message.content == direct_chat(rig, messages)
+        deadline = time.monotonic() + 30
+        while not rig.files() or rig.files()[0].endswith(".tmp"):
+            assert time.monotonic() < deadline, "not saved"
+            time.sleep(0.05)
+        rig.fake.restart()  # the next turn comes from the store
+        more = [*messages, {"role": "assistant", "content": out.choices[0].message.content},
+                {"role": "user", "content": "more"}]  # fmt: skip
+        client.chat.completions.create(model="fake", messages=more, max_tokens=6)  # type: ignore[arg-type]
+        assert [a[0] for a in rig.fake.actions][:2] == ["save", "restore"], rig.fake.actions
+        assert rig.fake.records[-1].cache_n > len(SYSTEM.split())
     finally:
         proc.terminate()  # SIGTERM: uvicorn stops, the lifespan waits for the save in flight
         _, err = proc.communicate(timeout=60)
@@ -692,3 +704,135 @@ def test_cli_proxy_serves_and_saves_before_it_exits(rig: Rig) -> None:
     assert f"{rig.mount.mnt} is a kv-chunk-fs mount with 0 snapshots" in err.decode(), err.decode()
     assert "prompt tokens: 0 restored" in err.decode(), "a line per request at the default level"
     assert len(rig.files()) == 1 and not rig.files()[0].endswith(".tmp")
+
+
+# -- compatibility, refusals, slot choice, the mount -------------------------------------------------
+
+
+def restores_of(rig: Rig, name: str | None = None) -> list[tuple[str, int, str]]:
+    return [a for a in rig.fake.actions if a[0] == "restore" and (name is None or a[2] == name)]
+
+
+def test_a_server_reconfigured_with_other_kv_types_keeps_each_configurations_snapshots(tmp_path: Path) -> None:
+    from fake_llama import F16, Q4_0
+
+    for rig in make_rig(tmp_path, slots=1):
+        a1 = turn(rig, conversation("A"), "one")
+        f16_files = rig.files()
+        f16_bytes = (rig.mount.mnt / f16_files[0]).read_bytes()
+        # llama-server restarted with -ctk/-ctv q4_0: nothing saved with f16 is sent to it
+        rig.fake.kv_type = Q4_0
+        rig.fake.restart()
+        a2 = turn(rig, a1, "two")
+        assert restores_of(rig) == [], "an f16 snapshot offered to a q4_0 server"
+        assert rig.fake.records[-1].prompt_n <= len(tokens_of(a2[:-1]))  # no slower than without the proxy
+        q4_files = [f for f in rig.files() if f not in f16_files]
+        assert len(q4_files) == 1 and (rig.mount.mnt / f16_files[0]).read_bytes() == f16_bytes  # saved beside it
+        assert "q4_0" not in q4_files[0] and q4_files[0].split("-")[2] != f16_files[0].split("-")[2]
+        assert os.getxattr(rig.mount.mnt / q4_files[0], "user.kvcfs.label.kv_layout") != os.getxattr(
+            rig.mount.mnt / f16_files[0], "user.kvcfs.label.kv_layout")  # fmt: skip
+        turn(rig, a2, "three")  # q4_0's own conversation goes on in its own set
+        # Back to f16: the f16 snapshot is found again and restored.
+        rig.fake.kv_type = F16
+        rig.fake.restart()
+        turn(rig, a1, "two, asked again")
+        assert restores_of(rig) == [("restore", 0, f16_files[0])]
+        assert rig.fake.records[-1].cache_n >= len(tokens_of(a1[:-1])) - 1
+        assert rig.metrics().get("kvcfs_proxy_refused_restores_total[('reason', 'refused')]", 0) == 0
+
+
+def tokens_of(messages: list[dict]) -> list[int]:
+    from fake_llama import template, tokenize
+
+    return tokenize(template(messages), True)
+
+
+def damage(path: Path) -> None:
+    """Change bytes inside a snapshot's KV rows (its tokens stay): llama-server refuses it."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        f.write(b"\xff" * 50)
+
+
+def test_a_refused_restore_keeps_the_slots_prefix_and_is_not_offered_again(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, slots=1):
+        b1 = turn(rig, conversation("B"), "one")
+        a1 = turn(rig, conversation("A"), "one")  # the slot held B: the shared system prompt is reused
+        a_file = [f for f in rig.files() if (rig.mount.mnt / f).stat().st_mtime_ns == max(
+            (rig.mount.mnt / g).stat().st_mtime_ns for g in rig.files())][0]  # fmt: skip
+        damage(rig.mount.mnt / a_file)
+        turn(rig, b1, "two")  # B comes back into the slot
+        from kvchunkfs.service.prefixtree import common_prefix_len
+
+        shared = common_prefix_len(tokens_of(a1), tokens_of(b1))  # the system prompt
+        assert shared >= len(SYSTEM.split())
+        a2 = [*a1, {"role": "user", "content": "two"}]
+        turn(rig, a1, "two")  # A's snapshot is refused: the shared prefix comes back, not a full prefill
+        assert restores_of(rig, a_file) != []
+        assert rig.fake.records[-1].cache_n >= shared - 1, rig.fake.records[-1]
+        assert rig.fake.records[-1].prompt_n <= len(tokens_of(a2)) - shared + 1
+        assert rig.metrics()["kvcfs_proxy_refused_restores_total[('reason', 'refused')]"] == 1
+        turn(rig, b1, "three")
+        turn(rig, a1, "two, edited")  # the refused file as it is is not offered again
+        assert len(restores_of(rig, a_file)) == 1
+
+
+def test_conversations_sharing_a_system_prompt_each_keep_a_slot(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path, slots=2):
+        convs = {name: conversation(name) for name in "AB"}
+        slots: dict[str, set[int | None]] = {"A": set(), "B": set()}
+        for round_ in range(3):
+            for name in "AB":
+                convs[name] = turn(rig, convs[name], f"{name} round {round_}")
+                slots[name].add(rig.fake.records[-1].id_slot)
+        assert len(slots["A"]) == 1 and len(slots["B"]) == 1 and slots["A"] != slots["B"], slots
+        assert len(restores_of(rig)) <= 1  # at most B's first turn takes the shared prompt from the store
+        assert all(r.prompt_n < 40 for r in rig.fake.records[2:]), rig.fake.records
+
+
+def test_health_is_degraded_while_saves_fail(rig: Rig) -> None:
+    turn(rig, conversation("A"), "one")
+    assert httpx.get(rig.url + "/health").json() == {"status": "ok"}
+    rig.fake.save_fails = True
+    turn(rig, conversation("B"), "one")
+    health = httpx.get(rig.url + "/health").json()
+    assert health["status"] == "degraded" and "save" in health["reason"], health
+    assert not [f for f in rig.files() if f.endswith(".tmp")]  # the failed save left no file
+    rig.fake.save_fails = False
+    turn(rig, conversation("C"), "one")
+    assert httpx.get(rig.url + "/health").json() == {"status": "ok"}
+
+
+def run_cli_proxy(rig: Rig, mount: Path, *extra: str) -> subprocess.CompletedProcess[bytes]:
+    import sys
+
+    from conftest import SRC
+
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--mount", str(mount), "--upstream", rig.upstream.url,
+            "--listen", f"127.0.0.1:{free_port()}", *extra]  # fmt: skip
+    return subprocess.run(argv, env=dict(os.environ, PYTHONPATH=str(SRC)), capture_output=True, timeout=30)
+
+
+def test_a_wrong_mount_is_refused_with_one_line(tmp_path: Path) -> None:
+    for rig in make_rig(tmp_path):
+        (tmp_path / "plain").mkdir()
+        (rig.mount.mnt / "sub").mkdir()
+        other = Mount(tmp_path / "store2", tmp_path / "mnt2", tmp_path / "daemon2.log")
+        tmpfs = tmp_path / "tmpfs"
+        tmpfs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmpfs)], check=True)
+        other.start()
+        try:
+            cases = {tmp_path / "missing": "No such file", tmp_path / "plain": "plain directory",
+                     rig.mount.mnt / "sub": f"inside the kv-chunk-fs mount at {rig.mount.mnt}",
+                     tmpfs: "tmpfs mount", other.mnt: "--slot-save-path"}  # fmt: skip
+            for mount, why in cases.items():
+                done = run_cli_proxy(rig, mount)
+                err = done.stderr.decode()
+                assert done.returncode == 2 and why in err, (mount, err)
+                assert len([line for line in err.splitlines() if line.startswith("kv-chunk-fs")]) == 1, err
+                assert "Traceback" not in err, err
+            assert os.listdir(other.mnt) == []
+        finally:
+            other.stop()
+            subprocess.run(["umount", "-l", str(tmpfs)], check=False)

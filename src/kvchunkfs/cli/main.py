@@ -408,25 +408,37 @@ def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvchunkfs.proxy.cache import WrongMount
     from kvchunkfs.proxy.mountcheck import check_mount
     from kvchunkfs.proxy.server import Proxy, serve
+    from kvchunkfs.proxy.startup import probe_upstream, resolve_mount
 
     if cfg.proxy_mount is None:
         print("kv-chunk-fs: proxy needs --mount (proxy_mount): the mounted --slot-save-path of llama-server",
               file=sys.stderr)  # fmt: skip
         return 2
-    if not Path(cfg.proxy_mount).is_dir():
-        print(f"kv-chunk-fs: proxy: --mount {cfg.proxy_mount} is not a directory: it must be llama-server's "
-              "--slot-save-path, where `kv-chunk-fs mount` serves", file=sys.stderr)  # fmt: skip
+    found = resolve_mount(Path(cfg.proxy_mount), Path(cfg.store), cfg.sources.get("store", "default") != "default")
+    if isinstance(found, str):
+        print(f"kv-chunk-fs: proxy: {found}", file=sys.stderr)
         return 2
-    proxy = Proxy(cfg.proxy_upstream, Path(cfg.proxy_mount), Path(cfg.store), min_restore=cfg.proxy_min_restore,
+    mount, store = found
+    layout = asyncio.run(probe_upstream(cfg.proxy_upstream, mount))  # is llama-server saving into the mount?
+    if isinstance(layout, WrongMount):
+        print(f"kv-chunk-fs: proxy: {layout}", file=sys.stderr)
+        return 2
+    proxy = Proxy(cfg.proxy_upstream, mount, store, min_restore=cfg.proxy_min_restore,
                   cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
                   max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
+    proxy.layout = layout
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
-    log.info("proxy on %s for %s, saving into %s", cfg.proxy_listen, cfg.proxy_upstream, cfg.proxy_mount)
-    found = check_mount(Path(cfg.proxy_mount), Path(cfg.store))
-    log.log(found.level, "%s", found.line)
-    proxy.mount_ok = found.mounted  # the first skipped save warns only if this changed
+    log.info("proxy on %s for %s, saving into %s (store %s)", cfg.proxy_listen, cfg.proxy_upstream, mount, store)
+    if layout is None:
+        log.info("llama-server's KV layout and --slot-save-path are checked with the first request")
+    checked = check_mount(mount, store)
+    log.log(checked.level, "%s", checked.line)
+    proxy.mount_ok = checked.mounted  # the first skipped save warns only if this changed
     serve(proxy, cfg.proxy_listen)
     return 0
 
@@ -504,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mount", dest="proxy_mount", default=None, metavar="DIR",
                    help="llama-server's --slot-save-path, where `kv-chunk-fs mount` serves (the proxy_mount "
-                   "setting); --store must be that mount's store")  # fmt: skip
+                   "setting); the mount names its store")  # fmt: skip
     # gc's own --remote stands for the setting's flag; it also works without a value (the setting's)
     p = add("gc", cmd_gc, "collect garbage now (through the daemon if the store is mounted)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -556,6 +568,22 @@ def store_problem(store: Path) -> str | None:
     return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
 
 
+def _store_of_mountpoint(cfg: cfgmod.Config) -> cfgmod.Config:
+    """``--store MOUNTPOINT`` means the store that kv-chunk-fs mount serves (the mount table names it)."""
+    import dataclasses
+
+    from kvchunkfs.fuse.mounts import FSTYPE, fuse_mount_of
+
+    try:
+        entry = fuse_mount_of(Path(cfg.store))
+    except OSError:
+        return cfg
+    if entry is None or entry.fstype != FSTYPE or entry.mountpoint != os.path.realpath(cfg.store):
+        return cfg
+    store = entry.source.partition(":")[2].replace("\\,", ",").replace("\\\\", "\\")
+    return dataclasses.replace(cfg, store=Path(store)) if store else cfg
+
+
 def _add_settings(p: argparse.ArgumentParser) -> None:
     """Every setting as a flag of command ``p``, listed after the command's own options (added
     before), and in its usage line as one ``[SETTING ...]`` (not 44 flags before its own)."""
@@ -578,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-chunk-fs: configuration error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    if args.command not in STORELESS and args.command != "mount":
+        cfg = _store_of_mountpoint(cfg)
     problem = None if args.command in STORELESS else store_problem(Path(cfg.store))
     if problem is not None:
         print(f"kv-chunk-fs: {problem}", file=sys.stderr)

@@ -72,6 +72,7 @@ class SnapshotCache:
     refused: dict[str, tuple[int, int]]  # snapshot llama-server refused -> (size, mtime_ns) then
     mount_ok: bool | None
     save_problem: str | None  # why the last save failed (None: it worked): /health says degraded
+    wrong_mount: str | None  # a probe save did not land in ``mount``: no saves (they would land elsewhere)
     _claimed: set[str]
     _budget_lock: asyncio.Lock
 
@@ -216,9 +217,11 @@ class SnapshotCache:
             return
         slot.n_tokens = n
         if isinstance(found, Exception):
-            self.save_problem = str(found)
-            log.error("%s", found)
+            if self.wrong_mount is None:
+                log.error("%s; saves are skipped", found)
+            self.wrong_mount = str(found)
             return
+        self.wrong_mount = None
         self.layout_stale = False
         self._learn(found)
 
@@ -242,6 +245,10 @@ class SnapshotCache:
         line. The file's own layout decides: if the upstream's changed, it is named for the new one."""
         if self.mount is None:
             return "not saved: no mount to save into"
+        if self.wrong_mount is not None:
+            self.metrics.skipped.labels("wrong_mount").inc()
+            slot.forget()
+            return "not saved: llama-server's --slot-save-path is not the proxy's --mount"
         start = time.monotonic()
         tmp = f"{name}.{secrets.token_hex(6)}{TMP_SUFFIX}"  # its own: a concurrent save never renames it
         try:
@@ -273,6 +280,14 @@ class SnapshotCache:
         self.save_problem = None
         slot.tokens, slot.n_tokens, slot.snapshot, slot.prompt_len = tokens[:n], n, name, prompt_len
         return f"saved {n} tokens as {name} in {seconds * 1000:.0f} ms"
+
+    def health_problem(self) -> str | None:
+        """Why saves do not work now (None: they do): ``/health`` reports the proxy degraded."""
+        if self.wrong_mount is not None:
+            return self.wrong_mount
+        if self.mount_ok is False:
+            return f"{self.mount} is not a live kv-chunk-fs mount: saves are skipped"
+        return self.save_problem
 
     def _layout_of(self, tmp: str) -> str:
         assert self.mount is not None

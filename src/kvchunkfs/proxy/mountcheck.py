@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,3 +75,55 @@ def mount_problem(directory: Path) -> str | None:
                 return None
             return f"{directory} is on a {fstype[0] if fstype else 'unknown'} filesystem, not a kv-chunk-fs mount"
     return f"{directory}: its device {wanted} is not in /proc/self/mountinfo"
+
+
+@dataclass(frozen=True)
+class MountRoot:
+    """A live kv-chunk-fs mount whose root is the proxy's ``--mount``."""
+
+    mountpoint: Path
+    store: Path | None  # from its source, ``kv-chunk-fs:STORE`` (None: an older daemon's ``kv-chunk-fs``)
+
+
+def find_mount_root(directory: Path) -> MountRoot | str:
+    """``directory`` as the root of a live kv-chunk-fs mount, with its store; else why not, in one line
+    (missing, not a directory, a plain directory, another filesystem's mount, a directory inside a
+    kv-chunk-fs mount instead of its root, a mount whose daemon is gone)."""
+    try:
+        path = Path(os.path.realpath(directory))
+        st = os.stat(path)
+    except OSError as e:
+        return f"--mount {directory}: {e.strerror or e}"
+    if not os.path.isdir(path):
+        return f"--mount {directory} is not a directory"
+    try:
+        os.statvfs(path)
+        with open("/proc/self/mountinfo") as f:
+            table = f.read()
+    except OSError as e:
+        return f"--mount {directory}: {e.strerror or e} (a kv-chunk-fs mount whose daemon is gone?)"
+    wanted = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    entry = None
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) > 6 and fields[2] == wanted and "-" in fields[6:]:
+            tail = fields[fields.index("-", 6) + 1 :]
+            entry = (_unescape(fields[4]), (tail + [""])[0], _unescape((tail + ["", ""])[1]))  # the last is on top
+    if entry is None:
+        return f"--mount {directory}: its device {wanted} is not in /proc/self/mountinfo"
+    mountpoint, fstype, source = entry
+    if fstype != FSTYPE:
+        if mountpoint == str(path):
+            return f"--mount {directory} is a {fstype} mount ({source}), not a kv-chunk-fs mount"
+        return (f"--mount {directory} is a plain directory (on {fstype} at {mountpoint}), not a kv-chunk-fs mount: "
+                f"run `kv-chunk-fs mount {directory}` first (llama-server's --slot-save-path)")  # fmt: skip
+    if mountpoint != str(path):
+        return (f"--mount {directory} is inside the kv-chunk-fs mount at {mountpoint}: give the mount's root, "
+                "llama-server's --slot-save-path")  # fmt: skip
+    store = source.partition(":")[2]
+    return MountRoot(path, Path(store.replace("\\,", ",").replace("\\\\", "\\")) if store else None)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field: spaces, tabs, newlines and backslashes are octal escapes there."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

@@ -160,6 +160,7 @@ class Proxy(SnapshotCache):
         self.n_ctx = 0
         self.refused: dict[str, tuple[int, int]] = {}
         self.save_problem: str | None = None
+        self.wrong_mount: str | None = None
         self._ready_lock = asyncio.Lock()
         self._budget_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -220,6 +221,8 @@ class Proxy(SnapshotCache):
                 # A client's own save/restore/list of slots would bypass the namespaces.
                 raise RequestError(403, "slots are managed by the proxy alone with proxy_tenant set",
                                    "permission_error")  # fmt: skip
+            if request.url.path == "/health" and request.method == "GET":
+                return await self.health(request)
             if kind is not None and await self.ready():
                 denied = await self.upstream_refusal(request)
                 if denied is not None:
@@ -250,6 +253,14 @@ class Proxy(SnapshotCache):
         finally:
             await resp.aclose()
         return Response(data, resp.status_code, headers=response_headers(resp))
+
+    async def health(self, request: Request) -> Response:
+        """llama-server's ``/health``; while the upstream is ok but saves fail, ``degraded`` and why."""
+        resp = await self.forward(request, b"")
+        problem = self.health_problem()
+        if resp.status_code != 200 or problem is None:
+            return resp
+        return JSONResponse({"status": "degraded", "reason": problem})
 
     async def upstream_refusal(self, request: Request) -> Response | None:
         """The upstream's 401/403 for this request's API key (asked with ``GET /props``, before the proxy

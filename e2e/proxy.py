@@ -81,8 +81,9 @@ class Proxy:
     def start(self, upstream: str) -> None:
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-        argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--store", str(self.store), "--mount", str(self.mnt),
-                "--upstream", upstream, "--listen", f"127.0.0.1:{self.port}"]  # fmt: skip
+        # README's command: no --store, the mount table names the mount's store
+        argv = [sys.executable, "-m", "kvchunkfs.cli", "proxy", "--mount", str(self.mnt), "--upstream", upstream,
+                "--listen", f"127.0.0.1:{self.port}"]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
         deadline = time.monotonic() + 60
@@ -94,6 +95,11 @@ class Proxy:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"proxy did not start; see {self.log}") from None
                 time.sleep(0.1)
+
+    def restart_upstream(self, upstream: str) -> None:
+        """Point a new proxy at ``upstream`` (llama-server restarted on another port)."""
+        self.stop()
+        self.start(upstream)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
@@ -221,6 +227,66 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"before_restart": part(before), "after_restart": part(after), "all": part(records)}
 
 
+def kv_types(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The KV types change under the proxy: ``--conversations`` chats saved with f16 KV, llama-server
+    restarted with ``-ctk q4_0 -ctv q4_0`` (same port, same proxy), then with f16 again; a turn of
+    every conversation in each phase. Per phase: prompt tokens evaluated per turn against the whole
+    prompt (what llama-server alone evaluates after its restart), restores refused, files saved."""
+    convs = workload(args.conversations, args.systems, 3, args.system_words, args.user_words)
+    binary, model = ensure_llama_server(), ensure_model(args.model, cache_dir(), src_tree())
+    mount = Mount(work / "store", work / "mnt", work / "mount.log")
+    f16 = Server(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots, cache_ram="0")
+    q4 = Server(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots, cache_ram="0",
+                extra=["-ctk", "q4_0", "-ctv", "q4_0"])  # fmt: skip
+    proxy = Proxy(work / "store", work / "mnt", work / "proxy.log")
+    history = [[{"role": "system", "content": c["system"]}] for c in convs]
+    phases: list[dict[str, Any]] = []
+    mount.start()
+    try:
+        for phase, (name, server) in enumerate((("f16", f16), ("q4_0", q4), ("f16 again", f16))):
+            server.start()
+            if phase == 0:
+                proxy.start(server.url)
+            else:
+                proxy.restart_upstream(server.url)  # the proxy's own checks: the mount, a probe save
+            before = set(os.listdir(work / "mnt"))
+            turns = []
+            for i, c in enumerate(convs):
+                messages = [*history[i], {"role": "user", "content": c["users"][phase]}]
+                total = len(prompt_tokens(server.url, messages))
+                r = ask(proxy.url, messages)
+                turns.append({"conv": i, "prompt": total, "evaluated": r["prompt_n"], "cache_n": r["cache_n"]})
+                history[i] = [*messages, {"role": "assistant", "content": r["text"]}]
+            m = proxy_metrics(proxy.metrics())
+            time.sleep(1)  # the last save lands
+            phases.append({"phase": name, "turns": turns, "new_files": sorted(set(os.listdir(work / "mnt")) - before),
+                           "refused": sum(v for k, v in m.items() if k.startswith("kvcfs_proxy_refused_restores")),
+                           "restores": m.get("kvcfs_proxy_restore_seconds_count", 0.0)})  # fmt: skip
+            server.stop()
+        log = (work / "llama.log").read_text(errors="replace")
+        return {"phases": phases, "server_refusals": log.count("Unable to restore slot") + log.count("incompatible")}
+    finally:
+        proxy.stop()
+        f16.stop()
+        q4.stop()
+        mount.stop()
+
+
+def kv_types_checks(res: dict[str, Any]) -> dict[str, bool]:
+    f16, q4, back = res["phases"]
+    tag = lambda name: name.split("-")[2]  # noqa: E731 - kvp-MODEL-LAYOUT-HASH
+    return {
+        "no restore attempted against an incompatible snapshot (llama-server refused none)":
+            res["server_refusals"] == 0 and all(p["refused"] == 0 for p in res["phases"]),
+        "no turn evaluates more than its whole prompt (llama-server alone after its restart)":
+            all(t["evaluated"] <= t["prompt"] for p in res["phases"] for t in p["turns"]),
+        "q4_0 snapshots saved beside the f16 ones, named apart":
+            bool(q4["new_files"]) and not {tag(f) for f in q4["new_files"]} & {tag(f) for f in f16["new_files"]},
+        "back on f16 the f16 conversations restore again":
+            all(t["cache_n"] > 0.5 * t["prompt"] for t in back["turns"]),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama")
@@ -233,11 +299,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-words", type=int, default=300)
     p.add_argument("--user-words", type=int, default=25)
     p.add_argument("--modes", default="alone-cache-ram-0,alone-cache-ram,proxy")
+    p.add_argument("--scenario", choices=["compare", "kv-types"], default="compare",
+                   help="kv-types: f16 -> q4_0 -> f16 KV under one proxy (see kv_types)")  # fmt: skip
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores)")
     args = p.parse_args(argv)
     convs = workload(args.conversations, args.systems, args.turns, args.system_words, args.user_words)
     work = Path(tempfile.mkdtemp(prefix="kvcfs-e2e-proxy-"))
+    if args.scenario == "kv-types":
+        try:
+            res = kv_types(args, work)
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
+        for p in res["phases"]:
+            print(f"{p['phase']}: prompt tokens evaluated per turn "
+                  f"{[t['evaluated'] for t in p['turns']]} of {[t['prompt'] for t in p['turns']]}; "
+                  f"restores {int(p['restores'])}, refused {int(p['refused'])}; new {p['new_files']}")  # fmt: skip
+        checks = kv_types_checks(res)
+        for name, ok in checks.items():
+            print(f"{'PASS' if ok else 'FAIL'} {name}")
+        if args.out:
+            args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": res,
+                                            "checks": checks}, indent=1))  # fmt: skip
+        return 0 if all(checks.values()) else 1
     results: dict[str, Any] = {}
     try:
         for mode in args.modes.split(","):

@@ -57,13 +57,30 @@ class Server(LlamaServer):
         super().__init__(*a, **kw)
         self.slots, self.cache_ram = slots, cache_ram
 
+    port_fixed = 0  # > 0: always this port (a restart the proxy in front does not see coming)
+
     def argv(self, port: int) -> list[str]:
-        argv = super().argv(port)
+        argv = super().argv(self.port_fixed or port)
         i = argv.index("--cache-ram")
         del argv[i : i + 2]
         argv[argv.index("-np") + 1] = str(self.slots)
         argv[argv.index("-c") + 1] = str(self.ctx * self.slots)
         return argv + (["--cache-ram", self.cache_ram] if self.cache_ram is not None else [])
+
+
+class FixedPortServer(Server):
+    """A llama-server restarted on the same port, so the proxy in front keeps running across restarts."""
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.port_fixed = self.port_fixed or free_port()
+        argv = self.argv(self.port_fixed)
+        self._logf = open(self.log, "ab")  # noqa: SIM115 - closed in stop()
+        self._logf.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
+        self._logf.flush()
+        self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)  # fmt: skip
+        self.port = self.port_fixed
+        self._wait_healthy(timeout)
 
 
 class Proxy:
@@ -95,11 +112,6 @@ class Proxy:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"proxy did not start; see {self.log}") from None
                 time.sleep(0.1)
-
-    def restart_upstream(self, upstream: str) -> None:
-        """Point a new proxy at ``upstream`` (llama-server restarted on another port)."""
-        self.stop()
-        self.start(upstream)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
@@ -229,15 +241,18 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def kv_types(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The KV types change under the proxy: ``--conversations`` chats saved with f16 KV, llama-server
-    restarted with ``-ctk q4_0 -ctv q4_0`` (same port, same proxy), then with f16 again; a turn of
+    restarted with ``-ctk q4_0 -ctv q4_0`` (same port, the same proxy process running throughout,
+    told nothing), then with f16 again; a turn of
     every conversation in each phase. Per phase: prompt tokens evaluated per turn against the whole
     prompt (what llama-server alone evaluates after its restart), restores refused, files saved."""
     convs = workload(args.conversations, args.systems, 3, args.system_words, args.user_words)
     binary, model = ensure_llama_server(), ensure_model(args.model, cache_dir(), src_tree())
     mount = Mount(work / "store", work / "mnt", work / "mount.log")
-    f16 = Server(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots, cache_ram="0")
-    q4 = Server(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots, cache_ram="0",
-                extra=["-ctk", "q4_0", "-ctv", "q4_0"])  # fmt: skip
+    f16 = FixedPortServer(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots,
+                          cache_ram="0")  # fmt: skip
+    q4 = FixedPortServer(binary, model.path, work / "mnt", work / "llama.log", ctx=args.ctx, slots=args.slots,
+                         cache_ram="0", extra=["-ctk", "q4_0", "-ctv", "q4_0"])  # fmt: skip
+    q4.port_fixed = f16.port_fixed = free_port()  # one address: the proxy keeps running across the restarts
     proxy = Proxy(work / "store", work / "mnt", work / "proxy.log")
     history = [[{"role": "system", "content": c["system"]}] for c in convs]
     phases: list[dict[str, Any]] = []
@@ -246,9 +261,7 @@ def kv_types(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for phase, (name, server) in enumerate((("f16", f16), ("q4_0", q4), ("f16 again", f16))):
             server.start()
             if phase == 0:
-                proxy.start(server.url)
-            else:
-                proxy.restart_upstream(server.url)  # the proxy's own checks: the mount, a probe save
+                proxy.start(server.url)  # the proxy's checks at start: the mount, a probe save
             before = set(os.listdir(work / "mnt"))
             turns = []
             for i, c in enumerate(convs):

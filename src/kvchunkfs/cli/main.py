@@ -431,7 +431,8 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     proxy = Proxy(cfg.proxy_upstream, mount, store, min_restore=cfg.proxy_min_restore,
                   cache_max_bytes=cfg.cache_max_bytes, max_body=cfg.proxy_max_body,
                   max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
-    proxy.layout = layout
+    if layout is not None:
+        proxy.learn_layout(layout)  # what the probe save at start told
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s (store %s)", cfg.proxy_listen, cfg.proxy_upstream, mount, store)
     if layout is None:

@@ -223,18 +223,22 @@ class SnapshotCache:
             return
         self.wrong_mount = None
         self.layout_stale = False
-        self._learn(found)
+        self.learn_layout(found)
 
-    def _learn(self, found: str) -> bool:
+    def learn_layout(self, found: str) -> bool:
         """Take ``found`` as the upstream's layout; True if it changed."""
         if found == self.layout:
             return False
-        names = self.name_prefix("", f"{self.model_tag}-{kvlayout.tag(found)}")
+        names = (
+            f"kvp-MODEL-{kvlayout.tag(found)}-*"
+            if not self.model_tag
+            else self.name_prefix("", f"{self.model_tag}-{kvlayout.tag(found)}") + "*"
+        )
         if self.layout is not None:
-            log.warning("llama-server's KV layout changed (%s, was %s): snapshots are kept apart, named %s*",
+            log.warning("llama-server's KV layout changed (%s, was %s): snapshots are kept apart, named %s",
                         found, self.layout, names)  # fmt: skip
         else:
-            log.info("llama-server's KV layout: %s (snapshots named %s*)", found, names)
+            log.info("llama-server's KV layout: %s (snapshots named %s)", found, names)
         self.layout = found
         return True
 
@@ -258,7 +262,7 @@ class SnapshotCache:
             n = int(r.json()["n_saved"])
             prompt_len = min(n, len(tokens))  # a stream cut off during prefill saves fewer
             found = await asyncio.to_thread(self._layout_of, tmp)
-            if self._learn(found) or not name.startswith(self.name_prefix(space)):
+            if self.learn_layout(found) or not name.startswith(self.name_prefix(space)):
                 name = f"{self.name_prefix(space)}{_digest(tokens)}"
             await asyncio.to_thread(self._install, tmp, name, prompt_len, found)
         except NotMounted as e:

@@ -44,6 +44,7 @@ LAYOUT_LABEL = "kv_layout"  # what llama-server needs to load it (proxy/layout.p
 LAYOUT_XATTR = "user.kvcfs.label." + LAYOUT_LABEL
 UNKNOWN_LAYOUT = "unknown"  # a state file the proxy cannot follow: one set of its own, refusals remembered
 LOOKUP_LIMIT = 8  # candidates asked for: refused or too long ones are passed over
+REFUSALS_KEPT = 4096
 
 
 @dataclass
@@ -182,6 +183,8 @@ class SnapshotCache:
             before = self.layout
             await self.probe(slot, tokens[:1])
             if refused and self.layout == before and identity is not None:
+                if len(self.refused) >= REFUSALS_KEPT:
+                    self.refused.pop(next(iter(self.refused)))  # the oldest
                 self.refused[match.path] = identity
                 self.metrics.refused_restores.labels("refused").inc()
                 what = "refused (not offered again until it changes)"
@@ -201,7 +204,7 @@ class SnapshotCache:
     async def probe(self, slot: Slot, first: list[int]) -> None:
         """Learn the upstream's KV layout from a save of ``slot`` (the caller holds it). An empty slot
         gets ``first`` (a prompt's first token) evaluated first, so the file has a layout to read."""
-        if self.mount is None or mount_problem(self.mount) is not None:
+        if self.mount is None or await asyncio.to_thread(mount_problem, self.mount) is not None:
             return
         try:
             if slot.n_tokens == 0 and first:

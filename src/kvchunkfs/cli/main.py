@@ -424,6 +424,7 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"kv-chunk-fs: proxy: {found}", file=sys.stderr)
         return 2
     mount, store = found
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     layout = asyncio.run(probe_upstream(cfg.proxy_upstream, mount))  # is llama-server saving into the mount?
     if isinstance(layout, WrongMount):
         print(f"kv-chunk-fs: proxy: {layout}", file=sys.stderr)
@@ -433,7 +434,6 @@ def cmd_proxy(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                   max_prompt_tokens=cfg.proxy_max_prompt_tokens, tenant=cfg.proxy_tenant)  # fmt: skip
     if layout is not None:
         proxy.learn_layout(layout)  # what the probe save at start told
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     log.info("proxy on %s for %s, saving into %s (store %s)", cfg.proxy_listen, cfg.proxy_upstream, mount, store)
     if layout is None:
         log.info("llama-server's KV layout and --slot-save-path are checked with the first request")

@@ -837,3 +837,15 @@ def test_a_wrong_mount_is_refused_with_one_line(tmp_path: Path) -> None:
         finally:
             other.stop()
             subprocess.run(["umount", "-l", str(tmpfs)], check=False)
+
+
+def test_commands_take_the_mountpoint_as_store(rig: Rig) -> None:
+    import sys
+
+    from conftest import SRC
+
+    turn(rig, conversation("A"), "one")
+    argv = [sys.executable, "-m", "kvchunkfs.cli", "ls", "--json", "--store", str(rig.mount.mnt)]
+    done = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=str(SRC)), capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert [row["path"] for row in json.loads(done.stdout)] == rig.files()

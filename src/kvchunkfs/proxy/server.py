@@ -6,10 +6,11 @@ status codes, SSE streams chunk by chunk). Generation requests (``/completion``,
 
 1. **Before**: the prompt is tokenized by the upstream itself (``/apply-template`` for chat, then
    ``/tokenize``), so the tokens are exactly the ones llama-server will see. The request is routed to
-   the free slot holding the longest common prefix (least recently used on a tie), and the daemon's
-   catalog is asked for the stored snapshot sharing the longest prefix (``POST /prefix-match``). If
-   that beats the slot by ``proxy_min_restore`` tokens it is restored into the slot
-   (``POST /slots/{id}?action=restore``). The request is pinned with ``id_slot``.
+   a free slot (proxy/slots.py: the one its prompt continues, else an empty one, else the least
+   valuable), and the daemon's catalog is asked for the stored snapshot of the server's configuration
+   sharing the longest prefix (``POST /prefix-match``; proxy/cache.py). If that beats the slot by
+   ``proxy_min_restore`` tokens it is restored into the slot (``POST /slots/{id}?action=restore``); a
+   refused restore is remembered and the next best tried. The request is pinned with ``id_slot``.
 2. **After** the response (a stream's end, or a client that went away mid-stream): the slot is saved
    as ``NAME.<random>.tmp`` (a name of its own, so concurrent saves never rename each other's file) and
    renamed to ``NAME`` in the mount, the pattern the filesystem makes atomic. Only onto a live
@@ -17,7 +18,7 @@ status codes, SSE streams chunk by chunk). Generation requests (``/completion``,
 3. **Budget** (``cache_max_bytes``): past it, the lowest-score proxy snapshots are deleted through the
    daemon's API, then GC runs.
 
-Names: ``kvp-<model>-<hash of the first request's prompt tokens>``. A request that extends the whole
+Names: ``kvp-<model>-<KV layout>-<hash of the first request's prompt tokens>`` (proxy/cache.py). A request that extends the whole
 *prompt* of the snapshot it continues (its ``prompt_tokens`` label; generated tokens are re-tokenized
 differently by the next turn, so they do not count) is the next turn of that conversation and
 replaces it under the same name. One that diverges inside that prompt (an edited message, a

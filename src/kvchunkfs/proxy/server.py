@@ -19,8 +19,9 @@ status codes, SSE streams chunk by chunk). Generation requests (``/completion``,
    daemon's API, then GC runs.
 
 Names: ``kvp-<model>-<KV layout>-<hash of the first request's prompt tokens>`` (proxy/cache.py). A
-request that extends the whole *prompt* of the snapshot it continues (its ``prompt_tokens`` label; generated tokens are re-tokenized
-differently by the next turn, so they do not count) is the next turn of that conversation and
+request that extends the whole *prompt* of the snapshot it continues (its ``prompt_tokens`` label;
+generated tokens are re-tokenized differently by the next turn, so they do not count) is the next
+turn of that conversation and
 replaces it under the same name. One that diverges inside that prompt (an edited message, a
 regenerated turn, another conversation with the same system prompt) gets a new name, so both
 branches stay. Two continuations of one turn: the first replaces it, the second diverges from the

@@ -42,6 +42,14 @@ LEAD = 64  # room for a segment's header in its first chunk, so a chunk never pa
 GROUP_WIDTH = 8 << 10  # relayout: K (V) blocks grouped into records of about this many bytes a cell
 SMALL_UNIT = 64  # relayout: segments of rows this small (token ids, cell records) ...
 SMALL_STRIDE = 4 << 10  # ... are cut this finely: a turn stores each one's last stride again
+# Cut versions of ``relayout`` (recorded per store: a store keeps the one it was created with).
+# 1: a stride of whole records nearest ``chunk_avg``; small rows every ``SMALL_STRIDE`` bytes.
+# 2: at most ``MAX_RECORDS`` records a stride, and small rows ``SMALL_ROWS`` at a time: what a turn
+#    stores again is at most ``MAX_RECORDS`` tokens' rows of every group, whatever the row size.
+CUTS = (1, 2)
+CUT = CUTS[-1]  # for new stores
+MAX_RECORDS = 8
+SMALL_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,15 @@ class CutState:
 
 
 class Cutter:
-    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format") -> None:
+    def __init__(
+        self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format", cut: int = CUT
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown chunker {kind!r}")
+        if cut not in CUTS:
+            raise ValueError(f"unknown cut version {cut!r}")
         self.kind = kind
+        self.cut_version = cut
         # Where a group's stored form is built (relayout saves): a daemon sets a pool of buffers
         # faulted in once; None: a fresh array each time.
         self.alloc: Callable[[int], np.ndarray] | None = None
@@ -233,11 +246,14 @@ class Cutter:
 
     def _stride(self, unit: int) -> int:
         cap = self.max - LEAD
+        v2 = self.kind == "relayout" and self.cut_version >= 2
         if self.kind == "relayout" and unit <= SMALL_UNIT:
-            return max(1, SMALL_STRIDE // unit) * unit
+            return (SMALL_ROWS if v2 else max(1, SMALL_STRIDE // unit)) * unit
         if unit > cap:
             return self.avg  # rows larger than a chunk: plain byte stride, still from the first row
         k = max(1, round(self.avg / unit))
+        if v2:
+            k = min(k, MAX_RECORDS)
         while k > 1 and k * unit > cap:
             k -= 1
         return k * unit

@@ -3,6 +3,7 @@
     python -m e2e.turncost --files OLD NEW                  # two real saves a turn apart
     python -m e2e.turncost --kv q4_0 --layers 12 --heads 4 --tokens 2700 --append 200
     python -m e2e.turncost --kv f16 --tokens 9500 --append 200 --cuts 1,2 --json out.json
+    python -m e2e.turncost --mount --files F.0 F.1 F.2      # saved through a real mount, in turn
 
 Both files are cut by ``kvchunkfs.format.cutter.Cutter`` (the store's default sizes unless
 ``--sizes MIN:AVG:MAX``; ``--chunker`` and each cut version of ``--cuts``); a chunk of NEW whose
@@ -13,7 +14,10 @@ turn added there: its new tokens' rows), so the excess is the old bytes a turn s
 where. The physical minimum is the growth of every section plus the whole recurrent state (it is
 rewritten every turn). ``--kv``/``--layers``/``--heads`` generate state files of a model's shape
 (``e2e/ggsq.py``: K and V rows of ``heads`` x 64 values, f16 or q4_0, one cell record and token id
-per token) instead.
+per token) instead. ``--mount`` saves the files in turn through a kv-chunk-fs mount of this checkout
+on a new store (written in 1 MiB pieces as ``conv.tmp``, renamed over ``conv``, as llama-server and
+the proxy do) and reports each save's new bytes as the growth of the store's packs once it is
+stored, against the same minimum (and checks that each file reads back identical).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -166,6 +173,39 @@ def generated(spec, tokens: int, append: int, seed: int = 1) -> tuple[bytes, byt
     return ggsq.synthetic_bytes(toks[:tokens], spec), ggsq.synthetic_bytes(toks, spec)
 
 
+def through_mount(paths: Sequence[Path], work: Path, extra: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """(size, new bytes) of each file saved in turn over the same name through a real mount."""
+    from e2e.mount import Mount
+
+    m = Mount(work / "store", work / "mnt", work / "mount.log", extra_args=list(extra))
+    m.start()
+    out = []
+    try:
+        for p in paths:
+            _ingested(m)
+            before = m.stored_bytes() or 0
+            data = Path(p).read_bytes()
+            with open(m.mnt / "conv.tmp", "wb", buffering=0) as f:
+                for i in range(0, len(data), 1 << 20):
+                    f.write(data[i : i + (1 << 20)])
+            os.rename(m.mnt / "conv.tmp", m.mnt / "conv")
+            _ingested(m)
+            out.append((len(data), (m.stored_bytes() or 0) - before))
+            if (m.mnt / "conv").read_bytes() != data:
+                raise RuntimeError(f"{p}: read back differs")
+    finally:
+        m.stop()
+    return out
+
+
+def _ingested(m, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while (m.counters() or {}).get("ingest_queue", 0):
+        if time.monotonic() > deadline:
+            raise RuntimeError("saves not stored in time")
+        time.sleep(0.05)
+
+
 def render(rep: Report, title: str) -> str:
     lines = [title, f"{'section':34} {'old':>11} {'new':>11} {'growth':>9} {'stored':>9} {'excess':>9}"]
     for label, before, after, stored in rep.rows:
@@ -182,7 +222,7 @@ def render(rep: Report, title: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", nargs=2, metavar=("OLD", "NEW"))
+    ap.add_argument("--files", nargs="+", metavar="FILE", help="OLD NEW (--mount: the files in turn)")
     ap.add_argument("--kv", choices=tuple(ROW_BYTES), default="f16")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=4, help="KV heads of 64 values")
@@ -194,11 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunker", default="relayout", choices=("relayout", "format", "cdc"))
     ap.add_argument("--cuts", default="1,2", help="cut versions to compare (format/cutter.py CUTS)")
     ap.add_argument("--json", help="write the reports here")
+    ap.add_argument("--mount", action="store_true", help="save --files in turn through a real mount")
+    ap.add_argument("--mount-args", default="", help="extra flags for kv-chunk-fs mount")
     args = ap.parse_args(argv)
+    if args.mount:
+        return mount_main(args)
     from e2e.cdcsim import parse_size
 
     mn, avg, mx = (parse_size(x) for x in args.sizes.split(":"))
     if args.files:
+        if len(args.files) != 2:
+            ap.error("--files takes OLD NEW")
         old, new = (Path(f).read_bytes() for f in args.files)
         what = f"{args.files[0]} -> {args.files[1]}"
     else:
@@ -214,6 +260,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "chunks": rep.chunks, "chunks_per_gb": rep.chunks_per_gb, "sections": rep.rows}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def mount_main(args: argparse.Namespace) -> int:
+    paths = [Path(f) for f in args.files]
+    with tempfile.TemporaryDirectory(prefix="turncost-", dir="/var/tmp") as work:
+        saves = through_mount(paths, Path(work), args.mount_args.split())
+    cutter = Cutter(16 << 10, 64 << 10, 256 << 10, "relayout")
+    rows = []
+    for i, (size, new) in enumerate(saves):
+        if not i:
+            print(f"{paths[0].name}: {size:,} B, first save stored {new:,} B ({new / size:.3f} of its size)")
+            continue
+        minimum = analyse(paths[i - 1].read_bytes(), paths[i].read_bytes(), cutter).minimum
+        print(f"{paths[i].name}: {size:,} B, next turn stored {new:,} B, minimum {minimum:,} B, ratio {new / minimum:.3f}")
+        rows.append({"file": str(paths[i]), "size": size, "new": new, "minimum": minimum})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"first": saves[0], "turns": rows}, indent=1))
     return 0
 
 

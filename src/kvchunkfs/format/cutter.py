@@ -43,13 +43,13 @@ GROUP_WIDTH = 8 << 10  # relayout: K (V) blocks grouped into records of about th
 SMALL_UNIT = 64  # relayout: segments of rows this small (token ids, cell records) ...
 SMALL_STRIDE = 4 << 10  # ... are cut this finely: a turn stores each one's last stride again
 # Cut versions of ``relayout`` (recorded per store: a store keeps the one it was created with).
-# 1: a stride of whole records nearest ``chunk_avg``; small rows every ``SMALL_STRIDE`` bytes.
-# 2: at most ``MAX_RECORDS`` records a stride, and small rows ``SMALL_ROWS`` at a time: what a turn
+# 1: a stride of whole records nearest ``chunk_avg``.
+# 2: at most ``MAX_RECORDS`` records a stride (but never under ``SMALL_STRIDE`` bytes): what a turn
 #    stores again is at most ``MAX_RECORDS`` tokens' rows of every group, whatever the row size.
+# Both cut small rows every ``SMALL_STRIDE`` bytes: no chunk is shorter except at segment ends.
 CUTS = (1, 2)
 CUT = CUTS[-1]  # for new stores
-MAX_RECORDS = 8
-SMALL_ROWS = 128
+MAX_RECORDS = 7
 
 
 @dataclass(frozen=True)
@@ -246,14 +246,13 @@ class Cutter:
 
     def _stride(self, unit: int) -> int:
         cap = self.max - LEAD
-        v2 = self.kind == "relayout" and self.cut_version >= 2
         if self.kind == "relayout" and unit <= SMALL_UNIT:
-            return (SMALL_ROWS if v2 else max(1, SMALL_STRIDE // unit)) * unit
+            return max(1, SMALL_STRIDE // unit) * unit
         if unit > cap:
             return self.avg  # rows larger than a chunk: plain byte stride, still from the first row
         k = max(1, round(self.avg / unit))
-        if v2:
-            k = min(k, MAX_RECORDS)
+        if self.kind == "relayout" and self.cut_version >= 2:
+            k = max(min(k, MAX_RECORDS), -(-SMALL_STRIDE // unit))
         while k > 1 and k * unit > cap:
             k -= 1
         return k * unit

@@ -274,7 +274,9 @@ def mount_main(args: argparse.Namespace) -> int:
             print(f"{paths[0].name}: {size:,} B, first save stored {new:,} B ({new / size:.3f} of its size)")
             continue
         minimum = analyse(paths[i - 1].read_bytes(), paths[i].read_bytes(), cutter).minimum
-        print(f"{paths[i].name}: {size:,} B, next turn stored {new:,} B, minimum {minimum:,} B, ratio {new / minimum:.3f}")
+        print(
+            f"{paths[i].name}: {size:,} B, next turn stored {new:,} B, minimum {minimum:,} B, ratio {new / minimum:.3f}"
+        )
         rows.append({"file": str(paths[i]), "size": size, "new": new, "minimum": minimum})
     if args.json:
         Path(args.json).write_text(json.dumps({"first": saves[0], "turns": rows}, indent=1))

@@ -19,11 +19,11 @@ import pytest
 from e2e import ggsq
 from e2e.mount import dir_bytes
 from e2e.turncost import analyse, render, spec_for
-from kvchunkfs.units import KiB
 from kvchunkfs.format import relayout
 from kvchunkfs.format.cutter import Cutter
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.repository import Repository
+from kvchunkfs.units import KiB
 
 SIZES = (16 * KiB, 64 * KiB, 256 * KiB)  # the store's defaults
 LIMIT = 1.10
@@ -39,9 +39,7 @@ def state(kv: str, layers: int, heads: int, v_trans: bool, recurrent: int, n: in
     return ggsq.synthetic_bytes(ggsq.synthetic_tokens(n, seed=layers * 100 + heads), spec)
 
 
-def turns(
-    kv: str, layers: int, heads: int, base: int, v_trans: bool = False, recurrent: int = 0, which=TURNS
-) -> None:
+def turns(kv: str, layers: int, heads: int, base: int, v_trans: bool = False, recurrent: int = 0, which=TURNS) -> None:
     cutter = Cutter(*SIZES, "relayout")
     worst = 0.0
     for i, (past, grow) in enumerate(which):
@@ -122,7 +120,8 @@ def test_mount_q4_0_next_turns(kvfs):
     spec = spec_for("q4_0", 12, 4)
     toks = ggsq.synthetic_tokens(2600, seed=7)
     expected = b""
-    for i, n in enumerate((2000, 2100, 2357, 2511)):
+    sizes = (2000, 2100, 2357, 2511)
+    for i, n in enumerate(sizes):
         kvfs.ingested()
         before = dir_bytes(Path(kvfs.store) / "packs")
         ggsq.write_synthetic(mnt / "conv.tmp", toks[:n], spec)
@@ -132,9 +131,7 @@ def test_mount_q4_0_next_turns(kvfs):
         expected = ggsq.synthetic_bytes(toks[:n], spec)
         assert ggsq.read_like_restore(mnt / "conv") == expected
         if i:
-            grown = n - prev
-            minimum = grown * spec.bytes_per_token
+            minimum = (n - sizes[i - 1]) * spec.bytes_per_token
             assert new <= LIMIT * minimum, f"turn {i}: {new} new bytes, minimum {minimum}"
-        prev = n
     kvfs.remount(["--hot-tier-size", "0"])
     assert ggsq.read_like_restore(Path(kvfs.mnt) / "conv") == expected

@@ -78,9 +78,7 @@ class CutState:
 
 
 class Cutter:
-    def __init__(
-        self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format", cut: int = CUT
-    ) -> None:
+    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format", cut: int = CUT) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown chunker {kind!r}")
         if cut not in CUTS:

@@ -129,7 +129,9 @@ class Repository:
             cut = str(CUT if fresh else 1)
             self.store.set_meta("cut", cut)
         if not cut.isdigit() or int(cut) not in CUTS:
-            raise OSError(errno.EINVAL, f"store {self.root} was cut with an unknown version {cut!r}: a newer kv-chunk-fs?")
+            raise OSError(
+                errno.EINVAL, f"store {self.root} was cut with an unknown version {cut!r}: a newer kv-chunk-fs?"
+            )
         return int(cut)
 
     def empty_index(self) -> Index:

@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -182,28 +181,20 @@ def through_mount(paths: Sequence[Path], work: Path, extra: Sequence[str] = ()) 
     out = []
     try:
         for p in paths:
-            _ingested(m)
+            m.ingested()
             before = m.stored_bytes() or 0
             data = Path(p).read_bytes()
             with open(m.mnt / "conv.tmp", "wb", buffering=0) as f:
                 for i in range(0, len(data), 1 << 20):
                     f.write(data[i : i + (1 << 20)])
             os.rename(m.mnt / "conv.tmp", m.mnt / "conv")
-            _ingested(m)
+            m.ingested()
             out.append((len(data), (m.stored_bytes() or 0) - before))
             if (m.mnt / "conv").read_bytes() != data:
                 raise RuntimeError(f"{p}: read back differs")
     finally:
         m.stop()
     return out
-
-
-def _ingested(m, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while (m.counters() or {}).get("ingest_queue", 0):
-        if time.monotonic() > deadline:
-            raise RuntimeError("saves not stored in time")
-        time.sleep(0.05)
 
 
 def render(rep: Report, title: str) -> str:

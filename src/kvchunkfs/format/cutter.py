@@ -12,8 +12,9 @@ cutting). ``aware=True`` walks the file with ``llama_state.step``:
 * every segment start is a boundary (file header, token ids, counts, cell records, each K and V
   block with its small header, each recurrent block, an appended blob, the opaque rest);
 * inside a segment of units (rows) the boundaries are at a fixed stride, a whole number of units
-  near the average chunk size, counted from the first unit: a block that grew at its end keeps
-  every earlier chunk, and only its last, partial stride is stored again;
+  near the average chunk size (``relayout`` from cut version 2: at most ``MAX_RECORDS`` of them),
+  counted from the first unit: a block that grew at its end keeps every earlier chunk, and only its
+  last, partial stride is stored again;
 * transposed V (one run of elements per dimension, every run growing): boundaries at each run start
   and at strides inside long runs; short runs are grouped a whole number of runs per chunk;
 * opaque segments (unknown magic or version, anything that stops parsing) get FastCDC from their

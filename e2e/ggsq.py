@@ -65,6 +65,7 @@ class Spec:
     recurrent_layers: int = 0  # > 0: hybrid, R and S blocks per recurrent layer (real layout)
     r_row: int = 3072
     s_row: int = 16384
+    ggml_type: int = GGML_TYPE_F16  # of the K and V rows (2: q4_0, 18 bytes per 32 values)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -124,15 +125,15 @@ def _kv_cache(
         if spec.version >= 4:
             yield struct.pack("<II", 0, 0)  # n_rot_k, n_rot_v
         for il in range(n_layer):
-            yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
+            yield struct.pack("<iQ", spec.ggml_type, spec.row_bytes)
             yield b"".join(_row(hs[p], il, b"K" + tag, spec.row_bytes) for p in cells)
         for il in range(n_layer):
             rows = [_row(hs[p], il, b"V" + tag, spec.row_bytes) for p in cells]
             if spec.v_trans:
-                yield struct.pack("<iII", GGML_TYPE_F16, spec.el_bytes, spec.row_bytes // spec.el_bytes)
+                yield struct.pack("<iII", spec.ggml_type, spec.el_bytes, spec.row_bytes // spec.el_bytes)
                 yield _transposed(rows, spec.el_bytes)
             else:
-                yield struct.pack("<iQ", GGML_TYPE_F16, spec.row_bytes)
+                yield struct.pack("<iQ", spec.ggml_type, spec.row_bytes)
                 yield b"".join(rows)
     for _ in range(1, spec.n_stream):  # the other streams hold nothing of this sequence
         yield struct.pack("<I", 0)

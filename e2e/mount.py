@@ -78,6 +78,15 @@ class Mount:
         except (OSError, ValueError):
             return None
 
+    def ingested(self, timeout: float = 600.0) -> None:
+        """Wait until every closed save is stored as chunks (the daemon stores them behind the
+        close: the packs' growth is a save's new bytes only once it is)."""
+        deadline = time.monotonic() + timeout
+        while (self.counters() or {}).get("ingest_queue", 0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"saves not stored after {timeout} s")
+            time.sleep(0.05)
+
     def store_bytes_total(self) -> int | None:
         if self.plain:
             return None

@@ -229,8 +229,10 @@ class Player:
 
     def save(self, conv: Conversation, kind_info: dict) -> dict:
         name = conv.name
+        self.mount.ingested()
         before, c0 = self.mount.stored_bytes(), self.mount.counters()
         fs = self._save_one(self.fs, self.mnt, name)
+        self.mount.ingested()
         after, c1 = self.mount.stored_bytes(), self.mount.counters()
         rf = self._save_one(self.rf, self.ref, name)
         n_saved = fs["resp"]["n_saved"]
@@ -288,6 +290,7 @@ class Player:
         rnd = random.Random(f"tail-{name}-{conv.turns}")
         tail = b"CKPT" + n.to_bytes(8, "little") + rnd.randbytes(n - 12)
         res = {}
+        self.mount.ingested()
         before, c0 = self.mount.stored_bytes(), self.mount.counters()
         for d in (self.mnt, self.ref):
             size0 = (d / name).stat().st_size
@@ -298,6 +301,7 @@ class Player:
             os.utime(d / name)
             res[d] = (time.monotonic() - t, size0)
             if d == self.mnt:
+                self.mount.ingested()
                 after, c1 = self.mount.stored_bytes(), self.mount.counters()
         equal = self.compare(name)
         size = (self.mnt / name).stat().st_size

@@ -12,8 +12,9 @@ cutting). ``aware=True`` walks the file with ``llama_state.step``:
 * every segment start is a boundary (file header, token ids, counts, cell records, each K and V
   block with its small header, each recurrent block, an appended blob, the opaque rest);
 * inside a segment of units (rows) the boundaries are at a fixed stride, a whole number of units
-  near the average chunk size, counted from the first unit: a block that grew at its end keeps
-  every earlier chunk, and only its last, partial stride is stored again;
+  near the average chunk size (``relayout`` from cut version 2: at most ``MAX_RECORDS`` of them),
+  counted from the first unit: a block that grew at its end keeps every earlier chunk, and only its
+  last, partial stride is stored again;
 * transposed V (one run of elements per dimension, every run growing): boundaries at each run start
   and at strides inside long runs; short runs are grouped a whole number of runs per chunk;
 * opaque segments (unknown magic or version, anything that stops parsing) get FastCDC from their
@@ -42,6 +43,14 @@ LEAD = 64  # room for a segment's header in its first chunk, so a chunk never pa
 GROUP_WIDTH = 8 << 10  # relayout: K (V) blocks grouped into records of about this many bytes a cell
 SMALL_UNIT = 64  # relayout: segments of rows this small (token ids, cell records) ...
 SMALL_STRIDE = 4 << 10  # ... are cut this finely: a turn stores each one's last stride again
+# Cut versions of ``relayout`` (recorded per store: a store keeps the one it was created with).
+# 1: a stride of whole records nearest ``chunk_avg``.
+# 2: at most ``MAX_RECORDS`` records a stride (but never under ``SMALL_STRIDE`` bytes): what a turn
+#    stores again is at most ``MAX_RECORDS`` tokens' rows of every group, whatever the row size.
+# Both cut small rows every ``SMALL_STRIDE`` bytes: no chunk is shorter except at segment ends.
+CUTS = (1, 2)
+CUT = CUTS[-1]  # for new stores
+MAX_RECORDS = 7
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,13 @@ class CutState:
 
 
 class Cutter:
-    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format") -> None:
+    def __init__(self, chunk_min: int, chunk_avg: int, chunk_max: int, kind: str = "format", cut: int = CUT) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown chunker {kind!r}")
+        if cut not in CUTS:
+            raise ValueError(f"unknown cut version {cut!r}")
         self.kind = kind
+        self.cut_version = cut
         # Where a group's stored form is built (relayout saves): a daemon sets a pool of buffers
         # faulted in once; None: a fresh array each time.
         self.alloc: Callable[[int], np.ndarray] | None = None
@@ -238,6 +250,8 @@ class Cutter:
         if unit > cap:
             return self.avg  # rows larger than a chunk: plain byte stride, still from the first row
         k = max(1, round(self.avg / unit))
+        if self.kind == "relayout" and self.cut_version >= 2:
+            k = max(min(k, MAX_RECORDS), -(-SMALL_STRIDE // unit))
         while k > 1 and k * unit > cap:
             k -= 1
         return k * unit

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvchunkfs.format.cutter import Cutter
+from kvchunkfs.format.cutter import CUT, CUTS, Cutter
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import Layout, fsync_dir, fsync_path
@@ -111,13 +111,28 @@ class Repository:
             self.store.set_meta("chunker", kind)
         elif kind != s.chunker:
             log.warning("store %s was created with chunker %s; ignoring configured %s", self.root, kind, s.chunker)
+        fresh = stored is None
         if stored is None:
             self.store.set_meta("chunk_params", wanted)
             stored = wanted
         elif stored != wanted:
             log.warning("store %s was created with chunk sizes %s; ignoring configured %s", self.root, stored, wanted)
         cmin, cavg, cmax = (int(x) for x in stored.split(","))
-        return Cutter(cmin, cavg, cmax, kind)
+        return Cutter(cmin, cavg, cmax, kind, self._cut_version(fresh))
+
+    def _cut_version(self, fresh: bool) -> int:
+        """Where the cutter puts its boundaries (``cutter.CUTS``): a new store takes the newest, a
+        store that predates the recorded version keeps the first, so its next saves still share
+        its chunks."""
+        cut = self.store.get_meta("cut")
+        if cut is None:
+            cut = str(CUT if fresh else 1)
+            self.store.set_meta("cut", cut)
+        if not cut.isdigit() or int(cut) not in CUTS:
+            raise OSError(
+                errno.EINVAL, f"store {self.root} was cut with an unknown version {cut!r}: a newer kv-chunk-fs?"
+            )
+        return int(cut)
 
     def empty_index(self) -> Index:
         return Index(self.chunker.min, self.chunker.avg, self.chunker.max)

@@ -390,14 +390,27 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.cli import systemd
 
+    exe = args.exe or systemd.default_exe()
     try:
-        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint,
-                                  cfg.stop_timeout)  # fmt: skip
+        mount_lines, proxy_lines = systemd.assignments(cfg, args.proxy)
+    except systemd.Refused as e:
+        print(f"kv-chunk-fs: install-systemd: cannot write {e}", file=sys.stderr)
+        return 2
+    if args.mountpoint is not None:  # also in the drop-in: an older drop-in's would win over the unit's
+        mount_lines.insert(0, ("Environment", f"KVCFS_MOUNTPOINT={Path(args.mountpoint).absolute()}"))
+        proxy_lines.insert(0, mount_lines[0])
+    mountpoint = str(Path(args.mountpoint or systemd.DEFAULT_MOUNTPOINT).absolute())
+    try:
+        written = systemd.install(Path(args.unit_dir), exe, mountpoint, cfg.stop_timeout, mount_lines)
         if args.proxy:
-            written += systemd.install_proxy(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+            written += systemd.install_proxy(Path(args.unit_dir), exe, mountpoint, proxy_lines)
+    except systemd.Refused as e:
+        print(f"kv-chunk-fs: install-systemd: cannot write {e}", file=sys.stderr)
+        return 2
     except OSError as e:
-        print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
-        return 1
+        print(f"kv-chunk-fs: install-systemd: {e.filename or args.unit_dir}: {e.strerror or e} (as root, or "
+              "--unit-dir DIR)", file=sys.stderr)  # fmt: skip
+        return 2
     for path in written:
         print(f"wrote {path}")
     print(

@@ -93,8 +93,9 @@ def test_the_unit_serves_the_store_it_was_given(tmp_path: Path) -> None:
     # What the daemon will use, asked with the unit's environment alone.
     clean = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": str(SRC), **env}
     shown = subprocess.run([*CLI, "config"], env=clean, capture_output=True, text=True, check=True).stdout
-    for name, value in (("hot_tier_size", "(1073741824)"), ("stop_timeout", "(120)"), ("api_token_file", str(token)),
-                        ("api_address", f"127.0.0.1:{port}"), ("store", str(store)), ("whole_files_dir", str(whole))):  # fmt: skip
+    expected = {"hot_tier_size": "(1073741824)", "stop_timeout": "(120)", "api_token_file": str(token),
+                "api_address": f"127.0.0.1:{port}", "store": str(store), "whole_files_dir": str(whole)}  # fmt: skip
+    for name, value in expected.items():
         row = next(line for line in shown.splitlines() if line.startswith(name + " "))
         assert value in row and "env:" in row, row
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchunkfs import config as cfgmod
 from kvchunkfs.cli import ops as cliops
-from kvchunkfs.cli.common import open_repo
+from kvchunkfs.cli.common import open_repo, operator_error, writable_problem
 from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
 from kvchunkfs.store.remote import RemoteTier
@@ -45,12 +45,14 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.recovery import prepare_map_file, recover
     from kvchunkfs.service import logbuffer
     from kvchunkfs.service.api import MountApi
+    from kvchunkfs.store import wholefiles
 
     mountpoint = Path(args.mountpoint).resolve()
     problem = daemon.check_mountpoint(mountpoint, args.nonempty)
     if problem is not None:
         print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
         return 2
+    wholefiles.check_dir(Path(cfg.store), cfg.whole_files_dir)  # before recovery logs a line
     try:
         Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     except OSError as e:
@@ -554,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 STORELESS = {"config", "install-systemd", "file-order"}  # commands that never open the store
+WRITERS = {"mount", "fsck", "gc", "stats", "tree", "export-store"}  # need to write the store (its lock, the map's)
 
 
 def store_problem(store: Path) -> str | None:
@@ -591,12 +594,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(cfg.log_level)
     problem = None if args.command in STORELESS else store_problem(Path(cfg.store))
+    if problem is None and args.command in WRITERS and not args.collect_remote:
+        problem = writable_problem(Path(cfg.store))
     if problem is not None:
         print(f"kv-chunk-fs: {problem}", file=sys.stderr)
         return 2
     if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
-    return args.func(cfg, args)
+    try:
+        return int(args.func(cfg, args))
+    except OSError as e:  # what the operator can fix (a full disk, a directory's owner or mode): one line
+        log.debug("%s failed", args.command, exc_info=True)
+        print(f"kv-chunk-fs: {args.command}: {operator_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchunkfs import config as cfgmod
-from kvchunkfs.cli.common import open_repo
+from kvchunkfs.cli.common import open_repo, operator_error
 from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, prefixtree
@@ -23,13 +23,13 @@ from kvchunkfs.units import format_duration, format_size
 
 
 class CliError(RuntimeError):
-    """A user-facing failure: printed as one line, exit status 1."""
+    """A user-facing failure: printed as one line, exit status 2."""
 
 
 def _store(cfg: cfgmod.Config) -> Path:
     store = Path(cfg.store)
     if not (store / "snapshots").is_dir():
-        raise CliError(f"no store at {store} (set --store or KV_CHUNK_FS_STORE)")
+        raise CliError(f"no store at {store}: set --store or KV_CHUNK_FS_STORE (`kv-chunk-fs mount` creates one)")
     return store
 
 
@@ -49,13 +49,13 @@ def _run(fn: Any, cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         return fn(cfg, args)
     except (CliError, catalog.QueryError) as e:
         print(f"kv-chunk-fs: {e}", file=sys.stderr)
-        return 1
+        return 2
     except DaemonError as e:
         print(f"kv-chunk-fs: {e.message}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. a store readable only by the user the daemon runs as
-        print(f"kv-chunk-fs: {e}", file=sys.stderr)
-        return 1
+        print(f"kv-chunk-fs: {operator_error(e)}", file=sys.stderr)
+        return 2
 
 
 # -- ls --------------------------------------------------------------------------------------------

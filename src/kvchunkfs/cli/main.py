@@ -254,12 +254,22 @@ def _through_daemon(root: Path, method: str, path: str, params: dict[str, str] |
 
 def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """Exit 0 if the store is clean, 1 if problems were found, 2 if it could not run."""
-    from kvchunkfs.maint.fsck import run_fsck
+    from kvchunkfs.maint.fsck import Subset, run_fsck
+    from kvchunkfs.maint.fsckadvice import advice
 
+    try:
+        subset = None if args.verify_data in (None, "all") else Subset.parse(args.verify_data)
+    except ValueError as e:
+        print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
+        return 2
     bar = ProgressBar()
     try:
-        report = run_fsck(Path(cfg.store), args.verify_data, args.repair, bar.show, lambda: open_repo(cfg))
-    except (OSError, RuntimeError) as e:
+        report = run_fsck(Path(cfg.store), args.verify_data is not None, args.repair, bar.show,
+                          lambda: open_repo(cfg), subset)  # fmt: skip
+    except OSError as e:
+        print(f"kv-chunk-fs: fsck: {operator_error(e)}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
         print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
         return 2
     finally:
@@ -275,6 +285,8 @@ def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"repaired: {line}")
     for line in report.skipped:
         print(f"skipped: {line}")
+    for line in advice(report):
+        print(f"what to do: {line}")
     print(report.summary())
     return 1 if report.problems else 0
 
@@ -547,8 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
                               "settings drop-in; --proxy: the proxy's too"))  # fmt: skip
-    p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
-    p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
+    p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found); without "
+            "--verify-data it reads no chunk bytes, so a byte changed inside a pack goes unnoticed")  # fmt: skip
+    p.add_argument("--verify-data", nargs="?", const="all", default=None, metavar="SUBSET",
+                   help="also re-hash the chunks: every one (reads all packs), or a SUBSET for routine runs: a "
+                   "share (10%%) or a byte budget (2GiB), packs in order from a random one")  # fmt: skip
     p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")
     for p in commands:
         _add_settings(p)

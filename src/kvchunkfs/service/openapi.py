@@ -59,6 +59,10 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
+        "broken": {
+            "type": "string",
+            "description": "present if `fsck --repair` marked the snapshot broken (it cannot be read in full): why",
+        },
         "where": {
             "type": "string",
             "enum": ["local", "both", "remote"],

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from kvchunkfs.config import Config
 from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
-from kvchunkfs.service import catalog, logbuffer, prefixtree
+from kvchunkfs.service import catalog, figures, logbuffer, prefixtree
 from kvchunkfs.service.api.encode import JSONResponse
 from kvchunkfs.service.history import History
 from kvchunkfs.service.live import LiveCatalog, cyclic_gc_paused, direct_reader
@@ -66,6 +66,7 @@ class Service:
         self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
+        self.metrics.catalog = self.live.totals
         self.history = History(repo.store.cached_stats)
         self.metrics.history = self.history
         self.gc_finished: float | None = None  # wall clock of the last GC run's end
@@ -142,8 +143,8 @@ class Service:
         out = catalog.totals([], (chunks, stored), packs).to_dict()
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
         out["catalog_generation"] = self.live.generation  # moves with every row added or dropped (fsck)
-        out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
-        out["counters"] = self.stats()
+        out["dedup_ratio"] = figures.dedup_ratio(logical, stored)
+        out["counters"] = figures.public(self.stats())
         if self.fuse_source is not None:
             out["fuse"] = dict(self.fuse_source())
         remote = self.repo.remote

@@ -62,7 +62,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
-        return 1
+        return 2
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     logs = logbuffer.install()  # before recovery: its summary shows in GET /logs (the dashboard's Logs tab)
     repo = open_repo(cfg)
@@ -77,9 +77,9 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 repo.remote = _remote_tier(cfg, repo)
             except OSError as e:  # e.g. boto3 not installed
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
-                return 1
+                return 2
             if not _remote_format_ok(repo.remote):
-                return 1
+                return 2
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
         if repo.remote is not None and cfg.local_cache_size:
@@ -88,8 +88,9 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
             api = MountApi(cfg, files, mountpoint, collector, logs)
         except (OSError, RuntimeError) as e:
-            print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
-            return 1
+            print(f"kv-chunk-fs: cannot serve the API: {e} (set api_address to a free address, or empty for none)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         collector.names = api.service.live  # its reference counts: GC runs without reading every stub
         collector.trim = daemon.trim_memory
         try:

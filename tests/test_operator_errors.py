@@ -68,6 +68,31 @@ def test_a_read_only_store_is_one_line(read_only: Path, tmp_path: Path, command:
     assert run("ls", "--store", str(read_only)).returncode == 0, "listing needs no write"
 
 
+def _as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command as uid 65534, through the system's Python (the tests' interpreter may live in a
+    directory only root can enter) with the same packages, if it is the same minor version."""
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": f"{SRC}:{site}", "KV_CHUNK_FS_CONFIG": str(EMPTY_CONFIG)}
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-m",
+                           "kvchunkfs.cli", *args], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_a_store_of_another_user_is_one_line(stored: Mount, tmp_path: Path) -> None:
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                           text=True)  # fmt: skip
+    if os.geteuid() != 0 or probe.stdout.strip() != str(sys.version_info[:2]):
+        pytest.skip("needs root and a system Python of the tests' version to run as another user")
+    EMPTY_CONFIG.chmod(0o644)
+    hidden = _as_nobody("stats", "--store", str(stored.store))  # behind pytest's 0700 directories
+    one_line(hidden, str(tmp_path), "Permission denied", "run as the owner")
+    for path in (tmp_path, tmp_path.parent, tmp_path.parent.parent):  # now only the store's own mode stops it
+        path.chmod(path.stat().st_mode | 0o011)
+    for command in ("stats", "fsck", "gc", "ls"):
+        r = _as_nobody(command, "--store", str(stored.store))
+        one_line(r, str(stored.store), "run as the owner")
+    assert "owner uid 0" in _as_nobody("stats", "--store", str(stored.store)).stderr
+
+
 def _whole_dir(mode: int) -> Path:
     WHOLE_ROOT.mkdir(mode=0o700, exist_ok=True)
     path = WHOLE_ROOT / uuid.uuid4().hex

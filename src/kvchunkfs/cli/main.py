@@ -583,7 +583,7 @@ def store_problem(store: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        return f"cannot use the store {store}: {e.strerror or e}"
+        return f"cannot use the store: {operator_error(e)}"
     return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
 
 

@@ -606,10 +606,9 @@ class LiveCatalog:
         }
         if not path.isascii():
             out.update(catalog.path_fields(path))
-        if info.error is not None:
-            out["error"] = catalog.display_name(info.error)
-        if info.broken is not None:
-            out["broken"] = catalog.display_name(info.broken)
+        for key, why in (("error", info.error), ("broken", info.broken)):  # a row that cannot be read in full
+            if why is not None:
+                out[key] = catalog.display_name(why)
         return out
 
     def _row(self, entry: Entry, now: float) -> catalog.Snapshot:

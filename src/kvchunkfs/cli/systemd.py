@@ -179,6 +179,8 @@ def assignments(cfg: Config, proxy: bool) -> tuple[list[tuple[str, str]], list[t
     for var, value in given.items():
         name = env_names.get(var, "")
         line = ("Environment", f"{var}={value}")
+        if "\n" in value or "\r" in value:
+            reasons.append(f"{name or var}: a unit line cannot hold a line break")
         if name in PROXY_SETTINGS:
             if not proxy:
                 reasons.append(f"{name}: a setting of the proxy: add --proxy to write the proxy's unit")
@@ -195,9 +197,8 @@ def assignments(cfg: Config, proxy: bool) -> tuple[list[tuple[str, str]], list[t
 
 
 def _quote(key: str, value: str) -> str:
-    """A unit line; an assignment with spaces, quotes or backslashes is quoted as systemd reads it."""
-    if "\n" in value or "\r" in value:
-        raise Refused(f"{value!r}: a unit line cannot hold a line break")
+    """A unit line; an assignment with spaces, quotes or backslashes is quoted as systemd reads it
+    (a line break is refused by :func:`assignments`)."""
     value = value.replace("%", "%%")
     if key == "Environment" and any(c in value for c in " \t\"'\\"):
         value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

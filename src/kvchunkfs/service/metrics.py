@@ -29,7 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Saves and restores of multi-GiB snapshots take seconds to minutes.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 StatsFn = Callable[[], Mapping[str, int]]
-CatalogFn = Callable[[], tuple[int, int, int, int]]
+CatalogFn = Callable[[], tuple[int, int, int, int] | None]
 
 
 class Metrics:

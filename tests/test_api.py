@@ -264,7 +264,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         busy.listen(1)
         port = busy.getsockname()[1]
         mount = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log")
-        with pytest.raises(RuntimeError, match="daemon exited 1"):
+        with pytest.raises(RuntimeError, match="daemon exited 2"):
             mount.start(extra=["--api-address", f"127.0.0.1:{port}", "--api-token", TOKEN])
     assert "cannot serve the API" in mount.log() and "Address already in use" in mount.log()
     assert "Traceback" not in mount.log()

@@ -197,7 +197,7 @@ def test_ls_stats_tree_through_the_daemon_and_directly(kvfs, empty_config: Path)
     for bad, message in ((("--sort", "bogus"), "unknown field"), (("--filter", "nonsense"), "KEY=VALUE"),
                          (("--filter", "min_size=huge"), "min_size")):  # fmt: skip
         r = run("ls", *store, *bad, config=empty_config)
-        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     kvfs.stop()
     assert not (kvfs.store / "api.sock").exists()
     # No daemon: the same answers from the store directory.
@@ -213,7 +213,7 @@ def test_ls_stats_tree_through_the_daemon_and_directly(kvfs, empty_config: Path)
     assert offline_stats["logical_bytes"] == sum(len(d) for d in files.values())
     assert run("tree", *store, config=empty_config).stdout == live_tree.stdout
     r = run("ls", *store, "--sort", "bogus", config=empty_config)
-    assert r.returncode == 1 and "unknown field" in r.stderr
+    assert r.returncode == 2 and "unknown field" in r.stderr
 
 
 def test_gc_through_the_daemon_socket(kvfs, empty_config: Path) -> None:
@@ -228,7 +228,7 @@ def test_gc_through_the_daemon_socket(kvfs, empty_config: Path) -> None:
 def test_inspecting_a_missing_store_is_a_clear_error(tmp_path: Path, empty_config: Path) -> None:
     for command in ("ls", "stats", "tree"):
         r = run(command, "--store", str(tmp_path / "nothing"), config=empty_config)
-        assert r.returncode == 1 and "no store at" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 2 and "no store at" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "nothing").exists(), "inspecting must not create a store"
 
 

@@ -115,7 +115,8 @@ def test_committed_unit_files_are_what_install_writes(tmp_path: Path) -> None:
     assert "ExecStart=/opt/kvcfs/bin/kv-chunk-fs mount ${KVCFS_MOUNTPOINT}" in unit
     (tmp_path / "kv-chunk-fs.service.d/settings.conf").write_text("[Service]\n# mine\n")
     subprocess.run(cmd, env=env, check=True, capture_output=True)
-    assert (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text() == "[Service]\n# mine\n"  # kept
+    kept = (tmp_path / "kv-chunk-fs.service.d/settings.conf").read_text()
+    assert kept.startswith("[Service]\n# mine\n") and "\nEnvironment=KVCFS_MOUNTPOINT=/srv/x\n" in kept
 
 
 def test_install_systemd_names_the_command_that_runs(tmp_path: Path) -> None:
@@ -174,7 +175,7 @@ def test_install_systemd_proxy_writes_the_proxys_unit_after_the_mount_and_llama_
     assert "ExecStart=/opt/kvcfs/bin/kv-chunk-fs proxy --mount ${KVCFS_MOUNTPOINT}" in text
     (tmp_path / "kv-chunk-fs-proxy.service.d/settings.conf").write_text("[Service]\n# mine\n")
     subprocess.run(cmd, env=env, check=True, capture_output=True)
-    assert (tmp_path / "kv-chunk-fs-proxy.service.d/settings.conf").read_text() == "[Service]\n# mine\n"  # kept
+    assert (tmp_path / "kv-chunk-fs-proxy.service.d/settings.conf").read_text().startswith("[Service]\n# mine\n")
     plain = tmp_path / "plain"
     subprocess.run([*cmd[:4], "--unit-dir", str(plain), *cmd[7:]], env=env, check=True, capture_output=True)
     assert not (plain / "kv-chunk-fs-proxy.service").exists(), "only with --proxy"

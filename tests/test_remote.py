@@ -690,7 +690,7 @@ def state_file(seed: int) -> bytes:
 def refused_mount(hosts: Hosts, name: str, *extra: str) -> str:
     """Start host ``name``; it must refuse the bucket by failing to mount. Its log."""
     m = Mount(hosts.tmp / name / "store", hosts.tmp / name / "mnt", hosts.tmp / name / "daemon.log", hosts.args(*extra))
-    with pytest.raises(RuntimeError, match="daemon exited 1"):
+    with pytest.raises(RuntimeError, match="daemon exited 2"):
         m.start()
     m.stop()
     return m.log()

@@ -376,7 +376,7 @@ def test_tcp_api_without_a_token_is_refused_unless_explicitly_allowed(shared: Pa
     port = free_port()
     m = Mount(shared / "store", shared / "mnt", tmp_path / "daemon.log")
     try:
-        with pytest.raises(RuntimeError, match="daemon exited 1"):
+        with pytest.raises(RuntimeError, match="daemon exited 2"):
             m.start(["--api-address", f"127.0.0.1:{port}"])
         assert "refusing to serve the API on 127.0.0.1:" in m.log() and "api_token_file" in m.log()
         assert "Traceback" not in m.log()
@@ -423,7 +423,7 @@ def test_token_from_a_file_and_every_delete_and_gc_names_its_caller(shared: Path
     r = kv_cli("config", "--api-token", "a", "--api-token-file", str(token_file))
     assert r.returncode == 2 and "both set" in r.stderr, r.stderr
     token_file.write_text("\n")
-    with pytest.raises(RuntimeError, match="daemon exited 1"):
+    with pytest.raises(RuntimeError, match="daemon exited 2"):
         m.start(["--api-address", f"127.0.0.1:{port}", "--api-token-file", str(token_file)])
     stop_mount(m)
     assert "holds no token" in m.log() and "Traceback" not in m.log()

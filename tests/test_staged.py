@@ -265,8 +265,14 @@ def test_a_whole_files_dir_another_user_could_swap_is_refused(kvfs: Mount, tmp_p
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
+    (shared / "someone's").write_bytes(b"x")  # an empty one of ours would be set to mode 0700
     with pytest.raises(RuntimeError, match="mode 0700"):
         kvfs.start(["--whole-files-dir", str(shared)])
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(RuntimeError, match="mode 0700"):
+        kvfs.start(["--whole-files-dir", str(theirs)])
 
 
 def test_a_reader_keeps_its_version_while_a_new_one_is_written(kvfs: Mount) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchunkfs import config as cfgmod
 from kvchunkfs.cli import ops as cliops
-from kvchunkfs.cli.common import open_repo
+from kvchunkfs.cli.common import open_repo, operator_error, writable_problem
 from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
 from kvchunkfs.store.remote import RemoteTier
@@ -45,12 +45,14 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.recovery import prepare_map_file, recover
     from kvchunkfs.service import logbuffer
     from kvchunkfs.service.api import MountApi
+    from kvchunkfs.store import wholefiles
 
     mountpoint = Path(args.mountpoint).resolve()
     problem = daemon.check_mountpoint(mountpoint, args.nonempty)
     if problem is not None:
         print(f"kv-chunk-fs: cannot mount: {problem}", file=sys.stderr)
         return 2
+    wholefiles.check_dir(Path(cfg.store), cfg.whole_files_dir)  # before recovery logs a line
     try:
         Path(cfg.store).mkdir(mode=0o700, parents=True, exist_ok=True)  # Repository tightens an old one
     except OSError as e:
@@ -60,7 +62,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         lock_fd = lock_store(Path(cfg.store))  # one daemon per store, held until exit
     except StoreLocked as e:
         print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
-        return 1
+        return 2
     moved_aside = prepare_map_file(Path(cfg.store))  # an unreadable chunks.db is rebuilt from the packs
     logs = logbuffer.install()  # before recovery: its summary shows in GET /logs (the dashboard's Logs tab)
     repo = open_repo(cfg)
@@ -75,9 +77,9 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 repo.remote = _remote_tier(cfg, repo)
             except OSError as e:  # e.g. boto3 not installed
                 print(f"kv-chunk-fs: cannot use remote {cfg.remote}: {e}", file=sys.stderr)
-                return 1
+                return 2
             if not _remote_format_ok(repo.remote):
-                return 1
+                return 2
             repo.remote.start()  # resumes what a previous run left unuploaded
         collector = GarbageCollector(repo, cfg.gc_compact_threshold, cfg.gc_interval, cfg.gc_walk_interval)
         if repo.remote is not None and cfg.local_cache_size:
@@ -86,8 +88,9 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             # Binds STORE/api.sock (and api_address) before mounting, so the API answers once the mount is up.
             api = MountApi(cfg, files, mountpoint, collector, logs)
         except (OSError, RuntimeError) as e:
-            print(f"kv-chunk-fs: cannot serve the API: {e}", file=sys.stderr)
-            return 1
+            print(f"kv-chunk-fs: cannot serve the API: {e} (set api_address to a free address, or empty for none)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         collector.names = api.service.live  # its reference counts: GC runs without reading every stub
         collector.trim = daemon.trim_memory
         try:
@@ -252,12 +255,22 @@ def _through_daemon(root: Path, method: str, path: str, params: dict[str, str] |
 
 def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """Exit 0 if the store is clean, 1 if problems were found, 2 if it could not run."""
-    from kvchunkfs.maint.fsck import run_fsck
+    from kvchunkfs.maint.fsck import Subset, run_fsck
+    from kvchunkfs.maint.fsckadvice import advice
 
+    try:
+        subset = None if args.verify_data in (None, "all") else Subset.parse(args.verify_data)
+    except ValueError as e:
+        print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
+        return 2
     bar = ProgressBar()
     try:
-        report = run_fsck(Path(cfg.store), args.verify_data, args.repair, bar.show, lambda: open_repo(cfg))
-    except (OSError, RuntimeError) as e:
+        report = run_fsck(Path(cfg.store), args.verify_data is not None, args.repair, bar.show,
+                          lambda: open_repo(cfg), subset)  # fmt: skip
+    except OSError as e:
+        print(f"kv-chunk-fs: fsck: {operator_error(e)}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
         print(f"kv-chunk-fs: fsck: {e}", file=sys.stderr)
         return 2
     finally:
@@ -273,6 +286,8 @@ def cmd_fsck(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         print(f"repaired: {line}")
     for line in report.skipped:
         print(f"skipped: {line}")
+    for line in advice(report):
+        print(f"what to do: {line}")
     print(report.summary())
     return 1 if report.problems else 0
 
@@ -390,14 +405,24 @@ def cmd_ui(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
 def cmd_install_systemd(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.cli import systemd
 
+    exe = args.exe or systemd.default_exe()
     try:
-        written = systemd.install(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint,
-                                  cfg.stop_timeout)  # fmt: skip
+        mount_lines, proxy_lines = systemd.assignments(cfg, args.proxy)
+    except systemd.Refused as e:
+        print(f"kv-chunk-fs: install-systemd: cannot write {e}", file=sys.stderr)
+        return 2
+    if args.mountpoint is not None:  # also in the drop-in: an older drop-in's would win over the unit's
+        mount_lines.insert(0, ("Environment", f"KVCFS_MOUNTPOINT={Path(args.mountpoint).absolute()}"))
+        proxy_lines.insert(0, mount_lines[0])
+    mountpoint = str(Path(args.mountpoint or systemd.DEFAULT_MOUNTPOINT).absolute())
+    try:
+        written = systemd.install(Path(args.unit_dir), exe, mountpoint, cfg.stop_timeout, mount_lines)
         if args.proxy:
-            written += systemd.install_proxy(Path(args.unit_dir), args.exe or systemd.default_exe(), args.mountpoint)
+            written += systemd.install_proxy(Path(args.unit_dir), exe, mountpoint, proxy_lines)
     except OSError as e:
-        print(f"kv-chunk-fs: install-systemd: {e}", file=sys.stderr)
-        return 1
+        print(f"kv-chunk-fs: install-systemd: {e.filename or args.unit_dir}: {e.strerror or e} (as root, or "
+              "--unit-dir DIR)", file=sys.stderr)  # fmt: skip
+        return 2
     for path in written:
         print(f"wrote {path}")
     print(
@@ -546,8 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
                               "settings drop-in; --proxy: the proxy's too"))  # fmt: skip
-    p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found)")
-    p.add_argument("--verify-data", action="store_true", help="also re-hash every chunk (reads all packs)")
+    p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found); without "
+            "--verify-data it reads no chunk bytes, so a byte changed inside a pack goes unnoticed")  # fmt: skip
+    p.add_argument("--verify-data", nargs="?", const="all", default=None, metavar="SUBSET",
+                   help="also re-hash the chunks: every one (reads all packs), or a SUBSET for routine runs: a "
+                   "share (10%%) or a byte budget (2GiB), packs in order from a random one")  # fmt: skip
     p.add_argument("--repair", action="store_true", help="remove what is unreachable, mark broken snapshots")
     for p in commands:
         _add_settings(p)
@@ -555,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 STORELESS = {"config", "install-systemd", "file-order"}  # commands that never open the store
+WRITERS = {"mount", "fsck", "gc", "stats", "tree", "export-store"}  # need to write the store (its lock, the map's)
 
 
 def store_problem(store: Path) -> str | None:
@@ -565,7 +594,7 @@ def store_problem(store: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        return f"cannot use the store {store}: {e.strerror or e}"
+        return f"cannot use the store: {operator_error(e)}"
     return None if stat.S_ISDIR(mode) else f"the store {store} is not a directory (set --store or KV_CHUNK_FS_STORE)"
 
 
@@ -610,12 +639,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in STORELESS and args.command != "mount":
         cfg = _store_of_mountpoint(cfg)
     problem = None if args.command in STORELESS else store_problem(Path(cfg.store))
+    if problem is None and args.command in WRITERS and not args.collect_remote:
+        problem = writable_problem(Path(cfg.store))
     if problem is not None:
         print(f"kv-chunk-fs: {problem}", file=sys.stderr)
         return 2
     if isinstance(sys.stdout, io.TextIOWrapper):  # file names that are not UTF-8 print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
-    return args.func(cfg, args)
+    try:
+        return int(args.func(cfg, args))
+    except OSError as e:  # what the operator can fix (a full disk, a directory's owner or mode): one line
+        log.debug("%s failed", args.command, exc_info=True)
+        print(f"kv-chunk-fs: {args.command}: {operator_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

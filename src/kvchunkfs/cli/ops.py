@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchunkfs import config as cfgmod
-from kvchunkfs.cli.common import open_repo
+from kvchunkfs.cli.common import open_repo, operator_error
 from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, prefixtree
@@ -23,13 +23,13 @@ from kvchunkfs.units import format_duration, format_size
 
 
 class CliError(RuntimeError):
-    """A user-facing failure: printed as one line, exit status 1."""
+    """A user-facing failure: printed as one line, exit status 2."""
 
 
 def _store(cfg: cfgmod.Config) -> Path:
     store = Path(cfg.store)
     if not (store / "snapshots").is_dir():
-        raise CliError(f"no store at {store} (set --store or KV_CHUNK_FS_STORE)")
+        raise CliError(f"no store at {store}: set --store or KV_CHUNK_FS_STORE (`kv-chunk-fs mount` creates one)")
     return store
 
 
@@ -49,13 +49,13 @@ def _run(fn: Any, cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         return fn(cfg, args)
     except (CliError, catalog.QueryError) as e:
         print(f"kv-chunk-fs: {e}", file=sys.stderr)
-        return 1
-    except DaemonError as e:
+        return 2
+    except DaemonError as e:  # a request the daemon refused (a bad filter) is the caller's to fix
         print(f"kv-chunk-fs: {e.message}", file=sys.stderr)
-        return 1
+        return 2 if 400 <= e.status < 500 else 1
     except OSError as e:  # e.g. a store readable only by the user the daemon runs as
-        print(f"kv-chunk-fs: {e}", file=sys.stderr)
-        return 1
+        print(f"kv-chunk-fs: {operator_error(e)}", file=sys.stderr)
+        return 2
 
 
 # -- ls --------------------------------------------------------------------------------------------
@@ -95,7 +95,9 @@ def render_table(rows: list[dict[str, Any]], now: float | None = None) -> str:
     table: list[list[str]] = [["PATH", "SIZE", "UNIQUE", "SHARED", "USES", "LAST USE", "SCORE", "LABELS"]]
     for r in rows:
         labels = ",".join(f"{k}={v}" for k, v in r["labels"].items())
-        path = r["path"] + (" (unreadable)" if r.get("error") else "")
+        path = r["path"] + (
+            " (unreadable)" if r.get("error") else f" (broken: {r['broken']})" if r.get("broken") else ""
+        )
         score = "-" if r["score"] is None else f"{r['score']:.4g}"
         table.append(
             [path, _size(r["size"]), _size(r["unique_bytes"]), _size(r["shared_bytes"]), str(r["use_count"]),
@@ -122,6 +124,10 @@ def cmd_ls(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
             params["order"] = "desc"
         rows = snapshot_rows(cfg, params)
         sys.stdout.write(json.dumps(rows, indent=2) + "\n" if args.json else render_table(rows))
+        broken = sum(1 for r in rows if r.get("broken") or r.get("error"))
+        if broken and not args.json:
+            print(f"kv-chunk-fs: {broken} snapshots cannot be read in full (opening them fails with EIO): "
+                  "`kv-chunk-fs fsck` says what each problem means and what to do", file=sys.stderr)  # fmt: skip
         return 0
 
     return _run(run, cfg, args)
@@ -140,7 +146,10 @@ def store_stats(cfg: cfgmod.Config) -> dict[str, Any]:
 
 def render_stats(stats: dict[str, Any]) -> str:
     rows = [
-        ("snapshots", str(stats["snapshots"]) + (f" ({stats['broken']} unreadable)" if stats.get("broken") else "")),
+        (
+            "snapshots",
+            str(stats["snapshots"]) + (f" ({stats['broken']} broken: see `ls`)" if stats.get("broken") else ""),
+        ),
         ("logical bytes", _with_size(stats["logical_bytes"])),
         ("referenced bytes", _with_size(stats["referenced_bytes"])),
         ("stored bytes", _with_size(stats["stored_bytes"])),

@@ -7,6 +7,12 @@ the daemon refuses new writes, waits up to ``stop_timeout`` for the files open f
 closed and saved, then unmounts and closes the store; ``TimeoutStopSec`` is that bound plus
 ``CLOSE_MARGIN``, so systemd's SIGKILL never cuts the wait short. ``Restart=on-failure`` brings a
 crashed daemon back, and mount-time recovery repairs what the crash left.
+
+Every setting given to ``install-systemd`` (a flag, a ``KV_CHUNK_FS_<NAME>`` variable, or a config
+file other than /etc/kv-chunk-fs/config.toml) is written into the drop-in as that variable, so the
+daemon systemd starts runs with what the command was given; one it cannot write is refused by name
+(:func:`assignments`). An existing drop-in is the operator's: only the lines of the settings given
+are replaced.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from kvchunkfs.config import SETTINGS
+from kvchunkfs.config import CONFIG_ENV, SETTINGS, Config, Setting
 
 UNIT_NAME = "kv-chunk-fs.service"
 DROPIN_NAME = "settings.conf"
@@ -25,6 +31,7 @@ DEFAULT_MOUNTPOINT = "/srv/kv-slots"
 # After the wait for saves: the unmount, then closing the store (a GC walk or compaction under way
 # stops, the upload and eviction threads are joined: up to a minute each).
 CLOSE_MARGIN = 240
+ROOT_CONFIG = "/etc/kv-chunk-fs/config.toml"  # what the daemon, as root, reads without being told
 
 UNIT = """\
 # kv-chunk-fs: deduplicating FUSE filesystem for llama-server's --slot-save-path.
@@ -117,6 +124,111 @@ Environment=KVCFS_MOUNTPOINT={mountpoint}
 """
 
 
+# Settings only the proxy reads (the rest are the mount's; these are written into both drop-ins).
+PROXY_SETTINGS = frozenset(n for n in SETTINGS if n.startswith("proxy_")) | {"cache_max_bytes"}
+SHARED_SETTINGS = frozenset({"store", "log_level"})
+# Settings a drop-in cannot carry, and what to do instead.
+REFUSED = {
+    "api_token": "a unit's environment is readable by every local user (systemctl show): put the token in a "
+    "file (mode 0600) and give --api-token-file",
+    "proxy_mount": "the proxy's unit uses --mountpoint",
+}
+# Unit lines a setting also sets: the daemon's stop wait and systemd's bound on it move together.
+ALSO = {"stop_timeout": lambda seconds: ("TimeoutStopSec", _span(seconds + CLOSE_MARGIN))}
+
+
+class Refused(ValueError):
+    """Settings the units cannot carry; the message names each and says what to do."""
+
+
+def _env_value(setting: Setting, value: object) -> str:
+    if setting.kind in ("path", "file"):
+        return str(Path(str(value)).absolute())
+    if setting.kind == "bool":
+        return "true" if value else "false"
+    return str(value)
+
+
+def _given(cfg: Config) -> tuple[dict[str, str], list[str]]:
+    """(variable -> value of every setting given to this command, names that cannot be written)."""
+    out: dict[str, str] = {}
+    refused = []
+    for name, source in cfg.sources.items():
+        if source.startswith("file:") and source != f"file:{ROOT_CONFIG}":  # the daemon reads that file itself
+            out[CONFIG_ENV] = str(Path(source.removeprefix("file:")).absolute())
+        if not source.startswith(("flag:", "env:")):
+            continue
+        if name in REFUSED:
+            refused.append(name)
+            continue
+        setting = SETTINGS[name]
+        value = getattr(cfg, name)
+        out[setting.env] = "" if value is None else _env_value(setting, value)
+    return out, refused
+
+
+def assignments(cfg: Config, proxy: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The drop-in lines (key, value) of the mount's unit and of the proxy's for the settings given:
+    ``Environment`` assignments and the unit lines in :data:`ALSO`; :class:`Refused` names the ones
+    a unit cannot carry (``api_token``; a proxy setting without ``--proxy``)."""
+    given, refused = _given(cfg)
+    reasons = [f"{name}: {REFUSED[name]}" for name in refused]
+    env_names = {s.env: s.name for s in SETTINGS.values()}
+    mount: list[tuple[str, str]] = []
+    prox: list[tuple[str, str]] = []
+    for var, value in given.items():
+        name = env_names.get(var, "")
+        line = ("Environment", f"{var}={value}")
+        if "\n" in value or "\r" in value:
+            reasons.append(f"{name or var}: a unit line cannot hold a line break")
+        if name in PROXY_SETTINGS:
+            if not proxy:
+                reasons.append(f"{name}: a setting of the proxy: add --proxy to write the proxy's unit")
+            prox.append(line)
+            continue
+        mount.append(line)
+        if name in SHARED_SETTINGS or var == CONFIG_ENV:
+            prox.append(line)
+        if name in ALSO:
+            mount.append(ALSO[name](getattr(cfg, name)))
+    if reasons:
+        raise Refused("; ".join(reasons))
+    return mount, prox
+
+
+def _quote(key: str, value: str) -> str:
+    """A unit line; an assignment with spaces, quotes or backslashes is quoted as systemd reads it
+    (a line break is refused by :func:`assignments`)."""
+    value = value.replace("%", "%%")
+    if key == "Environment" and any(c in value for c in " \t\"'\\"):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"{key}={value}"
+
+
+def set_lines(text: str, lines: list[tuple[str, str]]) -> str:
+    """``text`` (a drop-in) with ``lines`` in place of the active lines setting the same variable
+    (``Environment``) or key (others), added at its end."""
+    if not lines:
+        return text
+    keys = {(k, v.partition("=")[0] if k == "Environment" else "") for k, v in lines}
+
+    def sets(line: str) -> bool:
+        key, sep, value = line.partition("=")
+        if not sep:
+            return False
+        value = value.strip().strip('"')
+        return (key.strip(), value.partition("=")[0] if key.strip() == "Environment" else "") in keys
+
+    kept = [line for line in text.splitlines() if not sets(line)]
+    if not any(line.strip() == "[Service]" for line in kept):
+        kept.append("[Service]")
+    while kept and not kept[-1].strip():
+        kept.pop()
+    note = "# Given to `kv-chunk-fs install-systemd`:"
+    kept += [] if note in kept else [note]
+    return "\n".join([*kept, *(_quote(k, v) for k, v in lines)]) + "\n"
+
+
 def render_proxy_unit(exe: str, mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
     return PROXY_UNIT.format(exe=exe, mountpoint=mountpoint, unit=PROXY_UNIT_NAME, dropin=DROPIN_NAME)
 
@@ -125,22 +237,25 @@ def render_proxy_dropin(mountpoint: str = DEFAULT_MOUNTPOINT) -> str:
     return PROXY_DROPIN.format(mountpoint=mountpoint)
 
 
-def install_proxy(unit_dir: Path, exe: str, mountpoint: str) -> list[Path]:
+def install_proxy(unit_dir: Path, exe: str, mountpoint: str, lines: list[tuple[str, str]] | None = None) -> list[Path]:
     """The proxy's unit and drop-in, as ``install`` writes the mount's. Returns the files written."""
-    return _write(unit_dir, PROXY_UNIT_NAME, render_proxy_unit(exe, mountpoint), render_proxy_dropin(mountpoint))
+    return _write(unit_dir, PROXY_UNIT_NAME, render_proxy_unit(exe, mountpoint), render_proxy_dropin(mountpoint),
+                  lines or [])  # fmt: skip
 
 
-def _write(unit_dir: Path, name: str, unit_text: str, dropin_text: str) -> list[Path]:
-    """Write a unit (replacing an older one) and its drop-in (kept if it exists: it is the
-    operator's). Returns the files written."""
+def _write(unit_dir: Path, name: str, unit_text: str, dropin_text: str, lines: list[tuple[str, str]]) -> list[Path]:
+    """Write a unit (replacing an older one) and its drop-in with ``lines`` (see :func:`set_lines`);
+    an existing drop-in is the operator's: only the lines given are replaced. Returns the files written."""
     unit_dir.mkdir(parents=True, exist_ok=True)
     unit = unit_dir / name
     unit.write_text(unit_text)
     written = [unit]
     dropin = unit_dir / f"{name}.d" / DROPIN_NAME
-    if not dropin.exists():
+    old = dropin.read_text() if dropin.exists() else None
+    new = set_lines(dropin_text if old is None else old, lines)
+    if new != old:
         dropin.parent.mkdir(exist_ok=True)
-        dropin.write_text(dropin_text)
+        dropin.write_text(new)
         written.append(dropin)
     return written
 
@@ -170,16 +285,18 @@ def default_exe() -> str:
     return shutil.which("kv-chunk-fs") or f"{sys.executable} -m kvchunkfs.cli"
 
 
-def install(unit_dir: Path, exe: str, mountpoint: str, stop_timeout: int = DEFAULT_STOP_TIMEOUT) -> list[Path]:
-    """The mount's unit (``TimeoutStopSec`` from ``stop_timeout``) and drop-in. Returns the files written."""
-    return _write(
-        unit_dir, UNIT_NAME, render_unit(exe, mountpoint, stop_timeout), render_dropin(mountpoint, stop_timeout)
-    )
+def install(unit_dir: Path, exe: str, mountpoint: str, stop_timeout: int = DEFAULT_STOP_TIMEOUT,
+            lines: list[tuple[str, str]] | None = None) -> list[Path]:  # fmt: skip
+    """The mount's unit (``TimeoutStopSec`` from ``stop_timeout``) and drop-in with ``lines`` (the
+    settings given, :func:`assignments`). Returns the files written."""
+    return _write(unit_dir, UNIT_NAME, render_unit(exe, mountpoint, stop_timeout),
+                  render_dropin(mountpoint, stop_timeout), lines or [])  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its own options; every setting given too (a flag or KV_CHUNK_FS_<NAME>) goes into the drop-ins."""
     p.add_argument("--unit-dir", default="/etc/systemd/system", help="where to write the unit (default %(default)s)")
-    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="llama-server's --slot-save-path (%(default)s)")
+    p.add_argument("--mountpoint", default=None, help=f"llama-server's --slot-save-path ({DEFAULT_MOUNTPOINT})")
     p.add_argument("--exe", default=None, help="the kv-chunk-fs command for ExecStart (default: this one)")
     what = "`kv-chunk-fs proxy` on the mount, started after it and llama-server"
     p.add_argument("--proxy", action="store_true", help=f"also write {PROXY_UNIT_NAME}: {what}")

@@ -111,7 +111,7 @@ class Handle:
 class Observer(Protocol):
     """Told about saves and restores (metrics); called on the FUSE thread, so it must be quick."""
 
-    def on_save(self, seconds: float, size: int, new_bytes: int) -> None: ...
+    def on_save(self, seconds: float, size: int, new_bytes: int, closed: float | None = None) -> None: ...
 
     def on_restore(self, seconds: float, size: int) -> None: ...
 
@@ -1263,7 +1263,8 @@ class Operations(fuse.Operations):
         if outcome is not Outcome.INSTALLED:
             return
         self.saves += 1
-        self._observe("on_save", job.closed_ms / 1000, job.size, new_bytes)
+        stored = job.closed_ms / 1000 + time.monotonic() - job.queued  # from the close's start until stored
+        self._observe("on_save", stored, job.size, new_bytes, job.closed_ms / 1000)
         log.info("saved %s: %s, %s new, closed in %.0f ms, stored in %.0f ms", node.path or job.where() or job.name,
                  _mib(job.size), _mib(new_bytes), job.closed_ms, seconds * 1000)  # fmt: skip
 

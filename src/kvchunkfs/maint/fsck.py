@@ -5,9 +5,13 @@ mapped, lies inside its pack and has the length the index gives it; map rows do 
 agree with their pack's batch records; no pack has bytes after its last mapped chunk (crash
 leftovers, normally handled by recovery at mount); no temp or staging files are left. A chunk a
 snapshot names that the map lacks but a pack describes is a stale map (repairable), not damage.
+Without ``--verify-data`` no chunk byte is read: a byte changed inside a pack goes unnoticed.
 ``--verify-data`` re-hashes every mapped chunk (SHA-256 = id) and puts back every snapshot that has
 a file record (format/filerecord.py) to check its file checksum and its groups' checksums: that
 catches what chunk ids cannot, chunks in a wrong order or groups put back with a wrong layout.
+``--verify-data SUBSET`` (a fraction such as ``10%`` or a byte budget such as ``2GiB``) re-hashes
+only that much, the packs in order from a random one, so routine runs cover the store over time
+(no file is put back whole then).
 
 Informational, not problems: garbage (mapped chunks no snapshot names) and slack (dead bytes
 inside packs GC has not compacted, and packs no chunk is mapped to): GC's job. Batch records
@@ -36,6 +40,7 @@ import contextlib
 import enum
 import hashlib
 import os
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -60,6 +65,7 @@ from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
 from kvchunkfs.store.remote import read_synced
 from kvchunkfs.store.repository import Repository
+from kvchunkfs.units import parse_size
 
 READ_SPAN = 4 << 20
 LIVE_RETRIES = 3
@@ -83,6 +89,8 @@ class FsckReport:
     legacy_packs: int = 0  # packs without batch records (only the map knows what they hold)
     problems: list[str] = field(default_factory=list)
     broken: dict[str, str] = field(default_factory=dict)  # snapshot -> why it cannot be read in full
+    marked: list[str] = field(default_factory=list)  # broken snapshots an earlier --repair marked so
+    verify_subset: str = ""  # --verify-data SUBSET: which part was read
     repaired: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # entries under snapshots/ that are not snapshots
     in_bucket: dict[str, int] = field(default_factory=dict)  # snapshot -> chunks only the shared tier has
@@ -105,6 +113,8 @@ class FsckReport:
         )
         if self.bytes_verified:
             text += f", {self.bytes_verified} bytes verified"
+        if self.verify_subset:
+            text += f" ({self.verify_subset})"
         if self.files_verified:
             text += f", {self.files_verified} files checked whole"
         if not self.live:
@@ -126,6 +136,33 @@ class FsckReport:
 
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total); the CLI draws it
+
+
+@dataclass(frozen=True)
+class Subset:
+    """``--verify-data SUBSET``: a share of the chunk bytes (``10%``, ``0.1``) or a byte budget (``2GiB``)."""
+
+    fraction: float | None = None
+    max_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Subset:
+        text = text.strip()
+        try:
+            if text.endswith("%"):
+                fraction = float(text[:-1]) / 100
+            elif "." in text and text.replace(".", "", 1).isdigit():
+                fraction = float(text)
+            else:
+                return cls(max_bytes=parse_size(text))
+        except ValueError as e:
+            raise ValueError(f"--verify-data {text!r}: a share (10%, 0.1) or a byte budget (2GiB): {e}") from None
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--verify-data {text!r}: a share must be above 0 and at most 100%")
+        return cls(fraction=fraction)
+
+    def budget(self, total: int) -> int:
+        return self.max_bytes if self.max_bytes is not None else max(1, int(total * (self.fraction or 1.0)))
 
 
 def _no_progress(label: str, done: int, total: int) -> None:
@@ -255,14 +292,29 @@ class _Checker:
         cid, off, n = wrong[0]
         return [f"pack {pack}: {len(wrong)} map rows {DISAGREES} {pack} (first: {cid.hex()} at {off}, {n} bytes)"]
 
-    def verify_data(self) -> None:
-        total = self.report.chunk_bytes
+    def verify_data(self, budget: int | None = None) -> None:
+        """Re-hash every mapped chunk, or (``budget``) about that many bytes of them: whole packs in
+        order from a random one (the last one cut short)."""
+        total = self.report.chunk_bytes if budget is None else min(budget, self.report.chunk_bytes)
         by_pack: dict[int, list[tuple[bytes, _Row]]] = defaultdict(list)
         for cid, row in self.rows.items():
             if cid not in self.bad:
                 by_pack[row.pack].append((cid, row))
-        for pack, items in sorted(by_pack.items()):
-            items.sort(key=lambda item: item[1].offset)
+        order = sorted(by_pack)
+        if budget is not None and order:
+            first = random.randrange(len(order))  # each routine run checks another part
+            order = order[first:] + order[:first]
+        for n, pack in enumerate(order):
+            items = sorted(by_pack[pack], key=lambda item: item[1].offset)
+            if budget is not None:
+                left = budget - self.report.bytes_verified
+                if left <= 0:
+                    self.report.verify_subset = (
+                        f"a subset: {n} of {len(order)} packs from pack {order[0]} on; "
+                        f"{self.report.chunk_bytes} chunk bytes in all"
+                    )
+                    break
+                items = _within(items, left)
             try:
                 fd = os.open(self.pack_path(pack), os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError:  # compacted by a running daemon meanwhile
@@ -310,11 +362,26 @@ class _Checker:
                 continue
             self.report.snapshots += 1
             if reason:
+                note = ""
                 if not reason.startswith(REMAPPABLE):
                     self.report.broken[rel] = reason
-                self.report.problems.append(f"snapshot {rel}: {reason}")
+                    if self._marked(entry):
+                        self.report.marked.append(rel)
+                        note = " (marked broken)"
+                self.report.problems.append(f"snapshot {rel}: {reason}{note}")
             self.progress("stubs", n, max(n, total))
         self.progress("", 1, 1)
+
+    @staticmethod
+    def _marked(entry: stubs.Entry) -> bool:
+        try:
+            fd = entry.open()
+        except OSError:
+            return False
+        try:
+            return _is_marked(fd)
+        finally:
+            os.close(fd)
 
     def _check_stub(self, entry: stubs.Entry) -> str | None:
         try:
@@ -466,6 +533,16 @@ class _Checker:
         self.report.garbage_bytes = sum(garbage)
 
 
+def _within(items: list[tuple[bytes, _Row]], budget: int) -> list[tuple[bytes, _Row]]:
+    """The first of ``items`` whose lengths add up to at most ``budget`` (at least one)."""
+    used = 0
+    for i, (_, row) in enumerate(items):
+        used += row.length
+        if used > budget:
+            return items[: max(1, i)]
+    return items
+
+
 def _size(path: Path) -> int | None:
     try:
         return path.lstat().st_size
@@ -474,9 +551,14 @@ def _size(path: Path) -> int | None:
 
 
 def check(
-    root: Path, verify_data: bool = False, live: bool = False, progress: ProgressFn = _no_progress
+    root: Path,
+    verify_data: bool = False,
+    live: bool = False,
+    progress: ProgressFn = _no_progress,
+    subset: Subset | None = None,
 ) -> tuple[FsckReport, _Checker]:
-    """Read-only check of the store at ``root``; ``live``: a daemon serves it."""
+    """Read-only check of the store at ``root``; ``live``: a daemon serves it; ``subset``: with
+    ``verify_data``, re-hash only that part of the chunk bytes."""
     start = time.monotonic()
     layout = Layout(root)
     if not layout.is_store():
@@ -487,7 +569,9 @@ def check(
         if problem:
             checker.report.problems.append(problem)
         checker.check_map()
-        if verify_data:
+        if verify_data and subset is not None:
+            checker.verify_data(subset.budget(checker.report.chunk_bytes))
+        elif verify_data:
             checker.verify_data()
             checker.verify_files = True
         checker.check_snapshots(layout.snapshots)
@@ -584,6 +668,7 @@ def run_fsck(
     do_repair: bool = False,
     progress: ProgressFn = _no_progress,
     open_repo: Callable[[], Repository] | None = None,
+    subset: Subset | None = None,
 ) -> FsckReport:
     """Check (and with ``do_repair`` fix) the store; a mounted store is only checked."""
     lock_fd = try_lock_store(root) if Layout(root).is_store() else None
@@ -591,7 +676,7 @@ def run_fsck(
     try:
         if do_repair and live:
             raise RuntimeError(f"store {root} is mounted (or locked by another tool); unmount it to repair")
-        report, checker = check(root, verify_data, live, progress)
+        report, checker = check(root, verify_data, live, progress, subset)
         if do_repair:
             moved_aside = prepare_map_file(root)
             repo = open_repo() if open_repo is not None else Repository(root)

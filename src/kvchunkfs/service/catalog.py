@@ -29,7 +29,7 @@ from typing import Any
 
 from kvchunkfs.format.index import Index
 from kvchunkfs.formula import Formula
-from kvchunkfs.service import prefixtree
+from kvchunkfs.service import figures, prefixtree
 from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkmap import MapReader
 from kvchunkfs.store.layout import Layout
@@ -72,6 +72,7 @@ class StubInfo:
     labels: dict[str, str]
     error: str | None = None  # the stub could not be read as an index
     digest: bytes | None = None  # SHA-256 of the stub's index bytes (a metadata change keeps it)
+    broken: str | None = None  # why ``fsck --repair`` marked it: it cannot be read in full
 
 
 @dataclass
@@ -92,16 +93,18 @@ class Snapshot:
     labels: dict[str, str] = field(default_factory=dict)
     score: float = 0.0
     error: str | None = None
+    broken: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out.update(path_fields(self.path))
         out["labels"] = {display_name(k): display_name(v) for k, v in self.labels.items()}
         out["score"] = json_float(self.score)
-        if self.error is None:
-            del out["error"]
-        else:
-            out["error"] = display_name(self.error)
+        for name in ("error", "broken"):
+            if out[name] is None:
+                del out[name]
+            else:
+                out[name] = display_name(out[name])
         return out
 
     def number(self, name: str) -> float:
@@ -208,6 +211,8 @@ def read_metadata(path: Path, info: StubInfo) -> None:
     info.use_count = _int_attr(attrs, stubs.USE_COUNT)
     info.last_use = _float_attr(attrs, stubs.LAST_USE)
     info.labels = dict(sorted(labels.items()))
+    broken = attrs.get(stubs.BROKEN)
+    info.broken = None if broken is None else broken.decode("utf-8", "replace") or "marked broken"
 
 
 def same_index(snapshots_dir: Path, rel: str, digest: bytes) -> bool:
@@ -282,6 +287,7 @@ def listing(infos: list[StubInfo], formula: Formula | None = None, now: float | 
             idle_hours=max(0.0, (now - (info.last_use or info.created)) / HOUR),
             labels=info.labels,
             error=info.error,
+            broken=info.broken,
         )
         if formula is not None:
             row.score = formula.evaluate(formula_fields(row))
@@ -410,10 +416,15 @@ class StoreTotals:
     chunks: int
     packs: int
     dedup_ratio: float  # logical_bytes / stored_bytes
-    broken: int = 0  # stubs that are not readable indexes
+    broken: int = 0  # snapshots that cannot be read in full: not a readable index, or marked by fsck --repair
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def unreadable(info: StubInfo) -> bool:
+    """The snapshot cannot be read in full: its stub is no index, or fsck --repair marked it broken."""
+    return info.error is not None or info.broken is not None
 
 
 def chunk_map_stats(root: Path) -> tuple[int, int]:
@@ -451,8 +462,8 @@ def totals(infos: list[StubInfo], chunk_stats: tuple[int, int], packs: list[Path
         pack_bytes=pack_bytes,
         chunks=chunks,
         packs=len(packs),
-        dedup_ratio=round(logical / stored, 4) if stored else 1.0,
-        broken=sum(1 for i in infos if i.error is not None),
+        dedup_ratio=figures.dedup_ratio(logical, stored),
+        broken=sum(1 for i in infos if unreadable(i)),
     )
 
 

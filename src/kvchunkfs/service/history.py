@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 DEFAULT_CAPACITY = 5000  # events per kind: ~40 bytes each
-SAVE_FIELDS = ("time", "seconds", "size", "new_bytes", "store_bytes")
+SAVE_FIELDS = ("time", "seconds", "size", "new_bytes", "store_bytes", "close_seconds")  # seconds: until stored
 RESTORE_FIELDS = ("time", "seconds", "size")
 GC_FIELDS = ("time", "seconds", "bytes_freed", "store_bytes")
 StoreBytes = Callable[[], tuple[int, int] | None]
@@ -35,8 +35,10 @@ class History:
         stats = self._store_stats() if self._store_stats is not None else None
         return float(stats[1]) if stats is not None else float("nan")
 
-    def on_save(self, seconds: float, size: int, new_bytes: int) -> None:
-        row = (time.time(), seconds, float(size), float(max(0, new_bytes)), self._store_bytes())
+    def on_save(self, seconds: float, size: int, new_bytes: int, closed: float | None = None) -> None:
+        """A save stored ``seconds`` after its close began; its close took ``closed``."""
+        row = (time.time(), seconds, float(size), float(max(0, new_bytes)), self._store_bytes(),
+               seconds if closed is None else closed)  # fmt: skip
         with self._lock:
             self._saves.append(row)
 
@@ -63,6 +65,7 @@ class History:
             "gc": _columns(GC_FIELDS, [r for r in gcs if r[0] > since]),
             "latency": {
                 "save": percentiles([r[1] for r in saves]),
+                "close": percentiles([r[5] for r in saves]),
                 "restore": percentiles([r[1] for r in restores]),
             },
         }

@@ -606,8 +606,9 @@ class LiveCatalog:
         }
         if not path.isascii():
             out.update(catalog.path_fields(path))
-        if info.error is not None:
-            out["error"] = catalog.display_name(info.error)
+        for key, why in (("error", info.error), ("broken", info.broken)):  # a row that cannot be read in full
+            if why is not None:
+                out[key] = catalog.display_name(why)
         return out
 
     def _row(self, entry: Entry, now: float) -> catalog.Snapshot:
@@ -626,13 +627,14 @@ class LiveCatalog:
             idle_hours=max(0.0, (now - (info.last_use or info.created)) / catalog.HOUR),
             labels=info.labels,
             error=info.error,
+            broken=info.broken,
         )
         return row
 
     def totals(self) -> tuple[int, int, int, int]:
         """(snapshots, logical bytes, referenced bytes, broken snapshots)."""
         with self._reading():
-            broken = sum(1 for e in self.entries.values() if e.info.error is not None)
+            broken = sum(1 for e in self.entries.values() if catalog.unreadable(e.info))
             return len(self.entries), self.logical_bytes, self.referenced_bytes, broken
 
     def prefix_match(self, tokens: list[int], prefix: str = "", exclude_suffix: str = "", limit: int = 1

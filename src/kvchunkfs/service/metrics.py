@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.service import figures
 from kvchunkfs.service.catalog import chunk_map_stats
 from kvchunkfs.service.history import History
 
@@ -28,6 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Saves and restores of multi-GiB snapshots take seconds to minutes.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 StatsFn = Callable[[], Mapping[str, int]]
+CatalogFn = Callable[[], tuple[int, int, int, int] | None]
 
 
 class Metrics:
@@ -37,7 +39,13 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.save_seconds = Histogram(
-            "kvcfs_save_duration_seconds", "Time to commit a save (chunk the rest, write the stub)",
+            "kvcfs_save_duration_seconds",
+            "Save time: from the start of a save's close until the save is stored (its chunks and stub written)",
+            buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.close_seconds = Histogram(
+            "kvcfs_close_duration_seconds",
+            "Close time: how long the close of a save took (what the writer waited; storing may go on after)",
             buckets=DURATION_BUCKETS, registry=r,
         )  # fmt: skip
         self.restore_seconds = Histogram(
@@ -60,17 +68,23 @@ class Metrics:
         self.gc_seconds = Histogram(
             "kvcfs_gc_duration_seconds", "Time of a garbage collection run", buckets=DURATION_BUCKETS, registry=r
         )
-        r.register(StoreCollector(files, stats or dict))
+        # (snapshots, logical bytes, referenced bytes, broken snapshots): the catalog's, once the API has one
+        self.catalog: CatalogFn | None = None
+        r.register(StoreCollector(files, stats or dict, lambda: self.catalog() if self.catalog else None))
         self.history: History | None = None  # the dashboard's event log, fed by the same hooks
 
     # -- observer hooks (called from the FUSE thread: keep them cheap) ------------------------
 
-    def on_save(self, seconds: float, size: int, new_bytes: int) -> None:
+    def on_save(self, seconds: float, size: int, new_bytes: int, closed: float | None = None) -> None:
+        """A save stored ``seconds`` after its close began; the close itself took ``closed`` (the
+        same if the close stored it)."""
+        closed = seconds if closed is None else closed
         self.save_seconds.observe(seconds)
+        self.close_seconds.observe(closed)
         self.saved_bytes.inc(size)
         self.saved_new_bytes.inc(max(0, new_bytes))
         if self.history is not None:
-            self.history.on_save(seconds, size, new_bytes)
+            self.history.on_save(seconds, size, new_bytes, closed)
 
     def on_restore(self, seconds: float, size: int) -> None:
         self.restore_seconds.observe(seconds)
@@ -152,10 +166,11 @@ _WHOLE = (
 class StoreCollector(Collector):
     """Reads the store's and the filesystem's own counters at scrape time."""
 
-    def __init__(self, files: Files, stats: StatsFn) -> None:
+    def __init__(self, files: Files, stats: StatsFn, catalog: Callable[[], tuple[int, int, int, int] | None]) -> None:
         self.files = files
         self.repo = files.repo
         self.stats = stats
+        self.catalog = catalog
 
     def describe(self) -> list[Metric]:
         return []  # names vary with what is available; skip the registry's duplicate check
@@ -171,8 +186,6 @@ class StoreCollector(Collector):
         succ = self.files.successors
         predicted = succ.predicted_bytes if succ is not None else 0
         yield _counter("kvcfs_predicted_bytes", "Saved bytes taken as a predicted chunk, not cut again", predicted)
-        ratio = written / c.bytes_written if c.bytes_written else 1.0
-        yield _gauge("kvcfs_dedup_ratio", "Chunk bytes written per new byte stored since start", ratio)
         yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)
         yield _counter("kvcfs_pack_read_bytes", "Bytes read from packs", c.pack_bytes_read)
         yield _counter("kvcfs_pack_direct_reads", "Pack reads that bypassed the page cache (O_DIRECT)", c.direct_reads)
@@ -216,6 +229,16 @@ class StoreCollector(Collector):
         if chunk_stats is not None:
             yield _gauge("kvcfs_store_chunks", "Chunks in the chunk map", chunk_stats[0])
             yield _gauge("kvcfs_store_bytes", "Chunk bytes in the chunk map", chunk_stats[1])
+        totals = _safe(self.catalog)
+        if totals is not None:
+            snapshots, logical, _, broken = totals
+            yield _gauge("kvcfs_snapshots", "Snapshots in the store", snapshots)
+            doc = "Snapshots that cannot be read in full (no readable index, or marked broken by fsck --repair)"
+            yield _gauge("kvcfs_snapshots_broken", doc, broken)
+            yield _gauge("kvcfs_logical_bytes", "Logical bytes: the sum of the snapshots' sizes", logical)
+            if chunk_stats is not None:
+                doc = "Dedup ratio: logical bytes per chunk byte stored (kvcfs_logical_bytes / kvcfs_store_bytes)"
+                yield _gauge("kvcfs_dedup_ratio", doc, figures.dedup_ratio(logical, chunk_stats[1]))
         packs = _safe(self.repo.store.pack_ids)
         if packs is not None:
             yield _gauge("kvcfs_packs", "Pack files", len(packs))

@@ -59,6 +59,10 @@ _SNAPSHOT = {
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "score": {"type": "number", "description": "value of the configured score formula; lowest is evicted first"},
         "error": {"type": "string", "description": "present if the stub is not a readable index"},
+        "broken": {
+            "type": "string",
+            "description": "present if `fsck --repair` marked the snapshot broken (it cannot be read in full): why",
+        },
         "where": {
             "type": "string",
             "enum": ["local", "both", "remote"],
@@ -247,13 +251,14 @@ _PATHS: dict[str, Any] = {
                             "capacity": {"type": "integer", "description": "events kept per kind"},
                             "saves": {
                                 "type": "object",
-                                "description": "time, seconds, size, new_bytes, store_bytes: lists",
+                                "description": "time, seconds (save time: until stored), size, new_bytes, store_bytes, "
+                                "close_seconds (close time): lists",
                             },
                             "restores": {"type": "object", "description": "time, seconds, size: lists"},
                             "gc": {"type": "object", "description": "time, seconds, bytes_freed, store_bytes: lists"},
                             "latency": {
                                 "type": "object",
-                                "description": "save / restore: count, p50, p90, p99 (seconds)",
+                                "description": "save / close / restore: count, p50, p90, p99 (seconds)",
                             },
                         },
                     }

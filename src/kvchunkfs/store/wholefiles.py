@@ -80,12 +80,21 @@ def _private_dir(path: Path, create_parents: bool) -> None:
 
 def _check_private(path: Path) -> None:
     st = os.lstat(path)
+    ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    if ours and st.st_mode & 0o077 and not os.listdir(path):
+        os.chmod(path, 0o700)  # an empty directory of ours, made with the umask's mode: nothing to protect yet
+        if os.listdir(path):  # another user put something in before the chmod: not ours to trust
+            os.chmod(path, stat.S_IMODE(st.st_mode))
+        else:
+            log.warning("whole-file directory %s had mode %s: set to 0700", path, stat.filemode(st.st_mode))
+            st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        fix = f"chmod 700 {path}" if ours else f"chown {os.geteuid()} {path} && chmod 700 {path}, or another directory"
         raise WholeFilesError(
             errno.EPERM,
-            f"{path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
-            f"(it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); another user could read or swap "
-            "snapshots there",
+            f"the whole-file directory {path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
+            f"(it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}; another user could read or swap "
+            f"snapshots there): {fix}",
         )
 
 
@@ -96,6 +105,13 @@ class HotStats:
     evictions: int = 0
     put_backs: int = 0
     adopted: int = 0
+
+
+def check_dir(store: Path, configured: Path | None) -> None:
+    """Before a mount does anything: the configured whole-file directory, if it exists, is private
+    (an empty one of ours is made so), else WholeFilesError saying how to fix it."""
+    if configured is not None and os.path.lexists(configured):
+        _check_private(configured)
 
 
 def open_whole_files(store: Path, configured: Path | None, budget: int, huge_pages: bool = True) -> WholeFiles:

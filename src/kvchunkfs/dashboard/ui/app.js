@@ -157,10 +157,10 @@ function renderOverview(s) {
   const c = s.counters || {};
   setVal("ov-saves", c.saves, num(c.saves));
   setVal("ov-restores", c.restores, num(c.restores));
-  const lookups = (c.cache_hits || 0) + (c.cache_misses || 0);
-  const rate = lookups ? c.cache_hits / lookups : null;
+  const lookups = (c.readahead_cache_hits || 0) + (c.readahead_cache_misses || 0);
+  const rate = lookups ? c.readahead_cache_hits / lookups : null;
   setVal("ov-cache", rate, rate === null ? "–" : (100 * rate).toFixed(1) + " %");
-  $("#ov-cache-sub").textContent = num(c.cache_hits) + " hits, " + num(c.cache_misses) + " misses";
+  $("#ov-cache-sub").textContent = num(c.readahead_cache_hits) + " hits, " + num(c.readahead_cache_misses) + " misses";
   if (c.hot_budget !== undefined) {
     setVal("ov-hot", c.hot_bytes, bytes(c.hot_bytes) + " of " + bytes(c.hot_budget));
     $("#ov-hot-sub").textContent = num(c.hot_files) + " copies · " + num(c.hot_hits) + " hits, " + num(c.hot_misses) +
@@ -188,7 +188,8 @@ function renderOverview(s) {
 async function overviewExtras() {
   const [hist, errors] = await Promise.all([api("GET", "/history"), api("GET", "/logs?level=error&limit=2000")]);
   const lat = (l) => (l.count ? "p50 " + secs(l.p50) + " · p90 " + secs(l.p90) + " · p99 " + secs(l.p99) : "no timings yet");
-  $("#ov-save-lat").textContent = lat(hist.latency.save);
+  $("#ov-save-lat").textContent = "save time (until stored): " + lat(hist.latency.save);
+  $("#ov-close-lat").textContent = "close: " + lat(hist.latency.close);
   $("#ov-restore-lat").textContent = lat(hist.latency.restore);
   setVal("ov-errors", errors.count, num(errors.count));
   $("#ov-errors").classList.toggle("bad", errors.count > 0);
@@ -369,7 +370,8 @@ function renderTable() {
     del.addEventListener("click", () => confirmDelete([s]).catch(report));
     return el("tr", { "data-path": s.path },
       el("td", {}, box),
-      el("td", { class: "path", title: s.error || s.path }, s.path + (s.error ? " ⚠" : "")),
+      el("td", { class: "path" + (s.error || s.broken ? " broken" : ""), title: s.error || (s.broken ? "broken (cannot be read in full): " + s.broken + " — `kv-chunk-fs fsck` says what to do" : s.path) },
+        s.path + (s.error ? " ⚠" : s.broken ? " ⚠ broken" : "")),
       el("td", { class: "num", "data-value": String(s.size) }, bytes(s.size)),
       el("td", {}, bar, el("small", {}, bytes(s.unique_bytes) + " / " + bytes(s.shared_bytes))),
       el("td", { class: "num" }, num(s.use_count)),

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from kvchunkfs.config import Config
 from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
-from kvchunkfs.service import catalog, logbuffer, prefixtree
+from kvchunkfs.service import catalog, figures, logbuffer, prefixtree
 from kvchunkfs.service.api.encode import JSONResponse
 from kvchunkfs.service.history import History
 from kvchunkfs.service.live import LiveCatalog, cyclic_gc_paused, direct_reader
@@ -31,6 +31,7 @@ log = logging.getLogger("kvchunkfs.service.api")  # one name for the whole API i
 
 
 DEFAULT_LOG_LIMIT = 200
+SCRAPE_WAIT = 2.0  # seconds a scrape waits for the catalog to apply what changed
 
 
 class Collector(Protocol):
@@ -66,6 +67,9 @@ class Service:
         self.live.start(repo.store.stats)  # also counts the map once, for totals and metrics
         if self.metrics is None:
             self.metrics = Metrics(self.files, self.stats)
+        self.metrics.catalog = self.catalog_totals
+        self._scrape_refresh: threading.Thread | None = None
+        self._scrape_lock = threading.Lock()
         self.history = History(repo.store.cached_stats)
         self.metrics.history = self.history
         self.gc_finished: float | None = None  # wall clock of the last GC run's end
@@ -78,6 +82,24 @@ class Service:
         """The filesystem's counters; {} before it is up. Plain numbers only: safe from any thread."""
         source = self.stats_source
         return dict(source()) if source is not None else {}
+
+    def catalog_totals(self) -> tuple[int, int, int, int] | None:
+        """The catalog's (snapshots, logical bytes, referenced bytes, broken) for a scrape: brought
+        up to date in a thread of its own, waited for at most ``SCRAPE_WAIT`` (applying a change can
+        wait for the map's lock, which a save holds), else as last applied. None before the load."""
+        live = self.live
+        if not live.wait(0):
+            return None
+        with self._scrape_lock:
+            refresh = self._scrape_refresh
+            if refresh is None or not refresh.is_alive():
+                refresh = self._scrape_refresh = threading.Thread(target=live.current_generation, daemon=True,
+                                                                  name="kvcfs-scrape-refresh")  # fmt: skip
+                refresh.start()
+        refresh.join(SCRAPE_WAIT)
+        entries = list(live.entries.values())  # one C call: no change lands in the middle
+        broken = sum(1 for e in entries if catalog.unreadable(e.info))
+        return len(entries), live.logical_bytes, live.referenced_bytes, broken
 
     def snapshots(self) -> list[catalog.Snapshot]:
         return self.live.rows(self.formula)
@@ -142,8 +164,8 @@ class Service:
         out = catalog.totals([], (chunks, stored), packs).to_dict()
         out.update(snapshots=n, logical_bytes=logical, referenced_bytes=referenced, broken=broken)
         out["catalog_generation"] = self.live.generation  # moves with every row added or dropped (fsck)
-        out["dedup_ratio"] = round(logical / stored, 4) if stored else 1.0
-        out["counters"] = self.stats()
+        out["dedup_ratio"] = figures.dedup_ratio(logical, stored)
+        out["counters"] = figures.public(self.stats())
         if self.fuse_source is not None:
             out["fuse"] = dict(self.fuse_source())
         remote = self.repo.remote

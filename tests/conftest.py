@@ -105,8 +105,9 @@ class Mount:
         self._catalogs_before = self.log().count(CATALOG_LOADED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
+        # A stop keeps the memory tier (hot copies survive a restart) unless a test sets it otherwise.
         cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), "--whole-files-dir", str(self.whole),
-               *self.extra, str(self.mnt)]  # fmt: skip
+               "--memory-tier-on-stop", "keep", *self.extra, str(self.mnt)]  # fmt: skip
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30

@@ -1133,7 +1133,8 @@ class Operations(fuse.Operations):
                 log.debug("saving %s refused: %d bytes, max_file_size is %d", node.path, content.size, limit)
                 await self._forget_unsaved(node)
                 raise fuse.FUSEError(errno.EFBIG)
-            if not durable and not self.repo.durable and self.ingester is not None and content.own_file():
+            staging = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
+            if staging and not self._memory_short():
                 if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
                 return
@@ -1188,6 +1189,14 @@ class Operations(fuse.Operations):
             return True
         self.staged_saves += 1
         self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        return True
+
+    def _memory_short(self) -> bool:
+        """Memory is short (store/pressure.py): this save is stored now, not staged (counted)."""
+        whole = self.repo.whole
+        if whole is None or not whole.short:
+            return False
+        whole.stats.saves_inline += 1
         return True
 
     def _seal_and_stage(
@@ -1409,7 +1418,7 @@ class Operations(fuse.Operations):
             "hot_misses": h.misses,
             "hot_put_backs": h.put_backs,
             "hot_evictions": h.evictions,
-        }
+        } | whole.tier_stats()
 
     def fuse_mode(self) -> dict[str, str]:
         """How the kernel's requests are served: "passthrough" (the kernel may serve an open file

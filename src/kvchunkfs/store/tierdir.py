@@ -105,11 +105,11 @@ def tier_dir(store: Path) -> tuple[Path, bool]:
     the way is not the daemon's own."""
     key = store_key(store)
     legacy = legacy_dir(store)
-    if legacy.is_dir() and not legacy.is_symlink():
-        if not _is_private(legacy.parent) or not _is_private(legacy):
+    if os.path.lexists(legacy.parent):
+        if not _is_private(legacy.parent) or (os.path.lexists(legacy) and not _is_private(legacy)):
             log.warning("%s is not this user's own private directory: not used (another user may have made it)",
-                        legacy)  # fmt: skip
-        elif any(True for _ in os.scandir(legacy / "staged")) if (legacy / "staged").is_dir() else False:
+                        legacy.parent)  # fmt: skip
+        elif _has_staged(legacy):
             log.info("the memory tier stays in %s until its staged saves are stored", legacy)
             return legacy, False
     if os.geteuid() == 0:

@@ -24,7 +24,7 @@ import select
 import threading
 import time
 
-from kvchunkfs.store.membudget import PSI, Memory
+from kvchunkfs.store.membudget import PSI, Memory, own_cgroup
 from kvchunkfs.store.wholefiles import WholeFiles
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ SLACK_SHARE = 16  # each eviction frees this share of the hot copies beyond the 
 class PressureWatcher:
     def __init__(self, whole: WholeFiles, memory: Memory | None = None, interval: float = INTERVAL) -> None:
         self.whole = whole
-        self.memory = memory or Memory()
+        self.memory = memory or Memory(own_cgroup())
         self.interval = interval
         self.episode_start: float | None = None
         self.last_short = 0.0

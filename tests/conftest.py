@@ -42,6 +42,7 @@ UNIT_MODULES = {
     "test_idarrays",
     "test_ingest_memory",
     "test_layers",
+    "test_memtier_units",
     "test_ops_inprocess",
     "test_pack_store_units",
     "test_prefix_match",

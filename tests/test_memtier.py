@@ -204,3 +204,44 @@ def test_a_whole_files_dir_of_another_user_is_one_line_and_exit_2(tmp_path: Path
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
     refusals = [line for line in r.stderr.splitlines() if "cannot mount" in line]
     assert len(refusals) == 1 and str(theirs) in refusals[0] and "uid" in refusals[0], r.stderr
+
+
+def test_closes_wait_once_ingestion_falls_seconds_behind(kvfs: Mount, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With durability=close a power cut loses the saves not yet stored: closes wait once the oldest
+    is more than the window behind, long before the byte bound. Ingestion is held here (a slow
+    store), then let go: every save completes and reads back."""
+    hold = tmp_path / "hold-ingestion"
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(hold))
+    hold.touch()
+    kvfs.remount()
+    sums: dict[str, bytes] = {}
+    errors: list[BaseException] = []
+
+    def saves() -> None:
+        try:
+            for i in range(40):
+                data = rand_bytes(2 * MiB, 100 + i)
+                kvfs.path(f"s{i}").write_bytes(data)
+                sums[f"s{i}"] = data
+                time.sleep(0.25)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    import threading
+
+    writer = threading.Thread(target=saves)
+    writer.start()
+    while writer.is_alive() and not kvfs.stats()["ingest_waits"]:
+        time.sleep(0.1)
+    st = kvfs.stats()
+    waited = st["ingest_waits"]
+    hold.unlink()
+    writer.join()
+    assert not errors, errors
+    assert waited >= 1, "a close waited for ingestion"
+    assert st["ingest_queue_bytes"] < st["ingest_backlog_limit"] // 8, "for time, not bytes"
+    assert len(sums) == 40, "every save completed once ingestion caught up"
+    kvfs.ingested()
+    for name, data in sums.items():
+        assert kvfs.path(name).read_bytes() == data

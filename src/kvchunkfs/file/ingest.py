@@ -116,6 +116,11 @@ class Ingester:
         drain = self.pending_bytes / self.rate if self.rate > 0 else 0.0
         return time.monotonic() - oldest + drain
 
+    def lag(self) -> float:
+        """``behind``, for stats: how far behind its saves ingestion is, in seconds."""
+        with self.cond:
+            return self.behind()
+
     def _over(self) -> bool:
         return self.pending_bytes > self.limit or self.behind() > self.window
 

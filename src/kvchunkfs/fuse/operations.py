@@ -1411,6 +1411,8 @@ class Operations(fuse.Operations):
             "ingest_queue_bytes": queued_bytes,
             "ingest_waits": ingester.waits if ingester is not None else 0,
             "ingest_failures": ingester.failures if ingester is not None else 0,
+            "ingest_behind_ms": int(ingester.lag() * 1000) if ingester is not None else 0,
+            "ingest_backlog_limit": ingester.limit if ingester is not None else 0,
             "hot_files": files,
             "hot_bytes": size,
             "hot_budget": whole.budget,

@@ -160,6 +160,11 @@ def test_an_allocator_beside_a_full_hot_tier_is_never_oom_killed(
     assert after["pressure_episodes"] > before["pressure_episodes"]
     assert after["pressure_evictions"] > 0 and after["hot_bytes"] < before["hot_bytes"]
     assert "memory is short (cgroup" in m.log()
+    print(
+        f"\npressure: {after['pressure_evictions']} copies ({after['pressure_evicted_bytes'] >> 20} MiB) evicted, "
+        f"hot {before['hot_bytes'] >> 20} -> {after['hot_bytes'] >> 20} MiB; first eviction done "
+        f"{after['pressure_reaction_us'] / 1000:.1f} ms after memory was found short (looks every 100 ms)"
+    )
     assert m.proc is not None and m.proc.poll() is None, "the daemon lives"
     check_all(m, sums)
     assert "ERROR" not in m.log(), m.log()[-3000:]

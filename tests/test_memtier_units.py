@@ -137,3 +137,22 @@ def test_a_cgroup_limit_bounds_the_tiers_budget(tmp_path: Path, limit: int | Non
     group = own_cgroup(str(proc), root)
     expected = (limit or membudget.meminfo()["MemTotal"]) // 4
     assert membudget.default_tier_size(group) == expected
+
+
+def test_without_a_runtime_directory_the_name_is_random_and_recorded(tmp_path: Path) -> None:
+    from kvchunkfs.store import tierdir
+
+    store = tmp_path / "store"
+    store.mkdir()
+    first = tierdir._recorded(store)
+    try:
+        assert first.parent == tierdir.SHM and first.name.startswith(f"kv-chunk-fs-{os.geteuid()}-")
+        assert len(first.name.rpartition("-")[2]) == 32, "128 random bits"
+        assert (store / tierdir.RECORD).read_text().strip() == str(first)
+        assert tierdir._recorded(store) == first, "the next daemon finds it again"
+        os.chmod(first, 0o777)  # no longer private (as if swapped): a new one is made
+        second = tierdir._recorded(store)
+        assert second != first and (second.stat().st_mode & 0o777) == 0o700
+        second.rmdir()
+    finally:
+        first.rmdir()

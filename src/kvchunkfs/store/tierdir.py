@@ -121,6 +121,9 @@ def tier_dir(store: Path) -> tuple[Path, bool]:
         base = Path(runtime) / "kv-chunk-fs"
         private_dir(base)
         return base / key, False
+    if not SHM.is_dir():
+        log.warning("no /dev/shm: staged saves and whole copies go to %s, on the store's disk", store / "whole")
+        return store / "whole", False
     return _recorded(store) / key, False
 
 

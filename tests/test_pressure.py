@@ -83,7 +83,7 @@ print(json.dumps(out))
 """
 
 ALLOCATOR = """
-import sys, time
+import os, sys, time
 target, step = int(sys.argv[1]), 8 << 20
 held = []
 while sum(len(b) for b in held) < target:
@@ -93,6 +93,8 @@ while sum(len(b) for b in held) < target:
     held.append(b)
     time.sleep(0.02)
 time.sleep(1.0)
+while len(sys.argv) > 2 and os.path.exists(sys.argv[2]):  # held until the test lets go
+    time.sleep(0.05)
 print("held", sum(len(b) for b in held) >> 20)
 """
 
@@ -143,11 +145,12 @@ def check_all(m: Mount, sums: dict[str, str]) -> None:
         assert hashlib.sha256(m.path(name).read_bytes()).hexdigest() == digest, name
 
 
-def squeeze(group: Path, m: Mount) -> subprocess.Popen[str]:
-    """An allocator that needs half of the hot tier's memory beyond what the cgroup has left."""
+def squeeze(group: Path, m: Mount, hold: Path | None = None) -> subprocess.Popen[str]:
+    """An allocator that needs half of the hot tier's memory beyond what the cgroup has left (and
+    holds it while ``hold`` exists)."""
     hot = m.stats()["hot_bytes"]
     target = LIMIT - cgroup_in_use(group) + hot // 2
-    return in_cgroup(group, ALLOCATOR, str(target))
+    return in_cgroup(group, ALLOCATOR, str(target), *([str(hold)] if hold else []))
 
 
 def test_an_allocator_beside_a_full_hot_tier_is_never_oom_killed(
@@ -170,16 +173,34 @@ def test_an_allocator_beside_a_full_hot_tier_is_never_oom_killed(
     assert "ERROR" not in m.log(), m.log()[-3000:]
 
 
-def test_saves_during_the_squeeze_all_succeed(squeezed: tuple[Mount, Path, dict[str, str]]) -> None:
+def test_saves_during_the_squeeze_all_succeed(squeezed: tuple[Mount, Path, dict[str, str]], tmp_path: Path) -> None:
+    """Saves from inside the cgroup race the allocator; more arrive while memory stays short (the
+    allocator holds its memory): those are stored as they close, the tier does not grow."""
     m, group, sums = squeezed
-    allocator = squeeze(group, m)
+    hold = tmp_path / "hold"
+    hold.touch()
+    allocator = squeeze(group, m, hold)
     writers = [write(group, m, 100 + 10 * k, 3) for k in range(2)]
     for w in writers:
         sums |= json.loads(finished(w, "writer"))
+    while not m.stats()["memory_short"] and allocator.poll() is None:
+        time.sleep(0.05)
+    staged_before = m.stats()["staged_saves"]
+    for i in range(3):  # from outside the cgroup: only what the daemon does is charged to it
+        data = os.urandom(SIZE)
+        m.path(f"late{i}").write_bytes(data)
+        sums[f"late{i}"] = hashlib.sha256(data).hexdigest()
+    st = m.stats()
+    hold.unlink()
     finished(allocator, "allocator")
+    assert st["memory_short"] and st["saves_inline"] >= 3 and st["staged_saves"] == staged_before, st
     m.ingested()
     st = m.stats()
     assert st["pressure_episodes"] >= 1 and st["pressure_evictions"] > 0
+    print(
+        f"\nsaves during the squeeze: {len(sums) - FILL} saved, {st['saves_inline']} stored as they closed, "
+        f"{st['pressure_evictions']} copies evicted"
+    )
     assert m.proc is not None and m.proc.poll() is None
     check_all(m, sums)
     assert "ERROR" not in m.log(), m.log()[-3000:]

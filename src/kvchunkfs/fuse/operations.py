@@ -1133,8 +1133,9 @@ class Operations(fuse.Operations):
                 log.debug("saving %s refused: %d bytes, max_file_size is %d", node.path, content.size, limit)
                 await self._forget_unsaved(node)
                 raise fuse.FUSEError(errno.EFBIG)
-            staging = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
-            if staging and not self._memory_short():
+            staged = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
+            inline = not durable and self._memory_short()  # counted: a save while memory is short
+            if staged and not inline:
                 if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
                 return
@@ -1194,7 +1195,7 @@ class Operations(fuse.Operations):
     def _memory_short(self) -> bool:
         """Memory is short (store/pressure.py): this save is stored now, not staged (counted)."""
         whole = self.repo.whole
-        if whole is None or not whole.short:
+        if whole is None or not whole.short or self.ingester is None or self.repo.durable:
             return False
         whole.stats.saves_inline += 1
         return True

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,7 @@ UNIT_MODULES = {
     "test_idarrays",
     "test_ingest_memory",
     "test_layers",
+    "test_memtier_units",
     "test_ops_inprocess",
     "test_pack_store_units",
     "test_prefix_match",
@@ -91,6 +92,7 @@ class Mount:
         self.extra = extra or []
         self.jitter = jitter
         self.proc: subprocess.Popen[bytes] | None = None
+        self.preexec: Callable[[], None] | None = None  # run in the daemon's process before it starts
         self._catalogs_before = 0
         mnt.mkdir(parents=True, exist_ok=True)
         # Staged saves and hot copies: in memory as by default, one directory per test's store,
@@ -105,10 +107,11 @@ class Mount:
         self._catalogs_before = self.log().count(CATALOG_LOADED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
+        # A stop keeps the memory tier (hot copies survive a restart) unless a test sets it otherwise.
         cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), "--whole-files-dir", str(self.whole),
-               *self.extra, str(self.mnt)]  # fmt: skip
+               "--memory-tier-on-stop", "keep", *self.extra, str(self.mnt)]  # fmt: skip
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec)
         deadline = time.monotonic() + 30
         # After a kill -9 the dead mount is still listed, so wait for this daemon's own "mounted".
         while not (is_mounted(self.mnt) and self.log().count(MOUNTED) > mounts_before):

@@ -270,19 +270,36 @@ SETTINGS: dict[str, Setting] = {
             "faster than on /dev/shm's 4 KiB pages; it stays mounted across daemon restarts",
         ),
         Setting(
+            "memory_tier_size",
+            "size",
+            0,
+            "memory for staged saves and hot copies together (0 = a quarter of the machine's memory, or of "
+            "the daemon's cgroup limit if smaller); hot copies give way to staged saves",
+            lo=0,
+        ),
+        Setting(
+            "memory_tier_on_stop",
+            "choice",
+            "free",
+            "when the daemon stops cleanly: free the memory tier (hot copies deleted, its tmpfs unmounted "
+            "once no staged save is left) or keep it for the next daemon",
+            choices=("free", "keep"),
+        ),
+        Setting(
             "hot_tier_size",
             "size",
-            8 << 30,
+            -1,
             "bytes of whole copies of recent snapshots kept for plain-speed restores, least recently used "
-            "evicted (0 = keep none; at most half of the directory's file system)",
-            lo=0,
+            "evicted (-1 = as much of memory_tier_size as staged saves leave; 0 = keep none)",
+            lo=-1,
         ),
         Setting(
             "ingest_backlog",
             "size",
-            4 << 30,
-            "bytes of closed saves not yet stored as chunks beyond which the next close waits",
-            lo=1 << 20,
+            0,
+            "bytes of closed saves not yet stored as chunks beyond which the next close waits (0 = half "
+            "of memory_tier_size); closes also wait while storing them would take more than 5 s",
+            lo=0,
         ),
         Setting(
             "memory_trim_above",
@@ -426,6 +443,8 @@ class Config:
     fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
     whole_files_dir: Path | None = SETTINGS["whole_files_dir"].default
     whole_files_huge_pages: bool = SETTINGS["whole_files_huge_pages"].default
+    memory_tier_size: int = SETTINGS["memory_tier_size"].default
+    memory_tier_on_stop: str = SETTINGS["memory_tier_on_stop"].default
     hot_tier_size: int = SETTINGS["hot_tier_size"].default
     ingest_backlog: int = SETTINGS["ingest_backlog"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default

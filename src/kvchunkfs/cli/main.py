@@ -21,6 +21,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.store.layout import Layout, StoreLocked, lock_store, try_lock_store
 from kvchunkfs.store.remote import RemoteTier
 from kvchunkfs.store.repository import Repository
+from kvchunkfs.store.wholefiles import WholeFilesError
 
 if TYPE_CHECKING:
     from kvchunkfs.maint.gc import GarbageCollector
@@ -102,6 +103,9 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 cfg.memory_trim_above,
                 cfg.stop_timeout,
             )
+        except WholeFilesError as e:  # e.g. a memory-tier directory another user could swap
+            print(f"kv-chunk-fs: cannot mount: {e}", file=sys.stderr)
+            return 2
         finally:
             api.close()
             collector.close()
@@ -116,6 +120,16 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
         repo.close()
         os.close(lock_fd)
         logging.getLogger().removeHandler(logs)
+    return 0
+
+
+def cmd_free_memory_tiers(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
+    from kvchunkfs.store import tierdir
+
+    freed = tierdir.sweep(kept_too=args.all)
+    for root, why, n in freed:
+        print(f"freed {root} ({n >> 20} MiB): {why}")
+    print(f"{len(freed)} memory tiers freed, {sum(n for _, _, n in freed) >> 20} MiB")
     return 0
 
 
@@ -571,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     systemd.add_arguments(add("install-systemd", cmd_install_systemd, "install the systemd unit (Type=notify) and a "
                               "settings drop-in; --proxy: the proxy's too"))  # fmt: skip
+    p = add("free-memory-tiers", cmd_free_memory_tiers, "free the memory tiers of this user's whose store is "
+            "gone or that no daemon serves (never a staged save of a store that exists)")  # fmt: skip
+    p.add_argument("--all", action="store_true", help="also those a stopped daemon kept for its next start")
     p = add("fsck", cmd_fsck, "check a store: stubs, chunk map, packs (exit 1 if problems are found); without "
             "--verify-data it reads no chunk bytes, so a byte changed inside a pack goes unnoticed")  # fmt: skip
     p.add_argument("--verify-data", nargs="?", const="all", default=None, metavar="SUBSET",
@@ -582,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-STORELESS = {"config", "install-systemd", "file-order"}  # commands that never open the store
+STORELESS = {"config", "install-systemd", "file-order", "free-memory-tiers"}  # commands that never open the store
 WRITERS = {"mount", "fsck", "gc", "stats", "tree", "export-store"}  # need to write the store (its lock, the map's)
 
 

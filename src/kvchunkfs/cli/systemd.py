@@ -70,6 +70,9 @@ DROPIN = """\
 #   systemctl daemon-reload && systemctl restart kv-chunk-fs
 [Service]
 Environment=KVCFS_MOUNTPOINT={mountpoint}
+# A clean stop frees the memory tier (staged saves and hot copies); keep = its hot copies stay in
+# memory for the next start (`kv-chunk-fs free-memory-tiers --all` frees a kept one):
+Environment=KV_CHUNK_FS_MEMORY_TIER_ON_STOP=free
 #Environment=KV_CHUNK_FS_STORE=/var/lib/kv-chunk-fs
 #Environment=KV_CHUNK_FS_CACHE_SIZE=512MiB
 #Environment=KV_CHUNK_FS_GC_INTERVAL=3600

@@ -168,8 +168,10 @@ class Files:
         one is renamed over it, which copies its metadata as any save does."""
         if not os.path.lexists(self.repo.path(rel)):
             raise FileNotFoundError(rel)
-        content = self.content(self.repo.empty_index())
-        if self.repo.whole is not None:
+        whole = self.repo.whole
+        short = whole is not None and whole.short  # memory is short: written through, not staged
+        content = self.content(self.repo.empty_index(), whole=not short)
+        if self.repo.whole is not None and not short:
             try:
                 path, fd = self.repo.whole.new_staged()
                 content.use_whole(fd, path)
@@ -234,7 +236,7 @@ class Files:
         key = _hot_key(content)
         if key is None or whole.budget <= 0:
             return False
-        hot = whole.hot_open(key)
+        hot = whole.hot_open(key, rel)
         if hot is None:
             return False
         fd = hot
@@ -275,7 +277,7 @@ class Files:
             content.use_whole(fd, path)
             return
         try:
-            whole.hot_commit(path, key, size)
+            whole.hot_commit(path, key, size, rel=rel)
         except OSError:
             os.close(fd)
             whole.drop_staged(path)
@@ -318,7 +320,7 @@ class Files:
                     os.close(fd)
                     whole.drop_staged(path)
                     return None
-                whole.hot_commit(path, key, size)
+                whole.hot_commit(path, key, size, rel=rel)
             except BaseException:
                 if content is not first:
                     content.close()

@@ -8,6 +8,13 @@ orders namespace changes, and only if the stub still names this staged file (a l
 unlink or a rename over it wins). The installed file then joins the hot tier, checked again
 against the checksum it was stored with, so a later restore of it is a plain read.
 
+The backlog is bounded in bytes (``ingest_backlog``, by default half the memory tier) and in time:
+with ``durability = close`` a power cut loses the acknowledged saves not yet stored (their staged
+files are memory), so a close waits while the oldest save not yet stored, plus the time the
+queue needs at the rate ingestion has been going, is more than ``WINDOW`` seconds behind
+(``backlogged``, ``wait_below``): whatever the save rate, a cut loses about the last ``WINDOW``
+seconds of saves plus the checkpoint interval of those stored.
+
 If the daemon dies meanwhile, the staged file and the stub's name of it remain: the next mount
 queues it again (``pending``). A failure leaves both too, logged; the next mount retries.
 """
@@ -37,6 +44,8 @@ log = logging.getLogger(__name__)
 
 PIECE = 4 << 20  # bytes read from a staged file at a time
 NICE = 10  # the workers' CPU priority: below the client whose next request waits on the daemon
+WINDOW = 5.0  # seconds: how far behind its saves ingestion may fall before closes wait
+RATE_WEIGHT = 0.3  # the weight of the latest job in the ingestion rate's moving average
 HOLD_ENV = "KVCFS_INGEST_HOLD"  # tests: while the file it names exists, no job starts (a crash before ingestion)
 
 
@@ -69,8 +78,13 @@ class Ingester:
         self.files = files
         self.install = install
         self.done = done
-        self.limit = backlog  # staged bytes queued beyond which a close waits
+        whole = files.repo.whole
+        default = whole.tier_size // 2 if whole is not None else 4 << 30
+        self.limit = backlog or default  # staged bytes queued beyond which a close waits
+        self.window = WINDOW  # seconds of saves not yet stored beyond which a close waits
+        self.rate = 0.0  # bytes a second ingestion stores (a moving average; 0: not known yet)
         self.queue: deque[Job] = deque()
+        self._inflight: dict[int, float] = {}  # id(job) -> when it was queued, queued or running
         self.cond = threading.Condition()
         self.pending_bytes = 0
         self.running = 0
@@ -89,18 +103,38 @@ class Ingester:
     def submit(self, job: Job) -> None:
         with self.cond:
             self.queue.append(job)
+            self._inflight[id(job)] = job.queued
             self.pending_bytes += job.size
             self.cond.notify_all()
 
+    def behind(self) -> float:
+        """Seconds the oldest save not yet stored will have waited once the queue is stored, at
+        the rate ingestion has been going (0 with nothing queued). Under ``cond``."""
+        if not self._inflight:
+            return 0.0
+        oldest = min(self._inflight.values())
+        drain = self.pending_bytes / self.rate if self.rate > 0 else 0.0
+        return time.monotonic() - oldest + drain
+
+    def lag(self) -> float:
+        """``behind``, for stats: how far behind its saves ingestion is, in seconds."""
+        with self.cond:
+            return self.behind()
+
+    def _over(self) -> bool:
+        return self.pending_bytes > self.limit or self.behind() > self.window
+
     def backlogged(self) -> bool:
         with self.cond:
-            return self.pending_bytes > self.limit
+            return self._over()
 
     def wait_below(self) -> None:
-        """Block until the queued bytes are within the bound again (blocking: a worker thread)."""
+        """Block until the queued bytes and the time they need are within their bounds again
+        (blocking: a worker thread)."""
         with self.cond:
             self.waits += 1
-            self.cond.wait_for(lambda: self.pending_bytes <= self.limit or self._stop)
+            while self._over() and not self._stop:
+                self.cond.wait(0.05)  # time moves the bound: look again
 
     def backlog(self) -> tuple[int, int]:
         """(saves queued or being stored, their bytes)."""
@@ -135,6 +169,7 @@ class Ingester:
             hold = os.environ.get(HOLD_ENV)
             while hold and os.path.exists(hold) and not self._stop:
                 time.sleep(0.02)
+            started = time.monotonic()
             try:
                 self._ingest(job)
             except Exception as e:  # the staged file stays the snapshot; the next mount retries
@@ -148,7 +183,17 @@ class Ingester:
                 with self.cond:
                     self.running -= 1
                     self.pending_bytes -= job.size
+                    self._inflight.pop(id(job), None)
+                    self._note_rate(job.size, time.monotonic() - started)
                     self.cond.notify_all()
+
+    def _note_rate(self, size: int, seconds: float) -> None:
+        """The rate of the job just stored joins the moving average (under ``cond``): with
+        several workers, each one's rate times their number."""
+        if size < 1 << 20 or seconds <= 0:
+            return
+        rate = size / seconds * len(self._threads)
+        self.rate = rate if self.rate <= 0 else self.rate + RATE_WEIGHT * (rate - self.rate)
 
     def _ingest(self, job: Job) -> None:
         files = self.files
@@ -196,7 +241,8 @@ class Ingester:
         if record is None or job.size > whole.budget or not _same_sum(fd, record.file_sum):
             whole.drop_staged(job.path)
             return
-        whole.hot_commit(job.path, whole.key(record.file_sum, job.size), job.size, put_back=False)
+        key = whole.key(record.file_sum, job.size)
+        whole.hot_commit(job.path, key, job.size, put_back=False, rel=job.where())
 
 
 def _stream(content: FileContent, fd: int) -> None:

@@ -24,6 +24,8 @@ from kvchunkfs.fuse.prefault import prefault_libraries
 from kvchunkfs.fuse.sdnotify import notify
 from kvchunkfs.fuse.session import Session
 from kvchunkfs.fuse.stop import stop_on_signals
+from kvchunkfs.store import tierdir
+from kvchunkfs.store.pressure import PressureWatcher
 from kvchunkfs.store.wholefiles import open_whole_files
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,14 @@ def serve(
     tune_process()
     log.info("library code prefaulted: %d MiB", prefault_libraries() >> 20)
     s = files.repo.settings
-    files.repo.whole = open_whole_files(files.repo.root, s.whole_files_dir, s.hot_tier_size, s.whole_files_huge_pages)
+    whole = open_whole_files(files.repo.root, s.whole_files_dir, s.hot_tier_size, s.whole_files_huge_pages,
+                             s.memory_tier_size, s.memory_tier_on_stop == "keep")  # fmt: skip
+    files.repo.whole = whole
+    whole.stub_path = files.repo.path
+    files.repo.watchers.append(whole.changed)
+    tierdir.sweep(skip=whole.root)  # tiers whose store is gone or that no daemon serves
+    watcher = PressureWatcher(whole)
+    watcher.start()
     ops = Operations(files)
     ops.linger = files.repo.settings.reopen_linger
     ops.stop_timeout = stop_timeout
@@ -164,7 +173,9 @@ def serve(
         trio.run(_main, session, mountpoint, kernel_readahead_kb, tasks)
     finally:
         session.close(unmount=True)
+        watcher.close()
         log.info("unmounted %s", mountpoint)
+    whole.stop()  # a clean stop: the tier freed or kept, as the operator chose
     return ops
 
 

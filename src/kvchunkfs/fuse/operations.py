@@ -1133,7 +1133,9 @@ class Operations(fuse.Operations):
                 log.debug("saving %s refused: %d bytes, max_file_size is %d", node.path, content.size, limit)
                 await self._forget_unsaved(node)
                 raise fuse.FUSEError(errno.EFBIG)
-            if not durable and not self.repo.durable and self.ingester is not None and content.own_file():
+            staged = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
+            inline = not durable and self._memory_short()  # counted: a save while memory is short
+            if staged and not inline:
                 if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
                 return
@@ -1188,6 +1190,14 @@ class Operations(fuse.Operations):
             return True
         self.staged_saves += 1
         self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        return True
+
+    def _memory_short(self) -> bool:
+        """Memory is short (store/pressure.py): this save is stored now, not staged (counted)."""
+        whole = self.repo.whole
+        if whole is None or not whole.short or self.ingester is None or self.repo.durable:
+            return False
+        whole.stats.saves_inline += 1
         return True
 
     def _seal_and_stage(
@@ -1403,6 +1413,8 @@ class Operations(fuse.Operations):
             "ingest_queue_bytes": queued_bytes,
             "ingest_waits": ingester.waits if ingester is not None else 0,
             "ingest_failures": ingester.failures if ingester is not None else 0,
+            "ingest_behind_ms": int(ingester.lag() * 1000) if ingester is not None else 0,
+            "ingest_backlog_limit": ingester.limit if ingester is not None else 0,
             "hot_files": files,
             "hot_bytes": size,
             "hot_budget": whole.budget,
@@ -1410,7 +1422,7 @@ class Operations(fuse.Operations):
             "hot_misses": h.misses,
             "hot_put_backs": h.put_backs,
             "hot_evictions": h.evictions,
-        }
+        } | whole.tier_stats()
 
     def fuse_mode(self) -> dict[str, str]:
         """How the kernel's requests are served: "passthrough" (the kernel may serve an open file

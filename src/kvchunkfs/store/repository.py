@@ -54,8 +54,10 @@ class StoreSettings:
     reopen_linger: int = 1  # seconds a closed, unchanged content stays loaded (the daemon's, fuse/)
     whole_files_dir: Path | None = None  # staged saves and hot copies (None: under /dev/shm)
     whole_files_huge_pages: bool = True  # as root: the directory a tmpfs of its own with huge pages
-    hot_tier_size: int = 8 << 30  # bytes of whole copies kept for restores (0: none)
-    ingest_backlog: int = 4 << 30  # staged bytes waiting for ingestion beyond which a close waits
+    memory_tier_size: int = 0  # staged saves and hot copies together (0: 1/4 of the machine's memory)
+    memory_tier_on_stop: str = "free"  # "free" or "keep" the memory tier when the daemon stops
+    hot_tier_size: int = -1  # bytes of whole copies kept for restores (0: none; -1: the tier's)
+    ingest_backlog: int = 0  # staged bytes waiting for ingestion beyond which a close waits (0: 1/2 tier)
 
     @classmethod
     def from_config(cls, cfg: Any) -> StoreSettings:

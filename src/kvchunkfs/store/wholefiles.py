@@ -1,8 +1,9 @@
 """Whole copies of snapshots as plain files: staged saves and the hot tier.
 
 ```
-WHOLE/                 default /dev/shm/kv-chunk-fs-UID/STORE-KEY: memory, survives a daemon
-                       restart, not a reboot; as root, a tmpfs of its own with huge pages (memfs)
+WHOLE/                 default /run/kv-chunk-fs/STORE-KEY as root, a tmpfs of its own (memfs),
+                       else under $XDG_RUNTIME_DIR (tierdir): memory, not kept across a reboot
+  owner.json           the store it belongs to, and whether a stopped daemon keeps it (tierdir)
   boot_id              the boot the files below were written in
   staged/              a save's bytes as the client wrote them (passed through), until ingested;
                        copies of an open file being rewritten
@@ -12,44 +13,49 @@ WHOLE/                 default /dev/shm/kv-chunk-fs-UID/STORE-KEY: memory, survi
 
 A staged file named by a stub (``stubs.STAGED``) *is* that snapshot until ingestion has stored its
 chunks and replaced the stub; no eviction touches it. Hot copies are content-addressed by the file
-record's checksum, so a save, rename or unlink never makes one stale: an entry no stub names any
-more is simply never opened again and ages out. After a reboot nothing here is trusted (a file
+record's checksum, so a save, rename or unlink never makes one stale. A copy whose name (the
+snapshot it was last opened or stored as) was saved over, renamed or deleted since is checked at
+the next eviction: if that name holds another version now, the copy goes first.
+
+**Budget.** Staged saves and hot copies together stay within ``tier_size`` (by default a quarter
+of the machine's memory or of the daemon's cgroup limit: ``membudget``): hot copies are evicted,
+least recently used first, to leave room for what is staged. While the machine is short of
+memory (``short``, set by ``pressure.PressureWatcher``) the tier does not grow: no copy is
+kept, and saves are stored as they close instead of staged. After a reboot nothing here is trusted (a file
 not fsynced may hold torn bytes): everything is deleted, and stubs naming a staged file keep their
 previous version (``boot_id``).
 
 Only this module spells these names. The directory and its parent must be the daemon's own, mode
-0700: another local user can neither read a snapshot here nor swap a file under the daemon.
+0700: another local user can neither read a snapshot here nor swap a file under the daemon
+(``tierdir`` chooses a directory no other user can create first).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import logging
 import os
 import shutil
-import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchunkfs.store import memfs
+from kvchunkfs.format import filerecord
+from kvchunkfs.store import membudget, memfs, stubs, tierdir
 
 log = logging.getLogger(__name__)
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 BOOT_ID_ENV = "KVCFS_BOOT_ID_FILE"  # tests: a file standing in for the kernel's boot id (a simulated reboot)
-SHM = Path("/dev/shm")
 PART = ".part"
 STAGED_PREFIX = "s-"
 
 
-class WholeFilesError(OSError):
-    pass
+WholeFilesError = tierdir.TierDirError
 
 
 def boot_id() -> str:
@@ -60,42 +66,11 @@ def boot_id() -> str:
         return ""
 
 
-def default_dir(store: Path) -> Path:
-    """Under /dev/shm, one directory per user and store (the store's real path, hashed)."""
-    key = hashlib.sha256(os.fsencode(os.path.realpath(store))).hexdigest()[:16]
-    return SHM / f"kv-chunk-fs-{os.geteuid()}" / key
-
-
 def _private_dir(path: Path, create_parents: bool) -> None:
     """``path`` exists as a directory of ours, mode 0700, not a symlink; else WholeFilesError."""
     if create_parents:
-        parent = path.parent
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(parent, 0o700)
-        _check_private(parent)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    _check_private(path)
-
-
-def _check_private(path: Path) -> None:
-    st = os.lstat(path)
-    ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-    if ours and st.st_mode & 0o077 and not os.listdir(path):
-        os.chmod(path, 0o700)  # an empty directory of ours, made with the umask's mode: nothing to protect yet
-        if os.listdir(path):  # another user put something in before the chmod: not ours to trust
-            os.chmod(path, stat.S_IMODE(st.st_mode))
-        else:
-            log.warning("whole-file directory %s had mode %s: set to 0700", path, stat.filemode(st.st_mode))
-            st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        fix = f"chmod 700 {path}" if ours else f"chown {os.geteuid()} {path} && chmod 700 {path}, or another directory"
-        raise WholeFilesError(
-            errno.EPERM,
-            f"the whole-file directory {path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
-            f"(it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}; another user could read or swap "
-            f"snapshots there): {fix}",
-        )
+        tierdir.private_dir(path.parent)
+    tierdir.private_dir(path)
 
 
 @dataclass
@@ -105,34 +80,65 @@ class HotStats:
     evictions: int = 0
     put_backs: int = 0
     adopted: int = 0
+    superseded: int = 0  # evicted first: the name it was last opened as holds another version
+    pressure_episodes: int = 0  # times the machine became short of memory
+    pressure_evictions: int = 0  # copies evicted because of it
+    pressure_evicted_bytes: int = 0
+    saves_inline: int = 0  # saves stored at their close instead of staged, memory being short
+    pressure_reaction_us: int = 0  # the last episode: from finding memory short to the first eviction done
 
 
 def check_dir(store: Path, configured: Path | None) -> None:
     """Before a mount does anything: the configured whole-file directory, if it exists, is private
-    (an empty one of ours is made so), else WholeFilesError saying how to fix it."""
+    (an empty one of ours is made so), else an OSError saying how to fix it."""
     if configured is not None and os.path.lexists(configured):
-        _check_private(configured)
+        tierdir.check_private(configured)
 
 
-def open_whole_files(store: Path, configured: Path | None, budget: int, huge_pages: bool = True) -> WholeFiles:
-    """The store's whole-file directory: ``configured``, else under /dev/shm (else, with no
-    /dev/shm, ``STORE/whole``: saves then write whole files to the store's disk, logged); with
-    ``huge_pages``, a tmpfs of its own with huge pages where it can be (``memfs``). The hot
-    tier's budget is capped at half the directory's file system: staged saves need room too."""
+def open_whole_files(
+    store: Path,
+    configured: Path | None,
+    budget: int,
+    huge_pages: bool = True,
+    tier_size: int = 0,
+    keep_on_stop: bool = False,
+) -> WholeFiles:
+    """The store's whole-file directory: ``configured``, else ``tierdir.tier_dir``; as root a
+    tmpfs of its own (with huge pages if ``huge_pages``: ``memfs``). ``tier_size``: staged saves
+    and hot copies together (0: a quarter of the machine's memory or cgroup limit); ``budget``:
+    hot copies at most (-1: no bound of their own). The tmpfs is sized twice the tier (saves
+    being written come on top of what is staged), never beyond the room of its parent file
+    system when that is in memory, nor half the machine's memory otherwise."""
+    machine = membudget.machine_memory(membudget.own_cgroup())
+    tier = tier_size or machine // membudget.TIER_SHARE
     if configured is not None:
-        root, parents = configured, False
-    elif SHM.is_dir():
-        root, parents = default_dir(store), True
+        root, parents, any_parent = configured, False, False
     else:
-        root, parents = store / "whole", False
-        log.warning("no /dev/shm: staged saves and whole copies go to %s, on the store's disk", root)
-    whole = WholeFiles(root, budget, create_parents=parents, huge_pages=huge_pages)
+        root, any_parent = tierdir.tier_dir(store)
+        parents = False
+    _private_dir(root, parents)
+    parent = os.statvfs(root)
+    if memfs.fs_type(root) in memfs.IN_MEMORY and not memfs.own_mount(root):
+        room = parent.f_bavail * parent.f_frsize + tierdir.held_bytes(root)
+    else:
+        room = machine // 2
+    fs_size = max(64 << 20, min(2 * tier, room))
+    whole = WholeFiles(root, budget if budget >= 0 else tier, create_parents=False,
+                       huge_pages=huge_pages, tier_size=tier, fs_size=fs_size,
+                       any_parent=any_parent)  # fmt: skip
     sv = os.statvfs(root)
-    cap = sv.f_blocks * sv.f_frsize // 2
-    if whole.budget > cap:
-        log.info("hot_tier_size %d MiB is more than half of %s's file system: %d MiB", budget >> 20, root, cap >> 20)
-        whole.budget = cap
-        whole.evict()
+    cap = sv.f_blocks * sv.f_frsize // 2 if not whole.own_tmpfs else sv.f_blocks * sv.f_frsize
+    if whole.tier_size > cap:
+        log.info("the memory tier's %d MiB are more than %s's file system allows: %d MiB",
+                 whole.tier_size >> 20, root, cap >> 20)  # fmt: skip
+        whole.tier_size = cap
+    whole.budget = min(whole.budget, whole.tier_size)
+    whole.evict()
+    tierdir.write_owner(root, store, keep_on_stop)
+    whole.keep_on_stop = keep_on_stop
+    log.info("memory tier %s: staged saves and hot copies up to %d MiB (hot copies up to %d MiB) of %d MiB "
+             "this machine may use; %s when the daemon stops", root, whole.tier_size >> 20, whole.budget >> 20,
+             machine >> 20, "kept" if keep_on_stop else "freed")  # fmt: skip
     return whole
 
 
@@ -140,9 +146,24 @@ class WholeFiles:
     """The staged files and the hot tier of one store (thread-safe: the lock guards only the
     in-memory table, never I/O)."""
 
-    def __init__(self, root: Path, budget: int, create_parents: bool = True, huge_pages: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        budget: int,
+        create_parents: bool = True,
+        huge_pages: bool = False,
+        tier_size: int = 0,
+        fs_size: int = 0,
+        any_parent: bool = False,
+    ) -> None:
         self.root = root
         self.budget = budget  # bytes of hot copies kept (0: none outlives its last close)
+        self.tier_size = tier_size or (1 << 62)  # staged saves and hot copies together
+        self.keep_on_stop = False
+        self.short = False  # the machine is short of memory: the tier does not grow (pressure.py)
+        self.stub_path: Callable[[str], Path] | None = None  # a snapshot's stub, to check names
+        self._names: dict[str, str] = {}  # snapshot -> the hot copy it was last opened or stored as
+        self._suspects: set[str] = set()  # snapshots changed since (saved over, renamed, deleted)
         self.staged_dir = root / "staged"
         self.hot_dir = root / "hot"
         self.stats = HotStats()
@@ -151,7 +172,10 @@ class WholeFiles:
         self._hot_bytes = 0
         _private_dir(root, create_parents)
         # Before anything is made inside: a new mount hides what the directory held.
-        self.own_tmpfs = huge_pages and memfs.huge_tmpfs(root, self.staged_dir)
+        size = fs_size or self.tier_size
+        own = huge_pages or any_parent
+        self.own_tmpfs = own and memfs.huge_tmpfs(root, self.staged_dir, size, huge_pages, any_parent)
+        self.fs_size = os.statvfs(root).f_blocks * os.statvfs(root).f_frsize
         for d in (self.staged_dir, self.hot_dir):
             _private_dir(d, False)
         self.boot = boot_id()
@@ -240,8 +264,8 @@ class WholeFiles:
     def key(file_sum: bytes, size: int) -> str:
         return f"{file_sum.hex()}-{size}"
 
-    def hot_open(self, key: str) -> int | None:
-        """A read-only fd of the hot copy ``key``, or None (a miss)."""
+    def hot_open(self, key: str, rel: str | None = None) -> int | None:
+        """A read-only fd of the hot copy ``key`` (opened as the snapshot ``rel``), or None (a miss)."""
         with self._lock:
             known = key in self._hot
             if known:
@@ -259,6 +283,7 @@ class WholeFiles:
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
+                self._name(rel, key)
         return fd
 
     def new_part(self) -> tuple[Path, int]:
@@ -267,13 +292,14 @@ class WholeFiles:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         return path, fd
 
-    def hot_commit(self, path: Path, key: str, size: int, put_back: bool = True) -> None:
-        """``path`` (a verified whole copy: a put-back part, or an ingested staged file) becomes the
-        hot copy ``key``; with a budget of 0 it is unlinked (open fds keep it readable)."""
+    def hot_commit(self, path: Path, key: str, size: int, put_back: bool = True, rel: str | None = None) -> None:
+        """``path`` (a verified whole copy of the snapshot ``rel``: a put-back part, or an ingested
+        staged file) becomes the hot copy ``key``; with a budget of 0, or memory short, it is
+        unlinked (open fds keep it readable)."""
         if put_back:
             with self._lock:
                 self.stats.put_backs += 1  # kept or not: the restore was put back
-        if self.budget <= 0 or size > self.budget:
+        if self.budget <= 0 or size > self.budget or self.short:
             self.drop_staged(path)
             return
         os.rename(path, self.hot_dir / key)
@@ -283,7 +309,30 @@ class WholeFiles:
             self._hot[key] = size
             if not put_back:
                 self.stats.adopted += 1
+            self._name(rel, key)
         self.evict()
+
+    def _name(self, rel: str | None, key: str) -> None:
+        """``rel`` holds the version ``key`` now (under the lock): the copy of the version it held
+        before goes first, unless another snapshot was opened as it."""
+        if rel is None:
+            return
+        old = self._names.get(rel)
+        self._names[rel] = key
+        self._suspects.discard(rel)
+        if old is not None and old != key:
+            self._demote(old)
+
+    def _demote(self, key: str) -> None:
+        if key in self._hot and key not in self._names.values():
+            self._hot.move_to_end(key, last=False)
+            self.stats.superseded += 1
+
+    def changed(self, *rels: str) -> None:
+        """A repository watcher: ``rels`` were saved over, renamed, deleted or touched; their copies
+        are checked at the next eviction (never blocks)."""
+        with self._lock:
+            self._suspects.update(r for r in rels if r in self._names)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -291,20 +340,71 @@ class WholeFiles:
             if size is not None:
                 self._hot_bytes -= size
 
+    def _superseded(self) -> None:
+        """Copies whose snapshot holds another version now (or is gone) move to the front of the
+        eviction order: a copy no stub names goes before any copy one does."""
+        with self._lock:
+            suspects, self._suspects = self._suspects, set()
+            names = {rel: self._names[rel] for rel in suspects if rel in self._names}
+        if not names or self.stub_path is None:
+            return
+        gone: list[str] = []
+        for rel, key in names.items():
+            if self._current_key(rel) != key:
+                gone.append(rel)
+        with self._lock:
+            for rel in gone:
+                self._demote(self._names.pop(rel, ""))
+
+    def _current_key(self, rel: str) -> str | None:
+        """The hot key of the version ``rel`` holds now (None: none known, or it is gone)."""
+        assert self.stub_path is not None
+        path = self.stub_path(rel)
+        try:
+            if stubs.read_staged(path) is not None:
+                return None  # a newer save, staged: not this copy
+            size = stubs.stub_size(path)
+            raw = stubs.read_record(path)
+            if raw is None or size is None:
+                return self._names.get(rel)  # no record to tell by: kept in its place
+            return self.key(filerecord.decode(raw, size).file_sum, size)
+        except (OSError, ValueError):
+            return None
+
+    def staged_total(self) -> int:
+        return self.staged_bytes()[1]
+
     def evict(self, need: int = 0) -> int:
-        """Delete least recently used hot copies until they fit the budget, less ``need`` bytes;
-        the bytes freed. An open copy stays readable through its fds (unlinked, not truncated)."""
+        """Delete hot copies, those no snapshot names first, then least recently used, until they
+        fit the budget and, with what is staged, the tier, less ``need`` bytes; the bytes freed.
+        An open copy stays readable through its fds (unlinked, not truncated)."""
+        self._superseded()
+        limit = min(self.budget, self.tier_size - self.staged_total()) - need
+        return self._evict_to(limit)
+
+    def _evict_to(self, limit: int, pressure: bool = False) -> int:
         freed = 0
         while True:
             with self._lock:
-                if not self._hot or self._hot_bytes + need <= self.budget:
+                if not self._hot or self._hot_bytes <= limit:
                     return freed
                 key, size = self._hot.popitem(last=False)
                 self._hot_bytes -= size
                 self.stats.evictions += 1
+                if pressure:
+                    self.stats.pressure_evictions += 1
+                    self.stats.pressure_evicted_bytes += size
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.hot_dir / key)
             freed += size
+
+    def shrink(self, nbytes: int) -> int:
+        """Memory is short: evict at least ``nbytes`` of hot copies (unnamed ones first, then least
+        recently used); the bytes freed."""
+        self._superseded()
+        with self._lock:
+            limit = self._hot_bytes - max(1, nbytes)
+        return self._evict_to(limit, pressure=True)
 
     def clear_hot(self) -> None:
         with self._lock:
@@ -319,9 +419,54 @@ class WholeFiles:
         with self._lock:
             return len(self._hot), self._hot_bytes
 
-    def free_bytes(self) -> int:
+    def room(self) -> int:
+        """Bytes the tier may still take for a new whole file (0 while memory is short): what its
+        budget leaves beside what is staged, within its file system's free room."""
+        if self.short:
+            return 0
         sv = os.statvfs(self.root)
-        return sv.f_bavail * sv.f_frsize
+        return max(0, min(sv.f_bavail * sv.f_frsize, self.tier_size - self.staged_total()))
+
+    def free_bytes(self) -> int:
+        return self.room()
+
+    def tier_stats(self) -> dict[str, int]:
+        """What the tier holds now and its limits (stats, API, metrics)."""
+        files, hot = self.hot_usage()
+        staged_files, staged = self.staged_bytes()
+        st = self.stats
+        return {
+            "tier_size": self.tier_size,
+            "tier_fs_size": self.fs_size,
+            "staged_files": staged_files,
+            "staged_bytes": staged,
+            "memory_short": int(self.short),
+            "pressure_episodes": st.pressure_episodes,
+            "pressure_evictions": st.pressure_evictions,
+            "pressure_evicted_bytes": st.pressure_evicted_bytes,
+            "saves_inline": st.saves_inline,
+            "pressure_reaction_us": st.pressure_reaction_us,
+            "hot_superseded": st.superseded,
+        }
+
+    def stop(self) -> None:
+        """The daemon stops cleanly: the tier is kept for the next daemon if the operator chose so,
+        else its hot copies are deleted and, with no staged save left, its tmpfs unmounted and
+        the directory removed. Logs what it leaves and how to free it."""
+        if self.keep_on_stop:
+            held = tierdir.held_bytes(self.root)
+            log.info("the memory tier %s keeps %d MiB for the next daemon (memory_tier_on_stop = keep); "
+                     "`kv-chunk-fs free-memory-tiers --all` or `umount %s` frees it", self.root, held >> 20,
+                     self.root)  # fmt: skip
+            return
+        self.clear_hot()
+        n, staged = self.staged_bytes()
+        if n:
+            log.warning("the memory tier %s keeps %d staged saves (%d MiB) not yet stored: the next daemon "
+                        "stores them", self.root, n, staged >> 20)  # fmt: skip
+            return
+        tierdir.free(self.root)
+        log.info("the memory tier %s is freed", self.root)
 
     def remove_all(self) -> None:
         """Delete the directory, its own tmpfs unmounted (tests, a store being removed)."""

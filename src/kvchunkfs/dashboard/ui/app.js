@@ -164,7 +164,9 @@ function renderOverview(s) {
   if (c.hot_budget !== undefined) {
     setVal("ov-hot", c.hot_bytes, bytes(c.hot_bytes) + " of " + bytes(c.hot_budget));
     $("#ov-hot-sub").textContent = num(c.hot_files) + " copies · " + num(c.hot_hits) + " hits, " + num(c.hot_misses) +
-      " misses · " + num(c.hot_evictions) + " evicted";
+      " misses · " + num(c.hot_evictions) + " evicted" +
+      (c.tier_size !== undefined ? " · memory tier " + bytes((c.staged_bytes || 0) + c.hot_bytes) + " of " +
+        bytes(c.tier_size) + (c.memory_short ? " · memory short" : "") : "");
     setVal("ov-ingest", c.ingest_queue_bytes, bytes(c.ingest_queue_bytes));
     $("#ov-ingest-sub").textContent = num(c.ingest_queue) + " saves queued · " + num(c.ingest_waits) + " closes waited";
   } else {

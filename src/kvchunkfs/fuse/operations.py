@@ -253,8 +253,9 @@ class Operations(fuse.Operations):
         whole = self.repo.whole
         if whole is None:
             return 0
+        kept = await self._thread(self.repo.adopt_kept)  # versions a lost staged save falls back to
         present = set(await self._thread(whole.staged_names))
-        if not present and not whole.rebooted:
+        if not present and not whole.rebooted and not kept:
             return 0
         found, complete = await self._thread(self.repo.staged_saves)
         queued = 0
@@ -265,12 +266,13 @@ class Operations(fuse.Operations):
                 present.discard(staged.name)
                 queued += 1
                 continue
-            log.warning("the save of %s was lost (%s): its previous version stays", rel,
-                        "another boot" if staged.boot != whole.boot else "its staged copy is gone")  # fmt: skip
+            why = "another boot" if staged.boot != whole.boot else "its staged copy is gone"
             try:
-                await self._thread(self.repo.unstage, rel)
+                done = await self._thread(self.repo.lose_staged, rel)
             except OSError as e:  # its stub names a file that is gone: reads of it fail (EIO) until then
-                log.error("the lost save of %s is still named on its stub: %s", rel, e)
+                log.error("the lost save of %s (%s) is still named on its stub: %s", rel, why, e)
+                continue
+            log.warning(_LOST[done], rel, why)
         if not complete and present:
             log.warning("%d staged files kept: a stub that may name one could not be read", len(present))
             present.clear()
@@ -1417,6 +1419,13 @@ class Operations(fuse.Operations):
         if self.session is None:
             return {"mode": "unmounted", "why": ""}
         return {"mode": "passthrough" if self.session.passthrough else "served", "why": self.session.why}
+
+
+_LOST = {  # Repository.lose_staged's outcome -> the log line
+    "index": "the save of %s was lost (%s): its previous version stays",
+    "kept": "the save of %s was lost (%s): the version it replaced is back",
+    "removed": "the first save of %s was lost (%s): the name is removed",
+}
 
 
 def _mib(n: int) -> str:

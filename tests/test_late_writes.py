@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import Mount
 from helpers import rand_bytes, wait_closed
 
@@ -45,22 +46,70 @@ def check(kvfs: Mount, data: bytes) -> None:
     assert kvfs.path("v").read_bytes() == data, "a hot copy holds bytes that are not its checksum's"
 
 
-def test_a_mapping_written_after_the_close(kvfs: Mount) -> None:
+class Mapping:
+    """A writable shared mapping as C makes one (Python's mmap keeps a duplicate descriptor):
+    after the close it is all that is left of the file description."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.size = size
+        self.addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        assert self.addr not in (None, ctypes.c_void_p(-1).value)
+
+    def write(self, data: bytes) -> None:
+        ctypes.memmove(self.addr, data, len(data))
+
+    def close(self) -> None:
+        assert libc.munmap(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.size)) == 0
+
+
+def test_a_mapping_written_after_the_close(kvfs: Mount, tmp_path: Path) -> None:
+    """Passed through, the kernel releases the file at the close while the mapping writes the
+    staged file on; no other name ever reads those bytes, and the writer's file reads a whole
+    version: what it wrote by its close, or with the later writes."""
     data = rand_bytes(2 * MiB, 60)
+    late = MARK + data[len(MARK) :]
     kvfs.path("v").write_bytes(data)
     kvfs.ingested()
     fd = os.open(kvfs.path("w"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.write(fd, data)
-    # As C does it (Python's mmap keeps a duplicate descriptor): the mapping is all that is left.
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    addr = libc.mmap(None, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    os.close(fd)  # the commit: the save is the staged file
-    stored(kvfs, 2)
-    ctypes.memmove(addr, MARK, len(MARK))
-    assert kvfs.path("v").read_bytes() == data, "another name read bytes written through a mapping"
-    assert libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(len(data))) == 0
+    mapping = Mapping(fd, len(data))
+    try:
+        os.close(fd)  # the commit: the save is the staged file
+        stored(kvfs, 2)
+        kvfs.ingested()
+        mapping.write(MARK)
+        assert kvfs.path("v").read_bytes() == data, "another name read bytes written through a mapping"
+    finally:
+        mapping.close()
+    wait_closed(kvfs)
+    kvfs.ingested()
+    assert kvfs.path("w").read_bytes() in (data, late)
+    kvfs.remount([])
+    assert kvfs.path("v").read_bytes() == data, "a hot copy holds bytes that are not its checksum's"
+    assert kvfs.path("w").read_bytes() in (data, late)
+
+
+def test_a_mapping_written_before_its_save_is_stored_saves_it(kvfs: Mount, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Writes through the mapping before ingestion stored the save are stored with it."""
+    hold = tmp_path / "hold-ingestion"
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(hold))
+    kvfs.remount()
+    data = rand_bytes(2 * MiB, 62)
+    kvfs.path("v").write_bytes(data)
+    kvfs.ingested()
+    hold.touch()
+    fd = os.open(kvfs.path("w"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    mapping = Mapping(fd, len(data))
+    try:
+        os.close(fd)
+        mapping.write(MARK)
+    finally:
+        mapping.close()
+    hold.unlink()
     check(kvfs, data)
 
 

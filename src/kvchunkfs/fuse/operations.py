@@ -97,6 +97,9 @@ class Node:
     # no generation, only the file's own mtime.
     set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
+    # Staged saves sealed while the writer's file description could still write them (a mapping
+    # or a child's copy of the descriptor outlives the close): ingested at its last release.
+    deferred: list[Job] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -230,6 +233,8 @@ class Operations(fuse.Operations):
         self.ingester = Ingester(
             self.files, self.install_ingested, self.ingestion_done, self.repo.settings.ingest_backlog, workers
         )
+        # Passed through, a client's mapping may write a staged file after its close: hot copies are copies.
+        self.ingester.fresh_hot_copies = lambda: self.session is None or self.session.passthrough
 
     async def stop_ingestion(self) -> None:
         """At unmount: store what is staged, for up to ``stop_timeout`` seconds (a reboot after
@@ -237,6 +242,11 @@ class Operations(fuse.Operations):
         ingester = self.ingester
         if ingester is None:
             return
+        for node in self.nodes.values():  # the mount is gone: no release will come
+            jobs, node.deferred = node.deferred, []
+            for job in jobs:
+                job.adopt = False
+                ingester.submit(job)
         count, size = ingester.backlog()
         if count:
             log.info("storing %d staged saves (%s) before stopping", count, _mib(size))
@@ -262,7 +272,8 @@ class Operations(fuse.Operations):
         for rel, staged in found:
             if staged.name in present and staged.boot == whole.boot:
                 node = self._remember(rel, False)
-                self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0)
+                # Not made a hot copy: a mapping from before the restart may still write the file.
+                self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0, adopt=False)
                 present.discard(staged.name)
                 queued += 1
                 continue
@@ -1088,6 +1099,8 @@ class Operations(fuse.Operations):
                 restore.closed = time.monotonic()
         try:
             await self._drop_open(node)
+            if handle.writer and node.writers == 0 and node.deferred:
+                await self._ingest_deferred(node)
         finally:
             if handle.writer:  # counted until its save is done: a stop waits for it
                 self.writing -= 1
@@ -1189,7 +1202,10 @@ class Operations(fuse.Operations):
         if rel is None:  # unlinked while open: nothing to save
             return True
         self.staged_saves += 1
-        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        # Its own file (not a copy) may still be written after this close through another reference
+        # to the writer's file description (a child's inherited descriptor: passed through, the
+        # kernel writes it directly): stored at the last release, as the file is then.
+        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000, defer=not copy)
         return True
 
     def _seal_and_stage(
@@ -1212,10 +1228,42 @@ class Operations(fuse.Operations):
             whole.drop_staged(path)
         return path, size, gen
 
-    def _queue_ingestion(self, node: Node, path: Path, size: int, closed_ms: float) -> None:
+    def _queue_ingestion(
+        self, node: Node, path: Path, size: int, closed_ms: float, defer: bool = False, adopt: bool = True
+    ) -> None:
         assert self.ingester is not None
         node.ingesting += 1
-        self.ingester.submit(Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms))
+        job = Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms, adopt=adopt)
+        if defer and node.writers > 0:
+            node.deferred.append(job)
+        else:
+            self.ingester.submit(job)
+
+    async def _ingest_deferred(self, node: Node) -> None:
+        """The writer's last reference is gone (the kernel's RELEASE comes only then, a mapping
+        included): its sealed saves are stored as their files are now, writes made after the
+        close included (the stub's staged size follows the file's)."""
+        jobs, node.deferred = node.deferred, []
+        async with node.lock, node.gate.use():
+            for job in jobs:
+                try:
+                    job.size = await self._thread(self._restage, node.path, job)
+                except OSError as e:  # ingestion reads the file as it is all the same
+                    log.warning("the save of %s grew after its close; its size not updated: %s", node.path, e)
+                assert self.ingester is not None
+                self.ingester.submit(job)
+
+    def _restage(self, rel: str | None, job: Job) -> int:
+        """The staged file's size now; named on the stub if it changed and the stub still names it."""
+        try:
+            size = os.stat(job.path).st_size
+        except FileNotFoundError:
+            return job.size
+        if rel is not None and size != job.size:
+            staged = self.repo.staged(rel)
+            if staged is not None and staged.name == job.name:
+                self.repo.stage(rel, job.name, size)
+        return size
 
     # -- ingestion's callbacks (worker threads) ---------------------------------------------
 

@@ -222,6 +222,7 @@ class Operations(fuse.Operations):
         # the daemon starts (``start_ingestion``); None: every save is stored before its close returns.
         self.ingester: Ingester | None = None
         self.staged_saves = 0  # saves handed to ingestion
+        self.deferred_saves = 0  # of them, waiting for their writer's last release (``Node.deferred``)
         self.stop_timeout = 60.0  # the daemon's: how long an unmount waits for staged saves to be stored
 
     # -- staged saves ------------------------------------------------------------------------
@@ -244,6 +245,7 @@ class Operations(fuse.Operations):
             return
         for node in self.nodes.values():  # the mount is gone: no release will come
             jobs, node.deferred = node.deferred, []
+            self.deferred_saves -= len(jobs)
             for job in jobs:
                 job.adopt = False
                 ingester.submit(job)
@@ -1234,8 +1236,9 @@ class Operations(fuse.Operations):
         assert self.ingester is not None
         node.ingesting += 1
         job = Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms, adopt=adopt)
-        if defer and node.writers > 0:
+        if defer and node.writers > 0 and self.session is not None and self.session.passthrough:
             node.deferred.append(job)
+            self.deferred_saves += 1
         else:
             self.ingester.submit(job)
 
@@ -1244,6 +1247,7 @@ class Operations(fuse.Operations):
         included): its sealed saves are stored as their files are now, writes made after the
         close included (the stub's staged size follows the file's)."""
         jobs, node.deferred = node.deferred, []
+        self.deferred_saves -= len(jobs)
         async with node.lock, node.gate.use():
             for job in jobs:
                 try:
@@ -1448,7 +1452,7 @@ class Operations(fuse.Operations):
         h = whole.stats
         return {
             "staged_saves": self.staged_saves,
-            "ingest_queue": queued,
+            "ingest_queue": queued + self.deferred_saves,
             "ingest_queue_bytes": queued_bytes,
             "ingest_waits": ingester.waits if ingester is not None else 0,
             "ingest_failures": ingester.failures if ingester is not None else 0,

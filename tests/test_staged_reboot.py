@@ -113,12 +113,15 @@ def test_a_client_fsync_keeps_the_save_through_a_reboot(kvfs: Mount, hold: Path,
     kvfs.path("s").write_bytes(old)
     kvfs.ingested()
     hold.touch()
+    before = kvfs.stats()["staged_saves"]
     fd = os.open(kvfs.path("s.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, new)
         os.fsync(fd)
     finally:
         os.close(fd)
+    # Its close stores nothing again: a stub installed by ingestion would not be durable.
+    assert kvfs.stats()["staged_saves"] == before
     os.rename(kvfs.path("s.tmp"), kvfs.path("s"))
     dfd = os.open(kvfs.mnt, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -40,6 +40,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from kvchunkfs.file.adopt import same_sum
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.handle import FileHandle, truncate
@@ -97,6 +98,7 @@ class Node:
     # no generation, only the file's own mtime.
     set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
+    synced: bytes | None = None  # the checksum of the save a client's fsync stored, while open for writing
     # Staged saves sealed while the writer's file description could still write them (a mapping
     # or a child's copy of the descriptor outlives the close): ingested at its last release.
     deferred: list[Job] = field(default_factory=list)
@@ -1178,6 +1180,9 @@ class Operations(fuse.Operations):
                      seconds * 1000)  # fmt: skip
             if node.writers - closing > 0 and content.whole is not None:
                 content.mark_changed()  # still open for writing: passthrough writes are unseen
+                # A client's fsync: its close stores nothing again if the file is still this save
+                # (ingesting it again would replace the durable stub by one a power cut can take).
+                node.synced = pending.record.file_sum if durable and pending.record is not None else None
 
     async def _stage(
         self, node: Node, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
@@ -1186,6 +1191,10 @@ class Operations(fuse.Operations):
         on it is the snapshot, through a kill -9 too); ingestion stores it behind the close.
         False if ``unless`` said this is not a commit."""
         assert self.ingester is not None
+        synced, node.synced = node.synced, None
+        if synced is not None and await self._thread(same_sum, content.whole_fd(), synced):
+            content.committed(content.gen)  # unchanged since the client's fsync stored it durably
+            return True
         async with node.gate.use():
             rel = node.path
             try:

@@ -1252,11 +1252,10 @@ class Operations(fuse.Operations):
             self.ingester.submit(job)
 
     async def _ingest_deferred(self, node: Node) -> None:
-        """The writer's last reference is gone (the kernel's RELEASE comes only then, a mapping
-        included): its sealed saves are stored as their files are now, writes made after the
+        """The writer's file description is released (a child's inherited descriptor kept it open
+        until now): its sealed saves are stored as their files are now, writes made after the
         close included (the stub's staged size follows the file's)."""
         jobs, node.deferred = node.deferred, []
-        self.deferred_saves -= len(jobs)
         async with node.lock, node.gate.use():
             for job in jobs:
                 try:
@@ -1265,6 +1264,7 @@ class Operations(fuse.Operations):
                     log.warning("the save of %s grew after its close; its size not updated: %s", node.path, e)
                 assert self.ingester is not None
                 self.ingester.submit(job)
+                self.deferred_saves -= 1  # counted until queued: ``Mount.ingested`` waits for it
 
     def _restage(self, rel: str | None, job: Job) -> int:
         """The staged file's size now; named on the stub if it changed and the stub still names it."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,20 +24,18 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """While this file exists, the daemons started in the test store no staged save."""
-    flag = tmp_path / "hold-ingestion"
-    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(flag))
-    yield flag
-    flag.unlink(missing_ok=True)
+def hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """While the file returned exists, the daemons started in the test store no staged save; they
+    read their boot id from ``boot_id`` beside it (``boot``)."""
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(tmp_path / "hold-ingestion"))
+    (tmp_path / "boot_id").write_text("boot-1\n")
+    monkeypatch.setenv("KVCFS_BOOT_ID_FILE", str(tmp_path / "boot_id"))
+    return tmp_path / "hold-ingestion"
 
 
 @pytest.fixture
-def boot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "boot_id"
-    path.write_text("boot-1\n")
-    monkeypatch.setenv("KVCFS_BOOT_ID_FILE", str(path))
-    return path
+def boot(hold: Path) -> Path:
+    return hold.parent / "boot_id"
 
 
 def reboot(m: Mount, boot: Path, hold: Path) -> None:

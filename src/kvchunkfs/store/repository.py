@@ -399,8 +399,9 @@ class Repository:
         """A staged save of ``rel`` that is lost (its file gone, or from another boot): the name
         falls back to the last version stored before it. That is the stub's own index unless it is
         empty (the stub ``create`` made: the save was renamed over the name, or was its first);
-        then the version kept in ``prev/`` when the save replaced one (a rename over the name);
-        else the name had no version before and is removed. Returns what was done: "index",
+        then the version kept in ``prev/`` when the save replaced one (a rename over the name), if
+        it is not empty either (an earlier lost save's stub); else the name had no version before
+        and is removed. Returns what was done: "index",
         "kept" or "removed". Blocking."""
         path = self.path(rel)
         try:
@@ -409,7 +410,7 @@ class Repository:
             own = True  # not an index: reads of it fail (EIO) as before, nothing is guessed
         name = prev_name(rel)
         kept = self.layout.prev / name if name is not None else None
-        if not own and kept is not None and self.whole_stub(kept):
+        if not own and kept is not None and stubs.stub_size(kept) and self.whole_stub(kept):
             with self._changing(rel):
                 os.rename(kept, path)
             with self._prev_lock:

@@ -99,8 +99,8 @@ class Node:
     set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
     synced: bytes | None = None  # the checksum of the save a client's fsync stored, while open for writing
-    # Staged saves sealed while the writer's file description could still write them (a mapping
-    # or a child's copy of the descriptor outlives the close): ingested at its last release.
+    # Staged saves sealed while the writer's file description could still write them (passed
+    # through, a child's copy of the descriptor outlives the close): ingested at its last release.
     deferred: list[Job] = field(default_factory=list)
 
 

@@ -5,8 +5,9 @@ that file is the snapshot) and queues it here. A worker thread, at low CPU prior
 exactly as a streaming save would (format-aware, only the chunks the store lacks written), writes
 the new stub under ``tmp/`` and asks the mount to install it (``Install``): on the thread that
 orders namespace changes, and only if the stub still names this staged file (a later save, an
-unlink or a rename over it wins). The installed file then joins the hot tier, checked again
-against the checksum it was stored with, so a later restore of it is a plain read.
+unlink or a rename over it wins), once the file still hashes to the checksum just stored (else it
+was written after its close, and is stored again). The installed file then joins the hot tier
+(file/adopt.py), so a later restore of it is a plain read.
 
 The backlog is bounded in bytes (``ingest_backlog``, by default half the memory tier) and in time:
 with ``durability = close`` a power cut loses the acknowledged saves not yet stored (their staged
@@ -33,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchunkfs.file.adopt import same_sum, to_hot_tier
 from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files, PendingSave
-from kvchunkfs.format.filerecord import file_hasher
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
 ChunkError = (ChunkCorrupt, ChunkMissing)
@@ -62,6 +63,7 @@ class Job:
     where: Callable[[], str | None]  # the file's path now, for the metadata its new stub carries
     owner: object = None  # the mount's handle on the file (its node)
     closed_ms: float = 0.0  # how long the close took
+    adopt: bool = True  # may become a hot copy (False: a client may still write the file)
     queued: float = field(default_factory=time.monotonic)
 
     @property
@@ -91,6 +93,10 @@ class Ingester:
         self.waits = 0  # closes that waited for the backlog
         self.ingested = 0
         self.failures = 0
+        self.changed = 0  # saves stored again: written after their close while being stored
+        # Whether hot copies are fresh copies (file/adopt.py): the mount says False when no client
+        # writes a staged file directly (served mode).
+        self.fresh_hot_copies: Callable[[], bool] = lambda: True
         self._stop = False
         self._threads = [
             threading.Thread(target=self._run, name=f"ingest-{i}", daemon=True) for i in range(max(1, workers))
@@ -220,11 +226,21 @@ class Ingester:
             else:
                 _stream(content, fd)
             pending = files.prepare_save(content, rel, durable=False)
+            record = pending.record
+            if record is not None and not same_sum(fd, record.file_sum):
+                # Written since it was read (a mapping kept after the close: passed through, nothing
+                # tells the daemon): what was read is no version the file had. Stored again as it is.
+                if pending.tmp is not None:
+                    pending.tmp.unlink(missing_ok=True)
+                log.info("the save of %s changed after its close: stored again", rel)
+                self.changed += 1
+                self.submit(job)  # counted once: the worker uncounts this run
+                return
             outcome = self.install(job, pending)
             seconds = time.monotonic() - job.queued
             if outcome is Outcome.INSTALLED:
                 self.ingested += 1
-                self._to_hot_tier(job, fd, pending)
+                self._to_hot_tier(job, fd, pending, sparse)
             elif outcome is Outcome.SUPERSEDED:
                 whole.drop_staged(job.path)
             self.done(job, outcome, pending.new_bytes, seconds)
@@ -232,17 +248,17 @@ class Ingester:
             content.close()
             os.close(fd)
 
-    def _to_hot_tier(self, job: Job, fd: int, pending: PendingSave) -> None:
-        """The installed save's staged file becomes a hot copy, if its bytes still have the
-        checksum they were stored with (a writable mapping could change them after the close)."""
+    def _to_hot_tier(self, job: Job, fd: int, pending: PendingSave, sparse: bool) -> None:
+        """The installed save's staged file becomes a hot copy (file/adopt.py): renamed if no client
+        can write it, else a fresh copy of it (its holes would be copied as zeros: none then)."""
         whole = self.files.repo.whole
         assert whole is not None
         record = pending.record
-        if record is None or job.size > whole.budget or not _same_sum(fd, record.file_sum):
+        fresh = not job.adopt or self.fresh_hot_copies()
+        if record is None or (fresh and sparse):
             whole.drop_staged(job.path)
             return
-        key = whole.key(record.file_sum, job.size)
-        whole.hot_commit(job.path, key, job.size, put_back=False, rel=job.where())
+        to_hot_tier(whole, job.path, fd, record.file_sum, job.size, fresh, rel=job.where())
 
 
 def _stream(content: FileContent, fd: int) -> None:
@@ -271,12 +287,3 @@ def _stream(content: FileContent, fd: int) -> None:
 def _has_hole(fd: int) -> bool:
     size = os.fstat(fd).st_size
     return size > 0 and os.lseek(fd, 0, os.SEEK_HOLE) < size
-
-
-def _same_sum(fd: int, file_sum: bytes) -> bool:
-    hasher = file_hasher()
-    pos = 0
-    while piece := os.pread(fd, 8 << 20, pos):
-        hasher.update(piece)
-        pos += len(piece)
-    return hasher.digest() == file_sum

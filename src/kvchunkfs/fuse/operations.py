@@ -40,6 +40,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from kvchunkfs.file.adopt import same_sum
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.handle import FileHandle, truncate
@@ -97,6 +98,10 @@ class Node:
     # no generation, only the file's own mtime.
     set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
+    synced: bytes | None = None  # the checksum of the save a client's fsync stored, while open for writing
+    # Staged saves sealed while the writer's file description could still write them (passed
+    # through, a child's copy of the descriptor outlives the close): ingested at its last release.
+    deferred: list[Job] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -219,6 +224,7 @@ class Operations(fuse.Operations):
         # the daemon starts (``start_ingestion``); None: every save is stored before its close returns.
         self.ingester: Ingester | None = None
         self.staged_saves = 0  # saves handed to ingestion
+        self.deferred_saves = 0  # of them, waiting for their writer's last release (``Node.deferred``)
         self.stop_timeout = 60.0  # the daemon's: how long an unmount waits for staged saves to be stored
 
     # -- staged saves ------------------------------------------------------------------------
@@ -230,6 +236,8 @@ class Operations(fuse.Operations):
         self.ingester = Ingester(
             self.files, self.install_ingested, self.ingestion_done, self.repo.settings.ingest_backlog, workers
         )
+        # Passed through, a client's mapping may write a staged file after its close: hot copies are copies.
+        self.ingester.fresh_hot_copies = lambda: self.session is None or self.session.passthrough
 
     async def stop_ingestion(self) -> None:
         """At unmount: store what is staged, for up to ``stop_timeout`` seconds (a reboot after
@@ -237,6 +245,12 @@ class Operations(fuse.Operations):
         ingester = self.ingester
         if ingester is None:
             return
+        for node in self.nodes.values():  # the mount is gone: no release will come
+            jobs, node.deferred = node.deferred, []
+            self.deferred_saves -= len(jobs)
+            for job in jobs:
+                job.adopt = False
+                ingester.submit(job)
         count, size = ingester.backlog()
         if count:
             log.info("storing %d staged saves (%s) before stopping", count, _mib(size))
@@ -253,24 +267,27 @@ class Operations(fuse.Operations):
         whole = self.repo.whole
         if whole is None:
             return 0
+        kept = await self._thread(self.repo.adopt_kept)  # versions a lost staged save falls back to
         present = set(await self._thread(whole.staged_names))
-        if not present and not whole.rebooted:
+        if not present and not whole.rebooted and not kept:
             return 0
         found, complete = await self._thread(self.repo.staged_saves)
         queued = 0
         for rel, staged in found:
             if staged.name in present and staged.boot == whole.boot:
                 node = self._remember(rel, False)
-                self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0)
+                # Not made a hot copy: a mapping from before the restart may still write the file.
+                self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0, adopt=False)
                 present.discard(staged.name)
                 queued += 1
                 continue
-            log.warning("the save of %s was lost (%s): its previous version stays", rel,
-                        "another boot" if staged.boot != whole.boot else "its staged copy is gone")  # fmt: skip
+            why = "another boot" if staged.boot != whole.boot else "its staged copy is gone"
             try:
-                await self._thread(self.repo.unstage, rel)
+                done = await self._thread(self.repo.lose_staged, rel)
             except OSError as e:  # its stub names a file that is gone: reads of it fail (EIO) until then
-                log.error("the lost save of %s is still named on its stub: %s", rel, e)
+                log.error("the lost save of %s (%s) is still named on its stub: %s", rel, why, e)
+                continue
+            log.warning(_LOST[done], rel, why)
         if not complete and present:
             log.warning("%d staged files kept: a stub that may name one could not be read", len(present))
             present.clear()
@@ -1086,6 +1103,8 @@ class Operations(fuse.Operations):
                 restore.closed = time.monotonic()
         try:
             await self._drop_open(node)
+            if handle.writer and node.writers == 0 and node.deferred:
+                await self._ingest_deferred(node)
         finally:
             if handle.writer:  # counted until its save is done: a stop waits for it
                 self.writing -= 1
@@ -1163,6 +1182,9 @@ class Operations(fuse.Operations):
                      seconds * 1000)  # fmt: skip
             if node.writers - closing > 0 and content.whole is not None:
                 content.mark_changed()  # still open for writing: passthrough writes are unseen
+                # A client's fsync: its close stores nothing again if the file is still this save
+                # (ingesting it again would replace the durable stub by one a power cut can take).
+                node.synced = pending.record.file_sum if durable and pending.record is not None else None
 
     async def _stage(
         self, node: Node, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
@@ -1171,6 +1193,10 @@ class Operations(fuse.Operations):
         on it is the snapshot, through a kill -9 too); ingestion stores it behind the close.
         False if ``unless`` said this is not a commit."""
         assert self.ingester is not None
+        synced, node.synced = node.synced, None
+        if synced is not None and await self._thread(same_sum, content.whole_fd(), synced):
+            content.committed(content.gen)  # unchanged since the client's fsync stored it durably
+            return True
         async with node.gate.use():
             rel = node.path
             try:
@@ -1189,7 +1215,10 @@ class Operations(fuse.Operations):
         if rel is None:  # unlinked while open: nothing to save
             return True
         self.staged_saves += 1
-        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000)
+        # Its own file (not a copy) may still be written after this close through another reference
+        # to the writer's file description (a child's inherited descriptor: passed through, the
+        # kernel writes it directly): stored at the last release, as the file is then.
+        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000, defer=not copy)
         return True
 
     def _memory_short(self) -> bool:
@@ -1220,10 +1249,44 @@ class Operations(fuse.Operations):
             whole.drop_staged(path)
         return path, size, gen
 
-    def _queue_ingestion(self, node: Node, path: Path, size: int, closed_ms: float) -> None:
+    def _queue_ingestion(
+        self, node: Node, path: Path, size: int, closed_ms: float, defer: bool = False, adopt: bool = True
+    ) -> None:
         assert self.ingester is not None
         node.ingesting += 1
-        self.ingester.submit(Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms))
+        job = Job(path, size, lambda: node.path, owner=node, closed_ms=closed_ms, adopt=adopt)
+        if defer and node.writers > 0 and self.session is not None and self.session.passthrough:
+            node.deferred.append(job)
+            self.deferred_saves += 1
+        else:
+            self.ingester.submit(job)
+
+    async def _ingest_deferred(self, node: Node) -> None:
+        """The writer's file description is released (a child's inherited descriptor kept it open
+        until now): its sealed saves are stored as their files are now, writes made after the
+        close included (the stub's staged size follows the file's)."""
+        jobs, node.deferred = node.deferred, []
+        async with node.lock, node.gate.use():
+            for job in jobs:
+                try:
+                    job.size = await self._thread(self._restage, node.path, job)
+                except OSError as e:  # ingestion reads the file as it is all the same
+                    log.warning("the save of %s grew after its close; its size not updated: %s", node.path, e)
+                assert self.ingester is not None
+                self.ingester.submit(job)
+                self.deferred_saves -= 1  # counted until queued: ``Mount.ingested`` waits for it
+
+    def _restage(self, rel: str | None, job: Job) -> int:
+        """The staged file's size now; named on the stub if it changed and the stub still names it."""
+        try:
+            size = os.stat(job.path).st_size
+        except FileNotFoundError:
+            return job.size
+        if rel is not None and size != job.size:
+            staged = self.repo.staged(rel)
+            if staged is not None and staged.name == job.name:
+                self.repo.stage(rel, job.name, size)
+        return size
 
     # -- ingestion's callbacks (worker threads) ---------------------------------------------
 
@@ -1409,7 +1472,7 @@ class Operations(fuse.Operations):
         h = whole.stats
         return {
             "staged_saves": self.staged_saves,
-            "ingest_queue": queued,
+            "ingest_queue": queued + self.deferred_saves,
             "ingest_queue_bytes": queued_bytes,
             "ingest_waits": ingester.waits if ingester is not None else 0,
             "ingest_failures": ingester.failures if ingester is not None else 0,
@@ -1430,6 +1493,13 @@ class Operations(fuse.Operations):
         if self.session is None:
             return {"mode": "unmounted", "why": ""}
         return {"mode": "passthrough" if self.session.passthrough else "served", "why": self.session.why}
+
+
+_LOST = {  # Repository.lose_staged's outcome -> the log line
+    "index": "the save of %s was lost (%s): its previous version stays",
+    "kept": "the save of %s was lost (%s): the version it replaced is back",
+    "removed": "the first save of %s was lost (%s): the name is removed",
+}
 
 
 def _mib(n: int) -> str:

@@ -191,12 +191,14 @@ def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> 
         kept = []
     for entry in kept:
         rel = prev_rel(entry.name)
-        if rel is not None and rel in damaged and _whole(repo, Path(entry.path)):
+        if rel is not None and rel in damaged and repo.whole_stub(Path(entry.path)):
             os.rename(entry.path, repo.path(rel))
             damaged.discard(rel)
             _forget_damage(report, rel)
             report.restored.append(rel)
             log.warning("snapshot %s: its last save was lost with the power; the version before it is back", rel)
+        elif rel is not None and _names_staged(repo, rel):
+            continue  # its staged save may be lost (a reboot): the mount decides (``lose_staged``)
         else:  # the current version is whole, or the name was removed or renamed since
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.unlink(entry.path)
@@ -216,14 +218,13 @@ def resolve_damaged(repo: Repository, report: RecoveryReport, crashed: bool) -> 
                 fsync_dir(d)
 
 
-def _whole(repo: Repository, path: Path) -> bool:
-    """A stub that parses and whose every chunk the map has, with the length the index gives it."""
+def _names_staged(repo: Repository, rel: str) -> bool:
+    """Whether the current stub of ``rel`` names a staged save (then its index may not be a version
+    to fall back to: the version kept for it stays until the save is stored or lost)."""
     try:
-        index = stubs.read_index(path)
+        return repo.staged(rel) is not None
     except OSError:
         return False
-    found = repo.store.locate_many(index.ids)
-    return len(found) == len(set(index.ids)) and repo.store.length_mismatch(index, found) is None
 
 
 def _forget_damage(report: RecoveryReport, rel: str) -> None:

@@ -388,6 +388,61 @@ class Repository:
                 os.unlink(self.layout.prev / name)
         return len(done)
 
+    def adopt_kept(self) -> int:
+        """At mount, after recovery: the versions left in ``prev/`` (kept for a staged save a
+        previous daemon had not stored) are dropped by a checkpoint once their names' saves are
+        stored, as if kept by this daemon. The number adopted."""
+        try:
+            names = [e.name for e in os.scandir(self.layout.prev)]
+        except FileNotFoundError:
+            return 0
+        rels = [rel for rel in map(prev_rel, names) if rel is not None]
+        with self._prev_lock:
+            for rel in rels:
+                self._replaces += 1
+                self._kept.setdefault(rel, self._replaces)
+        return len(rels)
+
+    def whole_stub(self, path: Path) -> bool:
+        """A stub that parses and whose every chunk the map has, with the length the index gives it."""
+        try:
+            index = stubs.read_index(path)
+        except OSError:
+            return False
+        found = self.store.locate_many(index.ids)
+        return len(found) == len(set(index.ids)) and self.store.length_mismatch(index, found) is None
+
+    def lose_staged(self, rel: str) -> str:
+        """A staged save of ``rel`` that is lost (its file gone, or from another boot): the name
+        falls back to the last version stored before it. That is the stub's own index unless it is
+        empty (the stub ``create`` made: the save was renamed over the name, or was its first);
+        then the version kept in ``prev/`` when the save replaced one (a rename over the name), if
+        it is not empty either (an earlier lost save's stub); else the name had no version before
+        and is removed. Returns what was done: "index",
+        "kept" or "removed". Blocking."""
+        path = self.path(rel)
+        try:
+            own = stubs.read_index(path).size > 0
+        except OSError:
+            own = True  # not an index: reads of it fail (EIO) as before, nothing is guessed
+        name = prev_name(rel)
+        kept = self.layout.prev / name if name is not None else None
+        if not own and kept is not None and stubs.stub_size(kept) and self.whole_stub(kept):
+            with self._changing(rel):
+                os.rename(kept, path)
+            with self._prev_lock:
+                self._kept.pop(rel, None)
+            stubs.set_staged(path, None)  # its own staged save, if any, is older still: gone too
+            fsync_dir(path.parent)  # put back for good: a cut now must not bring the empty stub back
+            self.touched(rel)
+            return "kept"
+        if not own:
+            self.unlink(rel)
+            fsync_dir(path.parent)
+            return "removed"
+        self.unstage(rel)
+        return "index"
+
     def sync_dirs(self, *rels: str) -> None:
         """durability=fsync, after a namespace change: the directories holding ``rels`` (blocking)."""
         for d in {self.path(rel).parent for rel in rels}:
@@ -408,15 +463,52 @@ class Repository:
 
     def rename(self, old: str, new: str) -> None:
         src, dst = self.path(old), self.path(new)
+        carried = None
         if _is_file(dst) and _is_file(src):
             stubs.carry_metadata(dst, src)
             self._keep_previous(new)
+            carried = self._carry_version(src, dst)
         with self._changing(new):
-            os.rename(src, dst)
+            if carried is None:
+                os.rename(src, dst)
+            else:  # the name first, then the source goes (a crash between: see ``_carry_version``)
+                os.rename(carried, dst)
+                os.unlink(src)
             self.touched(old, new)
         if self.remote is not None:
             self.remote.renamed(old, new)
             self.remote.changed(new, old)  # the new name up before the old one goes: never neither
+
+    def _carry_version(self, src: Path, dst: Path) -> Path | None:
+        """A staged save renamed over a name (``NAME.tmp`` over ``NAME``, before it is stored)
+        must not take the name's version with it: the source's stub holds no version of its own
+        (the empty index ``create`` made), and if the save is lost (a reboot) the name falls back to
+        the index beside its staged name. So the stub put in place is the source's (its metadata
+        and staged name) with the target's index and file record: as if the save had been made on
+        the name itself. Returns that stub under ``tmp/`` (None: a plain rename does). A crash
+        between its rename and the source's unlink leaves the source naming the same staged save
+        with its empty index: ingestion stores it once, and a lost save of a name with no version
+        removes the name (``lose_staged``)."""
+        if self.durable:
+            return None
+        try:
+            staged = stubs.read_staged(src)
+            if staged is None or stubs.read_index(src).size > 0:
+                return None
+            index = stubs.read_index(dst)
+            if index.size == 0:
+                return None
+            tmp = stubs.prepare(self.tmp, index, src, record=stubs.read_record(dst))
+        except OSError as e:  # a plain rename: the name's version is then kept in prev/ alone
+            log.warning("renaming a staged save over %s: its version not carried: %s", dst.name, e)
+            return None
+        try:
+            stubs.refresh_metadata(tmp, src)
+            stubs.set_staged(tmp, staged)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
 
     def unlink(self, rel: str) -> None:
         with self._changing(None):

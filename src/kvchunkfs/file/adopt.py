@@ -39,8 +39,8 @@ def same_sum(fd: int, file_sum: bytes) -> bool:
 def to_hot_tier(
     whole: WholeFiles, path: Path, fd: int, file_sum: bytes, size: int, fresh: bool, rel: str | None = None
 ) -> bool:
-    """Make the stored staged file ``path`` (open as ``fd``; the snapshot ``rel``) the hot copy of ``file_sum``: renamed,
-    or with ``fresh`` (a client may still write it) a copy of it. The staged file is gone after;
+    """Make the stored staged file ``path`` (open as ``fd``; the snapshot ``rel``) the hot copy of
+    ``file_sum``: renamed, or with ``fresh`` (a client may still write it) a copy of it. The staged file is gone after;
     False if no hot copy was made (its bytes changed, no room). Blocking."""
     if size > whole.budget:
         whole.drop_staged(path)

@@ -57,12 +57,13 @@ def legacy_dir(store: Path) -> Path:
     return SHM / f"kv-chunk-fs-{os.geteuid()}" / store_key(store)
 
 
-def check_private(path: Path) -> None:
-    """``path`` is a directory of ours, mode 0700, not a symlink (an empty one of ours made with a
-    wider mode is set to 0700: nothing to protect yet); else TierDirError saying how to fix it."""
+def check_private(path: Path, fix_empty: bool = False) -> None:
+    """``path`` is a directory of ours, mode 0700, not a symlink (with ``fix_empty``, an empty one of
+    ours made with a wider mode is set to 0700: nothing to protect yet); else TierDirError saying
+    how to fix it."""
     st = os.lstat(path)
     ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-    if ours and st.st_mode & 0o077 and not os.listdir(path):
+    if fix_empty and ours and st.st_mode & 0o077 and not os.listdir(path):
         os.chmod(path, 0o700)
         if os.listdir(path):  # another user put something in before the chmod: not ours to trust
             os.chmod(path, stat.S_IMODE(st.st_mode))

@@ -92,7 +92,7 @@ def check_dir(store: Path, configured: Path | None) -> None:
     """Before a mount does anything: the configured whole-file directory, if it exists, is private
     (an empty one of ours is made so), else an OSError saying how to fix it."""
     if configured is not None and os.path.lexists(configured):
-        tierdir.check_private(configured)
+        tierdir.check_private(configured, fix_empty=True)
 
 
 def open_whole_files(

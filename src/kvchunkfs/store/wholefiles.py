@@ -307,6 +307,25 @@ class WholeFiles:
         sv = os.statvfs(self.root)
         return sv.f_bavail * sv.f_frsize
 
+    def make_room(self, need: int) -> int:
+        """Evict least recently used hot copies until ``need`` bytes are free here (or none is
+        left); the bytes free then. A copy still open stays readable, and frees its room later."""
+        free = self.free_bytes()
+        if free < need:
+            with self._lock:
+                hot = self._hot_bytes
+            self.evict(self.budget - hot + need - free)
+            free = self.free_bytes()
+        return free
+
+    def reserve(self, need: int) -> None:
+        """Before a copy of ``need`` bytes of data is made here: room for it, hot copies evicted
+        first; else ENOSPC (nothing written)."""
+        free = self.make_room(need)
+        if free < need:
+            raise WholeFilesError(errno.ENOSPC, f"a copy of {need >> 20} MiB does not fit in {self.root}: "
+                                  f"{free >> 20} MiB free")  # fmt: skip
+
     def remove_all(self) -> None:
         """Delete the directory, its own tmpfs unmounted (tests, a store being removed)."""
         memfs.unmount(self.root)

@@ -10,9 +10,12 @@ Both modes (``make served`` runs them again with passthrough off).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,7 +127,7 @@ def test_a_store_that_cannot_take_a_save_says_so_and_retries(small_store: Mount,
     filler = m.store.parent / "filler"
     subprocess.run(["fallocate", "-l", "1G", str(filler)], check=False, capture_output=True)
     if not filler.exists() or os.statvfs(m.store).f_bavail * os.statvfs(m.store).f_frsize > 4 * MiB:
-        with open(filler, "ab") as f, __import__("contextlib").suppress(OSError):
+        with open(filler, "ab") as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\1" * MiB)
     flag.unlink()
@@ -151,7 +154,7 @@ def test_a_stop_names_what_stays_only_in_memory(small_store: Mount, tmp_path: Pa
     filler = m.store.parent / "filler"
     assert save(m.path("kept-in-memory"), data) is None
     # The disk fills before ingestion stores it.
-    with open(filler, "ab") as f, __import__("contextlib").suppress(OSError):
+    with open(filler, "ab") as f, contextlib.suppress(OSError):
         while True:
             f.write(b"\1" * MiB)
     wait_for_log(m, "storing the save of kept-in-memory failed", 1, timeout=60)
@@ -162,16 +165,21 @@ def test_a_stop_names_what_stays_only_in_memory(small_store: Mount, tmp_path: Pa
 
 
 @pytest.mark.parametrize("parallel", [1, 2])
-def test_a_burst_into_a_small_room_waits_instead_of_failing(kvfs: Mount, tmp_path: Path, parallel: int) -> None:
+def test_a_burst_into_a_small_room_waits_instead_of_failing(
+    kvfs: Mount, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parallel: int
+) -> None:
+    """8 saves of 40 MiB into 256 MiB, ingestion held until an open waits for room: nothing fails."""
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(hold))
     kvfs.stop()
     remove_whole_files(kvfs.whole)
     kvfs.whole = small_room(tmp_path, 256)
     kvfs.start_settled()
+    hold.touch()
     try:
         saves = {f"b{i}": rand_bytes(40 * MiB, 60 + i) for i in range(8)}
         names = list(saves)
         errors: dict[str, str | None] = {}
-        import threading
 
         def run(part: list[str]) -> None:
             for name in part:
@@ -180,6 +188,9 @@ def test_a_burst_into_a_small_room_waits_instead_of_failing(kvfs: Mount, tmp_pat
         threads = [threading.Thread(target=run, args=(names[i::parallel],)) for i in range(parallel)]
         for t in threads:
             t.start()
+        while "waits: the whole-file directory lacks" not in kvfs.log() and any(t.is_alive() for t in threads):
+            time.sleep(0.05)
+        hold.unlink()  # ingestion makes room now
         for t in threads:
             t.join()
         assert all(e is None for e in errors.values()), errors
@@ -188,6 +199,7 @@ def test_a_burst_into_a_small_room_waits_instead_of_failing(kvfs: Mount, tmp_pat
             assert kvfs.path(name).read_bytes() == data, name
         assert kvfs.stats()["room_waits"] > 0
     finally:
+        hold.unlink(missing_ok=True)
         kvfs.stop()
         remove_whole_files(kvfs.whole)
         subprocess.run(["umount", "-l", str(kvfs.whole.parent)], check=False)

@@ -122,6 +122,19 @@ class Room:
         hot copy that can be evicted)."""
         return self.ingester.backlog()[0] > 0 and self.ingester.degraded() is None
 
+    def at_open(self, writing: Iterable[int]) -> tuple[OSError | None, int]:
+        """One look for an open for writing (blocking): why it is refused, else the whole-file
+        directory's shortfall (``shortfall``)."""
+        error = self.store_refusal()
+        return error, 0 if error is not None else self.shortfall(writing)
+
+    def at_close(self, content: object, size: int) -> OSError | None:
+        """Why a staged save of ``size`` bytes must not be committed (blocking), or None."""
+        error = self.store_refusal(size)
+        if error is None and self.torn(content):
+            error = OSError(errno.ENOSPC, "a write to it may have failed: the whole-file directory is full")
+        return error
+
     def note_failed_write(self, content: object) -> None:
         self._torn.add(content)
 

@@ -21,20 +21,15 @@ async def admit(room: Room, what: str, writing: Callable[[], list[int]], stoppin
     """Return once the save ``what`` may start; FUSEError (ENOSPC, EIO, EROFS) if it is refused.
     ``writing``: the sizes of the files open for writing; ``stopping``: the mount is stopping
     (the wait ends: the open is refused by the caller)."""
-    error = await trio.to_thread.run_sync(room.store_refusal)
-    if error is not None:
-        raise fuse.FUSEError(error.errno or 0)
     waited = False
-    while not stopping():
-        short = await trio.to_thread.run_sync(room.shortfall, writing())
-        if not short or not room.can_make_room():
-            break
+    while True:
+        error, short = await trio.to_thread.run_sync(room.at_open, writing())
+        if error is not None:
+            raise fuse.FUSEError(error.errno or 0)
+        if not short or not room.can_make_room() or stopping():
+            return
         if not waited:
             waited = True
             room.waits += 1
             log.info("%s waits: the whole-file directory lacks %d MiB, which ingestion is making", what, short >> 20)
         await trio.sleep(WAIT_STEP)
-    if waited:
-        error = await trio.to_thread.run_sync(room.store_refusal)
-        if error is not None:
-            raise fuse.FUSEError(error.errno or 0)

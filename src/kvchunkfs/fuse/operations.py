@@ -248,9 +248,9 @@ class Operations(fuse.Operations):
         bound = self.stop_timeout
         if not await self._thread(ingester.drain, bound):
             log.warning("staged saves still not stored after %.0f s: the next mount stores them", bound)
-            if self.repo.whole is not None:
-                ingester.report_unstored(self.repo.whole.staged_dir)
         await self._thread(ingester.close)
+        if self.repo.whole is not None:  # what the stop leaves only in memory, by name
+            ingester.report_unstored(self.repo.whole.staged_dir)
         self.ingester = None
 
     async def resume_staged(self) -> int:
@@ -1185,9 +1185,7 @@ class Operations(fuse.Operations):
         if room is None:
             return
         size = content.size
-        error = await self._thread(room.store_refusal, size)
-        if error is None and await self._thread(room.torn, content):
-            error = OSError(errno.ENOSPC, "a write to it may have failed: the whole-file directory is full")
+        error = await self._thread(room.at_close, content, size)
         if error is not None:
             log.error("saving %s refused, previous version kept: %s", node.path, error.strerror)
             await self._forget_unsaved(node)

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.ingest import Ingester
 from kvchunkfs.store.wholefiles import WholeFiles
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 RECENT = 16  # saves whose sizes make the expected size of the next one
 TORN_FREE = 4 << 20  # the whole-file directory with less free than this at a close: a write may have failed
 REFUSABLE = (errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT)
+INDEX_SHARE = 256  # a file's length over this: the most its index entries take (40 bytes a chunk)
 
 
 def overhead(size: int) -> int:
@@ -128,11 +130,20 @@ class Room:
         error = self.store_refusal()
         return error, 0 if error is not None else self.shortfall(writing)
 
-    def at_close(self, content: object, size: int) -> OSError | None:
-        """Why a staged save of ``size`` bytes must not be committed (blocking), or None."""
-        error = self.store_refusal(size)
+    def at_close(self, content: FileContent) -> OSError | None:
+        """Why a staged save must not be committed (blocking), or None: then it counts among the
+        recent saves. Its size is the bytes its file holds (a hole is no data: stored as one
+        chunk of zeros), plus the index entries of its length."""
+        fd = content.whole_fd()
+        if fd < 0:
+            return None
+        st = os.fstat(fd)
+        data = min(st.st_size, st.st_blocks * 512)
+        error = self.store_refusal(data + st.st_size // INDEX_SHARE)
         if error is None and self.torn(content):
             error = OSError(errno.ENOSPC, "a write to it may have failed: the whole-file directory is full")
+        if error is None:
+            self.note_save(data)
         return error
 
     def note_failed_write(self, content: object) -> None:

@@ -1184,13 +1184,11 @@ class Operations(fuse.Operations):
         room = self.room
         if room is None:
             return
-        size = content.size
-        error = await self._thread(room.at_close, content, size)
+        error = await self._thread(room.at_close, content)
         if error is not None:
             log.error("saving %s refused, previous version kept: %s", node.path, error.strerror)
             await self._forget_unsaved(node)
             raise fuse.FUSEError(error.errno or errno.EIO)
-        room.note_save(size)
 
     async def _stage(
         self, node: Node, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
@@ -1342,8 +1340,8 @@ class Operations(fuse.Operations):
             await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.log(_level(e), "write to %s at %d failed: %s", node.path, off, e)
-            if self.room is not None:  # its save is not committed: the file lacks this write
-                self.room.note_failed_write(handle.file.content)
+            if self.room is not None and _errno_of(e) in (errno.ENOSPC, errno.EDQUOT):  # no room: its save
+                self.room.note_failed_write(handle.file.content)  # is not committed (it lacks this write)
             raise fuse.FUSEError(_errno_of(e)) from None
         return len(buf)
 

@@ -48,6 +48,7 @@ UNIT_MODULES = {
     "test_prefix_match",
     "test_prefixtree",
     "test_putback",
+    "test_sparse_copy",
     "test_splicing",
     "test_stream_interleave",
     "test_units",

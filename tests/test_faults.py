@@ -233,18 +233,23 @@ def test_kill9_during_proxy_workload(tmp_path: Path) -> None:
 def small_fs(tmp_path: Path):
     d = tmp_path / "small"
     d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(d)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(d)], check=True)
     try:
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
-def test_enospc_mid_save_keeps_previous_version(small_fs: Path, tmp_path: Path) -> None:
-    """The store's disk fills while a save is stored. The save was staged in memory and its close
-    succeeded; storing it fails (logged, counted) and the staged copy, whole, stays the snapshot
-    until a later mount stores it. The previous version's stored form is never touched, nothing
-    torn is ever served, and the daemon keeps serving."""
+def test_enospc_mid_save_keeps_previous_version(
+    small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's disk fills (another program) after saves were staged in memory and their closes
+    succeeded; storing them fails (logged, counted, tried again) and each staged copy, whole, stays
+    the snapshot until a retry stores it; meanwhile new saves are refused at their open. The
+    previous version's stored form is never touched, nothing torn is ever served, and the daemon
+    keeps serving."""
+    hold = tmp_path / "hold-ingestion"
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(hold))
     m = Mount(small_fs / "store", tmp_path / "mnt", tmp_path / "daemon.log", ["--pack-size", "1MiB"])
     m.start_settled()
     snaps = m.store / "snapshots"
@@ -257,27 +262,32 @@ def test_enospc_mid_save_keeps_previous_version(small_fs: Path, tmp_path: Path) 
         for round_, free in enumerate((6 * MiB, 2 * MiB, 64 << 10)):
             stored = stubs.read_index(snaps / "snap").ids  # the previous version's stored form
             filler = small_fs / "filler"
-            st = os.statvfs(small_fs)
-            filler.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - free))
-            big = rand_bytes(10 * MiB, 10 + round_)  # more than is free, less than the disk
+            big = rand_bytes(7 * MiB, 10 + round_)  # room for it at its close; not once the disk fills
             failures = m.stats()["ingest_failures"]
+            hold.touch()
             reader = open(m.path("snap"), "rb")  # noqa: SIM115 - open across the proxy's save
             write_in_pieces(m.path("snap.tmp"), big, MiB)  # the proxy's way: the close succeeds
-            m.ingested()
             assert reader.read() == v1, f"round {round_}: a reader of the previous version saw other bytes"
-            reader.close()
+            reader.close()  # passed through, a writer of the file waits for its readers
             write_in_pieces(m.path("snap"), big, MiB)  # in place
-            m.ingested()
-            assert m.stats()["ingest_failures"] == failures + 2, m.log()[-3000:]
+            st = os.statvfs(small_fs)
+            filler.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - free))
+            hold.unlink()
+            deadline = time.monotonic() + 60
+            while m.stats()["ingest_failures"] < failures + 2:  # both tried, both failed
+                assert time.monotonic() < deadline, m.log()[-3000:]
+                time.sleep(0.05)
             for name in ("snap", "snap.tmp"):
                 assert stubs.read_staged(snaps / name) is not None, f"round {round_}: {name} lost its staged save"
                 assert m.path(name).read_bytes() == big, f"round {round_}: {name} is not the whole save"
             assert stubs.read_index(snaps / "snap").ids == stored, f"round {round_}: previous version damaged"
             assert m.path("other").read_bytes() == other
+            with pytest.raises(OSError) as refused:
+                open(m.path("new"), "wb").close()
+            assert refused.value.errno == errno.ENOSPC, "the store cannot take a save: refused at its open"
             m.path("snap.tmp").unlink()
             filler.unlink()
-            m.remount()  # a later mount stores the staged save, now that there is room
-            m.ingested()
+            m.ingested()  # tried again, now that there is room
             assert stubs.read_staged(snaps / "snap") is None, f"round {round_}: the save was not stored"
             assert stubs.read_index(snaps / "snap").ids != stored
             assert m.path("snap").read_bytes() == big

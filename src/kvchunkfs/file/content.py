@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvchunkfs.file import putback
+from kvchunkfs.file import putback, sparse
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes, SaveSums
 from kvchunkfs.file.groups import DecodedGroups, FileGroups
@@ -586,6 +586,8 @@ class FileContent:
             size = self.size
             record = self._loaded_record()
         if self.whole is not None:
+            # Only its data takes room (its zeros stay holes): there before the first byte is copied.
+            self.whole.reserve(sparse.data_bytes(index) + len(pending) + sum(map(len, ahead.values())))
             path, fd = self.whole.new_staged()
         else:
             path = self.staging_dir / f"{uuid.uuid4().hex}.staging"
@@ -602,7 +604,7 @@ class FileContent:
                 piece = self.groups.read_file(index, pos, n, self.read_chunks, isize)
                 if hasher is not None:
                     hasher.update(piece)
-                os.pwrite(fd, piece, pos)
+                sparse.write_nonzero(fd, piece, pos)
                 pos += n
             if record is not None and hasher is not None and hasher.digest() != record.file_sum:
                 raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file copied for a rewrite")
@@ -620,6 +622,7 @@ class FileContent:
     def _copy_whole(self, source: int, keep: int | None) -> None:
         """A shared whole file -> a staged copy of this content's own."""
         assert self.whole is not None
+        self.whole.reserve(os.fstat(source).st_blocks * 512)  # its data (a hole takes no room)
         path, fd = self.whole.new_staged()
         try:
             _copy_file(source, fd, keep)

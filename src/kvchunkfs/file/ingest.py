@@ -17,7 +17,11 @@ queue needs at the rate ingestion has been going, is more than ``WINDOW`` second
 seconds of saves plus the checkpoint interval of those stored.
 
 If the daemon dies meanwhile, the staged file and the stub's name of it remain: the next mount
-queues it again (``pending``). A failure leaves both too, logged; the next mount retries.
+queues it again (``pending``). A failure leaves both too: the store cannot take the save now (no
+space, an I/O error, a read-only disk), so it is logged and tried again after a growing pause
+(``RETRY_FIRST`` doubling up to ``RETRY_MAX``); meanwhile the store is *degraded*
+(``degraded``): new saves are refused at their open (file/room.py), and what is staged stays only
+in memory, which a stop says (``unstored``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ NICE = 10  # the workers' CPU priority: below the client whose next request wait
 WINDOW = 5.0  # seconds: how far behind its saves ingestion may fall before closes wait
 RATE_WEIGHT = 0.3  # the weight of the latest job in the ingestion rate's moving average
 HOLD_ENV = "KVCFS_INGEST_HOLD"  # tests: while the file it names exists, no job starts (a crash before ingestion)
+RETRY_FIRST = 1.0  # seconds before a failed save is tried again; doubled at each failure
+RETRY_MAX = 30.0
+REPORTED = 100  # unstored saves named one by one at a stop
 
 
 class Outcome(enum.Enum):
@@ -65,6 +72,8 @@ class Job:
     closed_ms: float = 0.0  # how long the close took
     adopt: bool = True  # may become a hot copy (False: a client may still write the file)
     queued: float = field(default_factory=time.monotonic)
+    due: float = 0.0  # monotonic time before which a failed job is not tried again
+    failures: int = 0
 
     @property
     def name(self) -> str:
@@ -97,6 +106,8 @@ class Ingester:
         # Whether hot copies are fresh copies (file/adopt.py): the mount says False when no client
         # writes a staged file directly (served mode).
         self.fresh_hot_copies: Callable[[], bool] = lambda: True
+        self.failing: dict[Job, OSError] = {}  # saves the store could not take, waiting for a retry
+        self.active: set[Job] = set()  # being stored
         self._stop = False
         self._threads = [
             threading.Thread(target=self._run, name=f"ingest-{i}", daemon=True) for i in range(max(1, workers))
@@ -128,6 +139,8 @@ class Ingester:
             return self.behind()
 
     def _over(self) -> bool:
+        if self.failing:  # the store cannot take saves now: a close is refused (file/room.py), not held
+            return False
         return self.pending_bytes > self.limit or self.behind() > self.window
 
     def backlogged(self) -> bool:
@@ -167,30 +180,37 @@ class Ingester:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.queue or self._stop)
-                if self._stop:
+                job = None
+                while not self._stop and (job := self._next_due()) is None:
+                    due = min((j.due for j in self.queue), default=None)
+                    self.cond.wait(None if due is None else max(0.0, due - time.monotonic()))
+                if job is None:  # stopping
                     return
-                job = self.queue.popleft()
+                self.queue.remove(job)
                 self.running += 1
+                self.active.add(job)
             hold = os.environ.get(HOLD_ENV)
             while hold and os.path.exists(hold) and not self._stop:
                 time.sleep(0.02)
             started = time.monotonic()
+            failed = False
             try:
                 self._ingest(job)
-            except Exception as e:  # the staged file stays the snapshot; the next mount retries
-                self.failures += 1
-                # The store's trouble (ENOSPC, a map replaced, a damaged chunk) is one line; anything
-                # else is a bug: its traceback.
-                bug = not isinstance(e, (OSError, ChunkError))
-                log.error("storing the save of %s failed; its staged copy stays the snapshot: %s: %s",
-                          job.where(), type(e).__name__, e, exc_info=bug)  # fmt: skip
+            except Exception as e:  # the staged file stays the snapshot: tried again after a pause
+                failed = True
+                self._failed(job, e)
             finally:
                 with self.cond:
                     self.running -= 1
-                    self.pending_bytes -= job.size
-                    self._inflight.pop(id(job), None)
-                    self._note_rate(job.size, time.monotonic() - started)
+                    self.active.discard(job)
+                    if failed:
+                        self.queue.append(job)  # still unstored: counted in pending_bytes, its age kept
+                    else:
+                        self.failing.pop(job, None)
+                        self.pending_bytes -= job.size
+                        if job not in self.queue:  # not queued again (written after its close)
+                            self._inflight.pop(id(job), None)
+                        self._note_rate(job.size, time.monotonic() - started)
                     self.cond.notify_all()
 
     def _note_rate(self, size: int, seconds: float) -> None:
@@ -200,6 +220,54 @@ class Ingester:
             return
         rate = size / seconds * len(self._threads)
         self.rate = rate if self.rate <= 0 else self.rate + RATE_WEIGHT * (rate - self.rate)
+
+    def _next_due(self) -> Job | None:
+        """The first queued job whose retry time has come (under ``cond``)."""
+        now = time.monotonic()
+        return next((j for j in self.queue if j.due <= now), None)
+
+    def _failed(self, job: Job, e: Exception) -> None:
+        """Log a failure (the store's trouble: one line; anything else: a bug, its traceback once)
+        and schedule the job again."""
+        self.failures += 1
+        job.failures += 1
+        pause = min(RETRY_MAX, RETRY_FIRST * 2 ** (job.failures - 1))
+        job.due = time.monotonic() + pause
+        store_trouble = isinstance(e, (OSError, ChunkError))
+        error = e if isinstance(e, OSError) else OSError(errno.EIO, f"{type(e).__name__}: {e}")
+        with self.cond:
+            self.failing[job] = error
+        level = logging.ERROR if job.failures == 1 else logging.WARNING
+        log.log(level, "storing the save of %s failed (attempt %d); its staged copy stays the snapshot, only in "
+                "memory, and is tried again in %.0f s: %s: %s", job.where() or job.name, job.failures, pause,
+                type(e).__name__, e, exc_info=not store_trouble and job.failures == 1)  # fmt: skip
+
+    def degraded(self) -> OSError | None:
+        """The store's latest trouble taking a staged save, while one still waits for a retry."""
+        with self.cond:
+            return next(reversed(self.failing.values()), None) if self.failing else None
+
+    def unstored(self) -> list[Job]:
+        """The saves not stored yet (queued, failing or being stored)."""
+        with self.cond:
+            return [*self.active, *self.queue]
+
+    def report_unstored(self, where: Path) -> None:
+        """Say loudly what is not stored: it stays only in ``where`` (memory), and a reboot or a
+        power cut before the next mount stores it loses it."""
+        jobs = self.unstored()
+        if not jobs:
+            return
+        total = sum(j.size for j in jobs)
+        trouble = self.degraded()
+        log.error("%d saves (%.1f MiB) are not stored%s: they stay only in %s until the next mount stores them; "
+                  "a reboot or a power cut before then loses them", len(jobs), total / (1 << 20),
+                  f" ({trouble.strerror})" if trouble is not None else "", where)  # fmt: skip
+        for job in jobs[:REPORTED]:
+            log.warning("not stored, only in memory (a reboot loses it): %s (%.1f MiB)", job.where() or job.name,
+                        job.size / (1 << 20))  # fmt: skip
+        if len(jobs) > REPORTED:
+            log.warning("... and %d more saves not stored", len(jobs) - REPORTED)
 
     def _ingest(self, job: Job) -> None:
         files = self.files

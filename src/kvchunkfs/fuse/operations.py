@@ -45,9 +45,11 @@ from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.file.ingest import Ingester, Job, Outcome
+from kvchunkfs.file.room import Room
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse import openers
+from kvchunkfs.fuse.admission import admit
 from kvchunkfs.fuse.gate import PathGate
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
@@ -225,6 +227,7 @@ class Operations(fuse.Operations):
         self.ingester: Ingester | None = None
         self.staged_saves = 0  # saves handed to ingestion
         self.deferred_saves = 0  # of them, waiting for their writer's last release (``Node.deferred``)
+        self.room: Room | None = None  # room for saves, checked at their open (file/room.py)
         self.stop_timeout = 60.0  # the daemon's: how long an unmount waits for staged saves to be stored
 
     # -- staged saves ------------------------------------------------------------------------
@@ -238,6 +241,8 @@ class Operations(fuse.Operations):
         )
         # Passed through, a client's mapping may write a staged file after its close: hot copies are copies.
         self.ingester.fresh_hot_copies = lambda: self.session is None or self.session.passthrough
+        if self.repo.whole is not None:
+            self.room = Room(self.repo.root, self.repo.whole, self.ingester)
 
     async def stop_ingestion(self) -> None:
         """At unmount: store what is staged, for up to ``stop_timeout`` seconds (a reboot after
@@ -258,6 +263,8 @@ class Operations(fuse.Operations):
         if not await self._thread(ingester.drain, bound):
             log.warning("staged saves still not stored after %.0f s: the next mount stores them", bound)
         await self._thread(ingester.close)
+        if self.repo.whole is not None:  # what the stop leaves only in memory, by name
+            ingester.report_unstored(self.repo.whole.staged_dir)
         self.ingester = None
 
     async def resume_staged(self) -> int:
@@ -320,6 +327,9 @@ class Operations(fuse.Operations):
         """An open or create that may write: refused while stopping; a writer is counted from the
         request on (its release uncounts it), so a stop that begins meanwhile waits for it too."""
         self._refuse_writes_if_stopping(what)
+        if self.room is not None:  # before any byte: refused, or held until there is room
+            await admit(self.room, what, self._writing_sizes, lambda: self.stopping)
+            self._refuse_writes_if_stopping(what)
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         self.writing += writer
         try:
@@ -329,6 +339,11 @@ class Operations(fuse.Operations):
                 self.writing -= 1
                 self._write_ended()
             raise
+
+    def _writing_sizes(self) -> list[int]:
+        """The sizes of the files open for writing (each once)."""
+        contents = {h.node.content for h in self.handles.values() if h.writer and h.node.content is not None}
+        return [c.size for c in contents if c is not None]
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -1155,6 +1170,7 @@ class Operations(fuse.Operations):
             staged = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
             inline = not durable and self._memory_short()  # counted: a save while memory is short
             if staged and not inline:
+                await self._room_to_stage(node, content)
                 if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
                 return
@@ -1185,6 +1201,18 @@ class Operations(fuse.Operations):
                 # A client's fsync: its close stores nothing again if the file is still this save
                 # (ingesting it again would replace the durable stub by one a power cut can take).
                 node.synced = pending.record.file_sum if durable and pending.record is not None else None
+
+    async def _room_to_stage(self, node: Node, content: FileContent) -> None:
+        """A staged save is not committed if a write to it may have failed for lack of room, nor
+        if the store could not take it: ENOSPC (or the store's errno), the previous version kept."""
+        room = self.room
+        if room is None:
+            return
+        error = await self._thread(room.at_close, content)
+        if error is not None:
+            log.error("saving %s refused, previous version kept: %s", node.path, error.strerror)
+            await self._forget_unsaved(node)
+            raise fuse.FUSEError(error.errno or errno.EIO)
 
     async def _stage(
         self, node: Node, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
@@ -1307,20 +1335,17 @@ class Operations(fuse.Operations):
             rel = node.path
             try:
                 current = None if rel is None else await self._thread(self.repo.staged, rel)
-            except OSError as e:  # cannot tell: the staged file stays the snapshot (the next mount retries)
+            except OSError:  # cannot tell: the staged file stays the snapshot (ingestion tries again)
                 await self._thread(_discard, pending)
-                log.error("storing the save of %s: its stub cannot be read (%s); its staged copy stays the snapshot",
-                          rel, e)  # fmt: skip
-                return Outcome.LATER
+                raise
             if rel is None or current is None or current.name != job.name:
                 await self._thread(_discard, pending)
                 return Outcome.SUPERSEDED
             try:
                 self.files.finish_staged(pending, rel)  # the stub replaced: no staged save named any more
-            except OSError as e:
+            except OSError:  # ingestion logs it and tries again
                 await self._thread(_discard, pending)
-                log.error("storing the save of %s failed, its staged copy stays the snapshot: %s", rel, e)
-                return Outcome.LATER
+                raise
         return Outcome.INSTALLED
 
     def ingestion_done(self, job: Job, outcome: Outcome, new_bytes: int, seconds: float) -> None:
@@ -1389,6 +1414,8 @@ class Operations(fuse.Operations):
             await handle.file.write(off, buf)
         except (ChunkMissing, ChunkCorrupt, OSError) as e:
             log.log(_level(e), "write to %s at %d failed: %s", node.path, off, e)
+            if self.room is not None and _errno_of(e) in (errno.ENOSPC, errno.EDQUOT):  # no room: its save
+                self.room.note_failed_write(handle.file.content)  # is not committed (it lacks this write)
             raise fuse.FUSEError(_errno_of(e)) from None
         return len(buf)
 
@@ -1478,6 +1505,7 @@ class Operations(fuse.Operations):
             "ingest_failures": ingester.failures if ingester is not None else 0,
             "ingest_behind_ms": int(ingester.lag() * 1000) if ingester is not None else 0,
             "ingest_backlog_limit": ingester.limit if ingester is not None else 0,
+            **self._room_stats(),
             "hot_files": files,
             "hot_bytes": size,
             "hot_budget": whole.budget,
@@ -1486,6 +1514,19 @@ class Operations(fuse.Operations):
             "hot_put_backs": h.put_backs,
             "hot_evictions": h.evictions,
         } | whole.tier_stats()
+
+    def _room_stats(self) -> dict[str, int]:
+        """Whether the store is degraded (ingestion cannot store what is staged) and how much is
+        not stored; the saves refused for it and the opens that waited for room."""
+        ingester, room = self.ingester, self.room
+        unstored = ingester.unstored() if ingester is not None else []
+        return {
+            "ingest_degraded": int(ingester is not None and ingester.degraded() is not None),
+            "unstored_saves": len(unstored),
+            "unstored_bytes": sum(j.size for j in unstored),
+            "saves_refused": room.refused if room is not None else 0,
+            "room_waits": room.waits if room is not None else 0,
+        }
 
     def fuse_mode(self) -> dict[str, str]:
         """How the kernel's requests are served: "passthrough" (the kernel may serve an open file

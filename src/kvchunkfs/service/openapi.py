@@ -485,7 +485,19 @@ _PATHS: dict[str, Any] = {
         "get": {
             "summary": "Liveness (no token needed)",
             "security": [],
-            "responses": {"200": _json({"type": "object", "properties": {"status": {"type": "string"}}})},
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "status": {"type": "string", "enum": ["ok", "degraded"]},
+                            "filesystem": {"type": "boolean"},
+                            "unstored_saves": {"type": "integer", "description": "saves held only in memory"},
+                            "unstored_bytes": {"type": "integer"},
+                        },
+                    }
+                )
+            },
         }
     },
 }

@@ -33,6 +33,7 @@ Only this module spells these names. The directory and its parent must be the da
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -430,6 +431,11 @@ class WholeFiles:
     def free_bytes(self) -> int:
         return self.room()
 
+    def fs_free(self) -> int:
+        """Bytes the directory's file system has free now (what a write to it can still take)."""
+        sv = os.statvfs(self.root)
+        return sv.f_bavail * sv.f_frsize
+
     def tier_stats(self) -> dict[str, int]:
         """What the tier holds now and its limits (stats, API, metrics)."""
         files, hot = self.hot_usage()
@@ -467,6 +473,27 @@ class WholeFiles:
             return
         tierdir.free(self.root)
         log.info("the memory tier %s is freed", self.root)
+
+    def make_room(self, need: int) -> int:
+        """Evict least recently used hot copies until ``need`` bytes are free here (or none is
+        left); the bytes free then. A copy still open stays readable, and frees its room later."""
+        free = self.free_bytes()
+        if free < need:
+            with self._lock:
+                hot = self._hot_bytes
+            self.evict(self.budget - hot + need - free)
+            free = self.free_bytes()
+        return free
+
+    def reserve(self, need: int) -> None:
+        """Before a copy of ``need`` bytes of data is made here: room for it, hot copies evicted
+        first; else ENOSPC (nothing written)."""
+        free = self.make_room(need)
+        if free < need and self.short:  # memory short: the budget is 0, the file system decides
+            free = self.fs_free()
+        if free < need:
+            raise WholeFilesError(errno.ENOSPC, f"a copy of {need >> 20} MiB does not fit in {self.root}: "
+                                  f"{free >> 20} MiB free")  # fmt: skip
 
     def remove_all(self) -> None:
         """Delete the directory, its own tmpfs unmounted (tests, a store being removed)."""

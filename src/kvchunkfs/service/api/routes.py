@@ -310,7 +310,14 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(spec())
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "filesystem": service.stats_source is not None})
+        body: dict[str, object] = {"status": "ok", "filesystem": service.stats_source is not None}
+        stats = await run_in_threadpool(service.stats)
+        if stats.get("ingest_degraded"):  # saves acknowledged but not stored, and new ones refused
+            body["status"] = "degraded"
+        for key in ("unstored_saves", "unstored_bytes"):
+            if key in stats:
+                body[key] = stats[key]
+        return JSONResponse(body)
 
     by_method = {"GET": get_snapshot, "HEAD": get_snapshot, "DELETE": delete_snapshot, "PATCH": patch_snapshot}
 

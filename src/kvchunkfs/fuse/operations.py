@@ -740,8 +740,7 @@ class Operations(fuse.Operations):
 
     async def _load(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
         rel = node.path  # under the node's gate: no rename of it meanwhile
-        if rel is None or self._stale(node):
-            log.debug("open of inode %d: its name was replaced meanwhile (ESTALE)", node.ino)
+        if rel is None:  # unlinked: ``_acquire`` answered ESTALE already
             raise fuse.FUSEError(errno.ESTALE)
         try:
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
@@ -779,6 +778,9 @@ class Operations(fuse.Operations):
                 node.loading = loaded = trio.Event()
                 try:
                     async with node.gate.use():  # the path read in a thread: no rename meanwhile
+                        if self._stale(node):  # its name went while it waited, or before
+                            log.debug("open of inode %d: its name names another file now (ESTALE)", node.ino)
+                            raise fuse.FUSEError(errno.ESTALE)
                         content = await self._revive(node, allow_broken, then)
                         if content is None:
                             content = await self._load(node, allow_broken, then)

@@ -48,6 +48,7 @@ from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse import openers
 from kvchunkfs.fuse.gate import PathGate
+from kvchunkfs.fuse.retries import StaleRetries
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
 
@@ -96,6 +97,7 @@ class Node:
     # no generation, only the file's own mtime.
     set_times: tuple[int | None, int | None, int, int] | None = None
     ingesting: int = 0  # its staged saves queued for ingestion: kept, so renames keep its path
+    left: str | None = None  # its last path, once unlinked or renamed over
 
 
 @dataclass(eq=False)
@@ -186,6 +188,7 @@ class Operations(fuse.Operations):
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
+        self.retries = StaleRetries()  # opens answered ESTALE, which the kernel retries (fuse/retries.py)
         self._next_ino = fuse.ROOT_INODE + 1
         self._next_fh = 1
         root = Node(fuse.ROOT_INODE, "", True, nlookup=1)
@@ -343,7 +346,7 @@ class Operations(fuse.Operations):
         """The name is gone; open handles keep the node's content alive."""
         if node.path is not None and self.by_path.get(node.path) is node:
             del self.by_path[node.path]
-        node.path = None
+        node.left, node.path = node.path, None
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
@@ -645,6 +648,7 @@ class Operations(fuse.Operations):
             if flags & fuse.RENAME_NOREPLACE:
                 raise fuse.FUSEError(errno.EEXIST)  # as Linux answers renameat2 there
             return
+        await self.retries.let_in(new)  # opens of ``new`` a rename made stale are being retried
         source, target = self.by_path.get(old), self.by_path.get(new)
         moved = [n for n in (source, target) if n is not None]
         # A file's rename runs in a thread (it may wait in the file system's journal), its nodes'
@@ -768,6 +772,8 @@ class Operations(fuse.Operations):
         loaded one meanwhile).
         """
         node.opens += 1
+        name = node.path if node.path is not None else node.left  # a rename may replace it meanwhile
+        arrival = self.retries.arrival()
         try:
             if made is not None:
                 await self._take_made(node, made)
@@ -780,6 +786,7 @@ class Operations(fuse.Operations):
                     async with node.gate.use():  # the path read in a thread: no rename meanwhile
                         if self._stale(node):  # its name went while it waited, or before
                             log.debug("open of inode %d: its name names another file now (ESTALE)", node.ino)
+                            self.retries.expect(name if name in self.by_path else None)  # retried there
                             raise fuse.FUSEError(errno.ESTALE)
                         content = await self._revive(node, allow_broken, then)
                         if content is None:
@@ -794,6 +801,9 @@ class Operations(fuse.Operations):
         except BaseException:
             await self._drop_open(node, commit=False)
             raise
+        finally:
+            if not self._stale(node):
+                self.retries.opened(node.path, arrival)
 
     async def _take_made(self, node: Node, made: FileContent) -> None:
         kept = node.lingering  # an earlier file's, under this name: not this one

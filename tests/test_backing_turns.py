@@ -1,5 +1,6 @@
-"""Passthrough's one file per inode (fuse/backing.py): the turns of readers and writers, driven on
-a trio loop whose clock jumps ahead whenever every task waits (no wall-clock time)."""
+"""Opens' turns: passthrough's one file per inode (fuse/backing.py) and the retries of stale opens
+(fuse/retries.py), driven on a trio loop whose clock jumps ahead whenever every task waits (no
+wall-clock time)."""
 
 from __future__ import annotations
 
@@ -171,5 +172,39 @@ def test_a_file_the_kernel_refuses_is_served_for_every_open_of_it(fds: tuple[int
         for fh in (1, 2, 3):
             assert b.released(INODE, fh) == 0
         assert b.opens(INODE) == 0
+
+    run(main)
+
+
+# -- fuse/retries.py: a rename over a name lets the kernel's retries of its stale opens in first --
+
+
+def test_a_rename_over_a_name_waits_for_the_retried_opens_of_it() -> None:
+    from kvchunkfs.fuse.retries import RETRY_WAIT, StaleRetries
+
+    r, events = StaleRetries(), []
+
+    async def main() -> None:
+        before = r.arrival()  # an open already under way: not a retry
+        r.expect("s")
+        r.expect("s")  # two readers got ESTALE
+
+        async def rename() -> None:
+            await r.let_in("s")
+            events.append(("rename", trio.current_time()))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(rename)
+            await trio.sleep(0.1)
+            r.opened("s", before)
+            r.opened("s", r.arrival())
+            await trio.sleep(0.1)
+            assert events == []
+            r.opened("s", r.arrival())
+        assert events == [("rename", 0.2)]
+        r.expect("t")
+        await r.let_in("t")  # a retry that never comes: the rename waits its bound, no longer
+        assert trio.current_time() == pytest.approx(0.2 + RETRY_WAIT)
+        await r.let_in("t")  # and only once
 
     run(main)

@@ -27,6 +27,7 @@ CATALOG_LOADED = "kvchunkfs.service.live: catalog: "  # ... once its snapshot ca
 # module mounts the real filesystem and is marked `fuse`; `remote` and `browser` mark the tests that
 # also start SeaweedFS or Chromium, `slow` the exhaustive unit tests (minutes).
 UNIT_MODULES = {
+    "test_backing_turns",
     "test_buffers",
     "test_cli_help",
     "test_config",

@@ -296,6 +296,29 @@ def test_other_users_can_neither_enter_the_store_nor_read_its_bytes(fs: Mount, u
     assert fs.path("secret").read_bytes() == secret
 
 
+def test_the_stats_xattr_is_refused_to_other_users(fs: Mount, user: User) -> None:
+    """``user.kvcfs.stats`` counts every user's saves and restores and the bytes found in the store
+    already: read by another user it was a dedup oracle (save a guess, see ``bytes_deduped`` grow
+    by its size if another user's private snapshot holds it). Only the daemon's user reads it."""
+    secret = rand_bytes(2 * MiB, 21)
+    fs.path("secret").write_bytes(secret)
+    fs.path("secret").chmod(0o600)
+    d = user_dir(fs, user)
+    fs.ingested()
+    before = fs.stats()  # the daemon's user (root here) still reads it
+    assert before["bytes_written"] >= len(secret)
+    guess = d / "guess"
+    guess.write_bytes(secret)  # the attacker's guess, saved through the mount (as root: no python for them)
+    os.chown(guess, user.uid, user.gid)
+    r = as_user(user, f"getfattr --only-values -n user.kvcfs.stats {fs.mnt}")
+    assert r.returncode != 0 and "Permission denied" in r.stderr, (r.stdout, r.stderr)
+    assert "bytes_deduped" not in r.stdout
+    r = as_user(user, f"getfattr -d -m - {fs.mnt}")  # every attribute it may list: none of the figures
+    assert "bytes_deduped" not in r.stdout and "saves" not in r.stdout, r.stdout
+    fs.ingested()
+    assert fs.stats()["saves"] > before["saves"]
+
+
 def test_attribute_changes_never_follow_a_symlink_in_the_store(fs: Mount, user: User, shared: Path) -> None:
     """However a symlink got into the store (planted before the store was private, or by root), chgrp -h
     and touch -h on it through the mount change the link, never its target (root's /etc/shadow...)."""

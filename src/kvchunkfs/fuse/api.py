@@ -100,7 +100,8 @@ class FileInfo:
     are (passthrough). The session takes it over (it closes it once the open is answered). Where
     the mount runs in served mode, or the kernel refuses that file, the open is served as usual:
     the filesystem must still answer its reads and writes. One backing file per inode while it is
-    open: a later open of an inode already open through passthrough shares the first one's file.
+    open: a later open of an inode already open through passthrough waits for those opens to end
+    if it names another file (``Operations.writes_in_place``).
     """
 
     __slots__ = ("fh", "direct_io", "keep_cache", "nonseekable", "backing_fd")
@@ -234,6 +235,12 @@ class Operations:
 
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         raise FUSEError(errno.ENOSYS)
+
+    def writes_in_place(self, inode: int) -> bool:
+        """Whether an open of ``inode`` for writing now would pass through to the file its open
+        files use (passthrough). False: it needs a file of its own, and the session lets the
+        earlier opens of the inode end first (fuse/backing.py). Called on the event loop."""
+        return True
 
     async def read(self, fh: int, off: int, size: int) -> Any:  # bytes or any contiguous buffer
         raise FUSEError(errno.ENOSYS)

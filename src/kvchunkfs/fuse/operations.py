@@ -51,6 +51,7 @@ from kvchunkfs.fuse import api as fuse
 from kvchunkfs.fuse import openers
 from kvchunkfs.fuse.admission import admit
 from kvchunkfs.fuse.gate import PathGate
+from kvchunkfs.fuse.retries import StaleRetries
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remote import RemoteTier
 
@@ -59,8 +60,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 OnPath = Callable[[str], None]  # run on a snapshot's path in a worker thread
 ATTR_TIMEOUT = 1.0
-BUSY_WAIT = 2.0  # seconds a writer waits for the opens of the version it replaces (passthrough)
-STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory
+STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory, for the daemon's user
 
 
 @dataclass(eq=False)
@@ -104,6 +104,7 @@ class Node:
     # Staged saves sealed while the writer's file description could still write them (passed
     # through, a child's copy of the descriptor outlives the close): ingested at its last release.
     deferred: list[Job] = field(default_factory=list)
+    left: str | None = None  # its last path, once unlinked or renamed over
 
 
 @dataclass(eq=False)
@@ -194,6 +195,7 @@ class Operations(fuse.Operations):
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
+        self.retries = StaleRetries()  # opens answered ESTALE, which the kernel retries (fuse/retries.py)
         self._next_ino = fuse.ROOT_INODE + 1
         self._next_fh = 1
         root = Node(fuse.ROOT_INODE, "", True, nlookup=1)
@@ -376,7 +378,7 @@ class Operations(fuse.Operations):
         """The name is gone; open handles keep the node's content alive."""
         if node.path is not None and self.by_path.get(node.path) is node:
             del self.by_path[node.path]
-        node.path = None
+        node.left, node.path = node.path, None
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
@@ -678,6 +680,7 @@ class Operations(fuse.Operations):
             if flags & fuse.RENAME_NOREPLACE:
                 raise fuse.FUSEError(errno.EEXIST)  # as Linux answers renameat2 there
             return
+        await self.retries.let_in(new)  # opens of ``new`` a rename made stale are being retried
         source, target = self.by_path.get(old), self.by_path.get(new)
         moved = [n for n in (source, target) if n is not None]
         # A file's rename runs in a thread (it may wait in the file system's journal), its nodes'
@@ -765,19 +768,27 @@ class Operations(fuse.Operations):
 
     # -- files: open, create, release -------------------------------------------------------
 
+    def _stale(self, node: Node) -> bool:
+        """The node's name is gone or names another node now (unlinked, renamed over, replaced by
+        a fresh inode): an open of it that must load a content answers ESTALE, and the kernel looks
+        the name up again and opens what it names now (fs/namei.c, ``LOOKUP_REVAL``)."""
+        return node.path is None or self.by_path.get(node.path) is not node
+
     async def _load(self, node: Node, allow_broken: bool = False, then: OnPath | None = None) -> FileContent:
-        assert node.path is not None
+        rel = node.path  # under the node's gate: no rename of it meanwhile
+        if rel is None:  # unlinked: ``_acquire`` answered ESTALE already
+            raise fuse.FUSEError(errno.ESTALE)
         try:
             if allow_broken:  # O_TRUNC: the old content is replaced whole, never read
-                return await self._thread(self.files.replacement, node.path)
-            return await self._thread(_and_then, self.files.load, node.path, then)
+                return await self._thread(self.files.replacement, rel)
+            return await self._thread(_and_then, self.files.load, rel, then)
         except (IndexFormatError, OSError, ChunkMissing, ChunkCorrupt) as e:  # OSError: StubError too;
             # a chunk missing or damaged: the put-back of a whole copy at open read it
             if allow_broken and not isinstance(e, FileNotFoundError):
-                log.warning("overwriting unreadable snapshot %s: %s", node.path, e)
+                log.warning("overwriting unreadable snapshot %s: %s", rel, e)
                 return await self._thread(self.files.content, self.repo.empty_index())
             gone = isinstance(e, FileNotFoundError)  # unlinked behind the open (or the truncate): ENOENT
-            log.log(logging.DEBUG if gone else logging.ERROR, "cannot open snapshot %s: %s", node.path, e)
+            log.log(logging.DEBUG if gone else logging.ERROR, "cannot open snapshot %s: %s", rel, e)
             raise fuse.FUSEError(errno.ENOENT if isinstance(e, FileNotFoundError) else errno.EIO) from None
 
     async def _acquire(
@@ -793,6 +804,8 @@ class Operations(fuse.Operations):
         loaded one meanwhile).
         """
         node.opens += 1
+        name = node.path if node.path is not None else node.left  # a rename may replace it meanwhile
+        arrival = self.retries.arrival()
         try:
             if made is not None:
                 await self._take_made(node, made)
@@ -803,6 +816,10 @@ class Operations(fuse.Operations):
                 node.loading = loaded = trio.Event()
                 try:
                     async with node.gate.use():  # the path read in a thread: no rename meanwhile
+                        if self._stale(node):  # its name went while it waited, or before
+                            log.debug("open of inode %d: its name names another file now (ESTALE)", node.ino)
+                            self.retries.expect(name if name in self.by_path else None)  # retried there
+                            raise fuse.FUSEError(errno.ESTALE)
                         content = await self._revive(node, allow_broken, then)
                         if content is None:
                             content = await self._load(node, allow_broken, then)
@@ -816,6 +833,9 @@ class Operations(fuse.Operations):
         except BaseException:
             await self._drop_open(node, commit=False)
             raise
+        finally:
+            if not self._stale(node):
+                self.retries.opened(node.path, arrival)
 
     async def _take_made(self, node: Node, made: FileContent) -> None:
         kept = node.lingering  # an earlier file's, under this name: not this one
@@ -909,8 +929,11 @@ class Operations(fuse.Operations):
             return None
         return max(0.0, min(self.lingering.values()) - trio.current_time())
 
-    async def _new_handle(self, node: Node, flags: int, ctx: fuse.RequestContext, opener: int | None = None) -> int:
-        """A handle for an open already counted by ``_acquire`` (``opener``: its process, if known)."""
+    async def _new_handle(
+        self, node: Node, content: FileContent, flags: int, ctx: fuse.RequestContext, opener: int | None = None
+    ) -> int:
+        """A handle on ``content`` for an open already counted by ``_acquire`` (``opener``: its
+        process, if known)."""
         writer = flags & os.O_ACCMODE != os.O_RDONLY
         # The process, not the thread: its descriptor table tells which FLUSH is its last close.
         if opener is None and writer and self.mountpoint:
@@ -919,8 +942,7 @@ class Operations(fuse.Operations):
             opener = None
         fh = self._next_fh
         self._next_fh += 1
-        assert node.content is not None
-        file = FileHandle(node.content, self.files.fetcher, node.lock, lambda: node.path)
+        file = FileHandle(content, self.files.fetcher, node.lock, lambda: node.path)
         self.handles[fh] = Handle(node, file, writer=writer, opener=opener)
         node.writers += writer
         return fh
@@ -935,8 +957,6 @@ class Operations(fuse.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
-            await self._wait_for_version_readers(node)
         start = time.monotonic()
         truncating = bool(flags & os.O_TRUNC)
         noted = False
@@ -966,30 +986,22 @@ class Operations(fuse.Operations):
             except BaseException:
                 await self._drop_open(node, commit=False)
                 raise
-        fh = await self._new_handle(node, flags, ctx)
+        fh = await self._new_handle(node, content, flags, ctx)
         if flags & os.O_ACCMODE == os.O_RDONLY and node.path is not None and node.writers == 0:
             # A restore: a read-only open of a complete file (none being written through another handle).
             whence = content.source or ("remote" if partial else "local packs")
             source = "memory" if content is held else whence
-            await self._count_restore(node, self.handles[fh], start, source, noted)
+            await self._count_restore(node, node.path, content, self.handles[fh], start, source, noted)
         else:
             self._end_restore(node)  # its content is taken for writing: that restore is over
         return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content))
 
-    async def _wait_for_version_readers(self, node: Node) -> None:
-        """Passed through, a writer needs a file of its own, and the kernel takes one backing file
-        per inode: while other opens read a version that is not the writer's to change (a hot copy,
-        a save being stored), the writer waits for them a moment (a writer's own release follows its
-        close), then gets EBUSY. Checked before the open changes anything."""
-        if self.session is None or not self.session.passthrough:
-            return
-        deadline = trio.current_time() + BUSY_WAIT
-        while node.opens > 0 and node.content is not None and not node.content.own_file():
-            if trio.current_time() >= deadline:
-                log.warning("open of %s for writing refused (EBUSY): %d opens read its current version",
-                            node.path, node.opens)  # fmt: skip
-                raise fuse.FUSEError(errno.EBUSY)
-            await trio.sleep(0.01)
+    def writes_in_place(self, inode: int) -> bool:
+        """An open for writing now would write the file the node's open files use: its content is
+        a file of its own already (another writer's)."""
+        node = self.nodes.get(inode)
+        content = node.content if node is not None else None
+        return content is not None and content.own_file()
 
     async def _own_file(self, node: Node, content: FileContent) -> None:
         """Before a handle that may write: the content is a whole file of its own, which the kernel
@@ -1008,14 +1020,16 @@ class Operations(fuse.Operations):
         fd = content.whole_fd()
         return os.dup(fd) if fd >= 0 else None
 
-    async def _count_restore(self, node: Node, handle: Handle, start: float, source: str, noted: bool) -> None:
-        """Make ``handle`` part of the node's restore: a new one (counted, a use of the snapshot), or
-        the one under way whose content it took (llama-server's second open of a restore)."""
-        assert node.path is not None and node.content is not None
+    async def _count_restore(
+        self, node: Node, rel: str, content: FileContent, handle: Handle, start: float, source: str, noted: bool
+    ) -> None:
+        """Make ``handle`` (on ``content``, the snapshot at ``rel``) part of the node's restore: a new
+        one (counted, a use of the snapshot), or the one under way whose content it took
+        (llama-server's second open of a restore)."""
         restore = node.restore
         if restore is None:
             self.restores += 1
-            restore = node.restore = Restore(node.path, node.content.size, source, start)
+            restore = node.restore = Restore(rel, content.size, source, start)
         else:
             restore.opens += 1
             noted = True  # its first open counted the use
@@ -1061,7 +1075,7 @@ class Operations(fuse.Operations):
         except BaseException:
             await self._drop_open(node, commit=False)
             raise
-        fh = await self._new_handle(node, flags, ctx, opener)
+        fh = await self._new_handle(node, content, flags, ctx, opener)
         attrs = self._attrs(node)
         node.nlookup += 1
         return fuse.FileInfo(fh=fh, keep_cache=True, backing_fd=self._backing(content)), attrs
@@ -1429,6 +1443,11 @@ class Operations(fuse.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         sname = os.fsdecode(name)
         if inode == fuse.ROOT_INODE and sname == STATS_XATTR:
+            # Every user's saves and restores, and whether bytes were in the store already (a
+            # dedup oracle): the daemon's own user only (docs/design.md, "Threat model").
+            if ctx.uid != os.geteuid():
+                log.debug("%s refused to uid %d (pid %d): the daemon's user only", STATS_XATTR, ctx.uid, ctx.pid)
+                raise fuse.FUSEError(errno.EACCES)
             return json.dumps(self.stats()).encode()
         try:
             return self.repo.get_xattr(self._path_of(inode), sname)

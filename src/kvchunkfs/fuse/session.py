@@ -16,7 +16,8 @@ daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *se
 an open whose ``FileInfo`` names no backing file is served: its reads and writes come here. In
 passthrough mode an open naming one is registered with the kernel (``FUSE_DEV_IOC_BACKING_OPEN``,
 one backing id per inode shared by its opens, closed at the last RELEASE) and the kernel serves
-its reads, writes and mmap from that file. The mode and why are logged at INIT (``why``).
+its reads, writes and mmap from that file; the kernel takes one file per inode at a time, and the
+turns that keeps are fuse/backing.py's. The mode and why are logged at INIT (``why``).
 
 ``start`` mounts, ``run`` serves until the kernel ends the connection (unmounted) or
 ``terminate``; ``unmount`` detaches the mount while serving (the open files are served until closed,
@@ -45,6 +46,7 @@ from kvchunkfs.fuse.api import (
     RequestContext,
     SetattrFields,
 )
+from kvchunkfs.fuse.backing import Backings, Opening
 from kvchunkfs.fuse.protocol import Op
 
 log = logging.getLogger(__name__)
@@ -65,13 +67,6 @@ def _errno_of(e: Exception) -> int:
     return errno.EINVAL if isinstance(e, ValueError) else errno.EIO  # ValueError: a malformed request
 
 
-BUSY_WAIT = 2.0  # seconds an open waits for the inode's opens of another backing file to end
-
-
-class _Busy(Exception):
-    """The inode's open files pass through to another file."""
-
-
 class Session:
     """Serves ``ops`` on ``mountpoint`` (see the module's docstring)."""
 
@@ -87,9 +82,7 @@ class Session:
         self.initialized = False
         self.requests = [0] * protocol.OPCODES  # requests read, by opcode
         self.backing_refused = 0  # opens that named a backing file the kernel refused: served
-        self._backing: dict[int, list[int]] = {}  # inode -> [backing id, passthrough opens]
-        self._passed: set[tuple[int, int]] = set()  # (inode, fh) of the opens passed through
-        self._backing_gone: dict[int, trio.Event] = {}  # inode -> set when its backing id is closed
+        self.backings = Backings()  # passthrough: the inodes' opens and the file each uses
         self._setid: set[int] = set()  # inodes whose mode, as last told to the kernel, has set-id bits
         self._exiting = False
         self._gone = False  # the kernel ended the connection
@@ -417,7 +410,13 @@ class Session:
         fields.update_size = bool(valid & protocol.FATTR_SIZE)
         handle = fh if valid & protocol.FATTR_FH else None
         ctx = RequestContext(uid, gid, pid)
-        out = await self.ops.setattr(nodeid, attr, fields, handle, ctx)
+        # A truncate by path writes as an open for writing does (a handle's open took its turn).
+        opening = await self._arrive(nodeid, True) if fields.update_size and handle is None else None
+        try:
+            out = await self.ops.setattr(nodeid, attr, fields, handle, ctx)
+        finally:
+            if opening is not None:
+                self.backings.end(opening)
         self._seen(out)
         if valid & protocol.FATTR_KILL_SUIDGID and not fields.update_mode:  # a chown, a truncate
             out = await self._drop_setid(nodeid, ctx) or out
@@ -475,25 +474,47 @@ class Session:
     async def _open(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         flags, open_flags = protocol.OPEN_IN.unpack_from(body)
         ctx = RequestContext(uid, gid, pid)
-        fi = await self.ops.open(nodeid, flags, ctx)
-        if open_flags & protocol.OPEN_KILL_SUIDGID and nodeid in self._setid:
-            try:
-                if await self._drop_setid(nodeid, ctx):
-                    await trio.to_thread.run_sync(self._forget_attrs, nodeid)
-            except BaseException:
-                await self.ops.release(fi.fh)  # the open fails: no RELEASE will come for it
-                raise
-        await self._reply_open(unique, nodeid, fi, b"")
+        opening = await self._arrive(nodeid, bool(flags & os.O_TRUNC) or flags & os.O_ACCMODE != os.O_RDONLY)
+        try:
+            fi = await self.ops.open(nodeid, flags, ctx)
+            if open_flags & protocol.OPEN_KILL_SUIDGID and nodeid in self._setid:
+                try:
+                    if await self._drop_setid(nodeid, ctx):
+                        await trio.to_thread.run_sync(self._forget_attrs, nodeid)
+                except BaseException:
+                    await self.ops.release(fi.fh)  # the open fails: no RELEASE will come for it
+                    raise
+            await self._reply_open(unique, nodeid, fi, b"", opening)
+        finally:
+            self._opened(opening)
 
     async def _create(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         flags, mode, umask, _ = protocol.CREATE_IN.unpack_from(body)
         (name,) = protocol.cstrings(body[protocol.CREATE_IN.size :], 1)
         fi, attrs = await self.ops.create(nodeid, name, mode, flags, RequestContext(uid, gid, pid, umask))
         self._seen(attrs)  # (a new file: nothing to drop for an O_TRUNC)
-        if not await self._reply_open(unique, attrs.st_ino, fi, protocol.entry_out(attrs)):
-            await self.ops.forget([(attrs.st_ino, 1)])
+        opening = self.backings.begin(attrs.st_ino) if self.passthrough else None  # new: no turn to wait for
+        try:
+            if not await self._reply_open(unique, attrs.st_ino, fi, protocol.entry_out(attrs), opening):
+                await self.ops.forget([(attrs.st_ino, 1)])
+        finally:
+            self._opened(opening)
 
-    async def _reply_open(self, unique: int, nodeid: int, fi: FileInfo, entry: bytes) -> bool:
+    async def _arrive(self, nodeid: int, writer: bool) -> Opening | None:
+        """Passthrough: the open (or truncate) takes its turn among the inode's (fuse/backing.py);
+        EBUSY for a writer the earlier opens of the version it replaces kept waiting too long."""
+        if not self.passthrough:
+            return None
+        return await self.backings.arrive(nodeid, writer, lambda: self.ops.writes_in_place(nodeid))
+
+    def _opened(self, opening: Opening | None) -> None:
+        """The open is answered, or failed: the opens that wait for its turn go on; a failed one is over."""
+        if opening is not None:
+            self.backings.turn_over(opening)
+            if not opening.answered:
+                self.backings.end(opening)
+
+    async def _reply_open(self, unique: int, nodeid: int, fi: FileInfo, entry: bytes, opening: Opening | None) -> bool:
         """Answer an open or create; if the kernel no longer waits for it, release the open (as
         libfuse does: the kernel will send no RELEASE for it)."""
         flags = 0
@@ -503,64 +524,37 @@ class Session:
             flags |= protocol.FOPEN_KEEP_CACHE
         if fi.nonseekable:
             flags |= protocol.FOPEN_NONSEEKABLE
-        backing_id = 0
-        if fi.backing_fd is not None and nodeid in self._setid:
-            # A set-id file is served: the kernel drops no set-id bit for a passthrough write.
-            await trio.to_thread.run_sync(os.close, fi.backing_fd)
-        elif fi.backing_fd is not None:
+        fd, backing_id = fi.backing_fd, 0
+        if fd is not None and (opening is None or nodeid in self._setid):
+            # Served mode; or a set-id file, served: the kernel drops no set-id bit for a passthrough write.
+            await trio.to_thread.run_sync(os.close, fd)
+            fd = None
+        if opening is not None:
+            registered = False
             try:
-                backing_id = await self._attach_backing(nodeid, fi.fh, fi.backing_fd)
-            except _Busy:
-                await self.ops.release(fi.fh)
-                log.warning("FUSE: open of inode %d refused (EBUSY): its open files read another version", nodeid)
-                raise FUSEError(errno.EBUSY) from None
+                backing_id, registered = await self.backings.attach(opening, fi.fh, fd, self._register)
+            finally:
+                if fd is not None and registered:
+                    os.close(fd)  # the kernel holds the file now: not its last close
+                elif fd is not None:  # perhaps its last close, which may wait for the file system: not here
+                    await trio.to_thread.run_sync(os.close, fd)
             if backing_id:
                 flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
         if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
             return True
-        await self._detach_backing(nodeid, fi.fh)
+        await self._close_backing(self.backings.released(nodeid, fi.fh))
         await self.ops.release(fi.fh)
         return False
 
-    async def _attach_backing(self, nodeid: int, fh: int, fd: int) -> int:
-        """The backing id for an open of ``nodeid`` through ``fd`` (closed here), or 0 if the open
-        is to be served."""
-        backing_id = 0
-        held: list[int] | None = None
-        if self.passthrough:
-            held = self._backing.get(nodeid)
-            st = os.fstat(fd)
-            if held is not None and (held[2], held[3]) != (st.st_dev, st.st_ino):
-                # The inode's open files pass through to another file (the version they read, while
-                # this open writes a new one). The kernel takes one backing file per inode, and no
-                # open of it that is not passed through: wait for them to close, a moment (a writer's
-                # release follows its close), then the open fails with EBUSY.
-                held = await self._other_backing_gone(nodeid)
-                if held is not None:
-                    await trio.to_thread.run_sync(os.close, fd)
-                    raise _Busy
-            if held is None:
-                try:
-                    held = self._backing[nodeid] = [kernel.backing_open(self.fd, fd), 0, st.st_dev, st.st_ino]
-                except OSError as e:
-                    self._backing_refused(e)
-            if held is not None:
-                held[1] += 1
-                self._passed.add((nodeid, fh))
-                backing_id = held[0]
-        if backing_id and held is not None and held[1] == 1:
-            os.close(fd)  # the kernel holds the file now: not its last close
-        else:  # perhaps its last close, which may wait for the file system: not on this thread
-            await trio.to_thread.run_sync(os.close, fd)
-        return backing_id
-
-    async def _other_backing_gone(self, nodeid: int) -> list[int] | None:
-        """Wait up to ``BUSY_WAIT`` seconds for the inode's passthrough opens to end; what is still
-        held then (None: released)."""
-        gone = self._backing_gone.setdefault(nodeid, trio.Event())
-        with trio.move_on_after(BUSY_WAIT):
-            await gone.wait()
-        return self._backing.get(nodeid)
+    def _register(self, fd: int) -> int:
+        """The kernel's backing id for ``fd``, or 0 if it refuses the file (the open is served)."""
+        if not self.passthrough:
+            return 0
+        try:
+            return kernel.backing_open(self.fd, fd)
+        except OSError as e:
+            self._backing_refused(e)
+            return 0
 
     def _backing_refused(self, e: OSError) -> None:
         self.backing_refused += 1
@@ -571,23 +565,15 @@ class Session:
         else:  # this file (its file system: ELOOP stacked too deep, EINVAL no read_iter/write_iter)
             log.warning("FUSE: backing file refused (%s); this open is served", e.strerror)
 
-    async def _detach_backing(self, nodeid: int, fh: int) -> None:
-        """An open passed through ends: the inode's backing id is closed with its last open (in a
-        thread: it may be the backing file's last reference, whose close may wait for its disk)."""
-        if (nodeid, fh) not in self._passed:
+    async def _close_backing(self, backing_id: int) -> None:
+        """Close an inode's backing id once its last open is released (in a thread: it may be the
+        backing file's last reference, whose close may wait for its disk). 0: none."""
+        if not backing_id:
             return
-        self._passed.discard((nodeid, fh))
-        held = self._backing[nodeid]
-        held[1] -= 1
-        if held[1] == 0:
-            del self._backing[nodeid]
-            gone = self._backing_gone.pop(nodeid, None)
-            if gone is not None:
-                gone.set()
-            try:
-                await trio.to_thread.run_sync(kernel.backing_close, self.fd, held[0])
-            except OSError as e:
-                log.warning("FUSE: closing backing id %d: %s", held[0], e)
+        try:
+            await trio.to_thread.run_sync(kernel.backing_close, self.fd, backing_id)
+        except OSError as e:
+            log.warning("FUSE: closing backing id %d: %s", backing_id, e)
 
     async def _read(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size = _READ_IN(body)
@@ -638,10 +624,13 @@ class Session:
 
     async def _release(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         (fh,) = _FH(body)
+        # The kernel let go of the file before it sent this: an open that waits for the inode's
+        # opens of another file goes on at once.
+        backing_id = self.backings.released(nodeid, fh)
         try:  # first: an open right after sees the handle gone (a writer's close, then a restore)
             await self.ops.release(fh)
         finally:
-            await self._detach_backing(nodeid, fh)
+            await self._close_backing(backing_id)
         self._reply(unique)
 
     async def _fsync(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:

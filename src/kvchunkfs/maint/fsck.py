@@ -46,7 +46,8 @@ from typing import Any
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format import index as idx
 from kvchunkfs.format.cutter import GROUP_WIDTH
-from kvchunkfs.maint.gc import run_gc, salvage_ids, walk_stubs
+from kvchunkfs.maint.gc import run_gc
+from kvchunkfs.maint.gcmarks import salvage_ids, walk_stubs
 from kvchunkfs.maint.recovery import (
     RecoveryReport,
     check_snapshots,

@@ -171,7 +171,7 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
 
 def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.remotegc import run_remote_gc
-    from kvchunkfs.store.remote import max_index_bytes
+    from kvchunkfs.store.remotecore import max_index_bytes
     from kvchunkfs.store.s3 import Bucket
 
     if not cfg.remote:

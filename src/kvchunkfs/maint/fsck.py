@@ -59,7 +59,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkmap import MapReader
 from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
-from kvchunkfs.store.remote import read_synced
+from kvchunkfs.store.remotesync import read_synced
 from kvchunkfs.store.repository import Repository
 
 READ_SPAN = 4 << 20

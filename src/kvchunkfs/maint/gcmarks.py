@@ -25,7 +25,7 @@ from kvchunkfs.format.idarrays import PrefixSet
 from kvchunkfs.maint.gcreport import GCReport
 from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkstore import PruneStore
-from kvchunkfs.store.remote import read_synced
+from kvchunkfs.store.remotesync import read_synced
 from kvchunkfs.store.repository import Repository
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,10 @@ become garbage since the last run (ids the store mapped meanwhile, ids whose las
 the daemon's catalog counts references, service/live.py), and reclaims only the packs it freed
 rows in. A walk (``run_gc``) is the safety net: at mount, every ``gc_walk_interval``, on request,
 and whenever the catalog cannot tell (an unreadable stub, too many changes kept).
+
+This module is the driver (a run, a dry run, the daemon's ``GarbageCollector``); the parts it
+drives: gcmarks.py (the marks: what the stubs name), gcsweep.py (the catch-up and the sweep after
+a walk), gcchanges.py (a collection of the changes), gccompact.py (the packs), gcreport.py.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvchunkfs.config import Config  # noqa: E402
 from kvchunkfs.file.files import Files  # noqa: E402
 from kvchunkfs.format.index import Index  # noqa: E402
-from kvchunkfs.maint.gc import collect_changes, run_gc  # noqa: E402
+from kvchunkfs.maint.gc import run_gc  # noqa: E402
+from kvchunkfs.maint.gcchanges import collect_changes  # noqa: E402
 from kvchunkfs.maint.recovery import recover  # noqa: E402
 from kvchunkfs.service import catalog, prefixtree  # noqa: E402
 from kvchunkfs.service.api import JSONResponse, Service  # noqa: E402

@@ -17,7 +17,7 @@ from conftest import SRC, Mount
 from helpers import rand_bytes, sha, wait_closed, wait_for_log, write_in_pieces
 
 from kvchunkfs.format.index import Index
-from kvchunkfs.maint import fsck, gc
+from kvchunkfs.maint import fsck, gc, gcmarks, gcreport, gcsweep
 from kvchunkfs.store import stubs
 from kvchunkfs.store.repository import Repository
 
@@ -320,11 +320,11 @@ def test_a_rename_during_the_walk_is_caught_up(tmp_path: Path, monkeypatch: pyte
     """The listing misses a stub renamed meanwhile; GC reads the renamed path before it sweeps."""
     repo, cid = make_repo(tmp_path)
 
-    def racing_walk(repo: Repository, report: gc.GCReport) -> gc.Marks:
+    def racing_walk(repo: Repository, report: gcreport.GCReport) -> gcmarks.Marks:
         repo.rename("a.tmp", "a")  # the walk listed the directory before, so it saw nothing
-        return gc.Marks(repo.store)
+        return gcmarks.Marks(repo.store)
 
-    monkeypatch.setattr(gc, "named_ids", racing_walk)
+    monkeypatch.setattr(gcsweep, "named_ids", racing_walk)
     report = gc.run_gc(repo, 0.5)
     assert report.walks == 1 and report.catch_ups == 0 and report.chunks_freed == 0
     assert repo.store.locate(cid)
@@ -334,17 +334,17 @@ def test_a_rename_during_the_walk_is_caught_up(tmp_path: Path, monkeypatch: pyte
 def test_renames_during_the_catch_up_are_caught_up_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each round of reading renamed paths may race with more renames; the sweep waits for a quiet round."""
     repo, cid = make_repo(tmp_path)
-    real_add = gc._add_created
+    real_add = gcsweep.add_created
     renames = iter(["b", "c", "d"])
     current = "a.tmp"
 
-    def racing_walk(repo: Repository, report: gc.GCReport) -> gc.Marks:
+    def racing_walk(repo: Repository, report: gcreport.GCReport) -> gcmarks.Marks:
         nonlocal current
         repo.rename(current, "a")
         current = "a"
-        return gc.Marks(repo.store)
+        return gcmarks.Marks(repo.store)
 
-    def racing_add(repo: Repository, paths: list[str], named: gc.Marks, report: gc.GCReport) -> None:
+    def racing_add(repo: Repository, paths: list[str], named: gcmarks.Marks, report: gcreport.GCReport) -> None:
         nonlocal current
         nxt = next(renames, None)
         if nxt is not None:  # the stub moves again right before we read the paths we were given
@@ -352,8 +352,8 @@ def test_renames_during_the_catch_up_are_caught_up_too(tmp_path: Path, monkeypat
             current = nxt
         real_add(repo, paths, named, report)
 
-    monkeypatch.setattr(gc, "named_ids", racing_walk)
-    monkeypatch.setattr(gc, "_add_created", racing_add)
+    monkeypatch.setattr(gcsweep, "named_ids", racing_walk)
+    monkeypatch.setattr(gcsweep, "add_created", racing_add)
     report = gc.run_gc(repo, 0.5)
     assert report.catch_ups == 3 and report.chunks_freed == 0 and not report.errors
     assert repo.store.locate(cid)
@@ -365,16 +365,16 @@ def test_endless_renames_skip_the_sweep_instead_of_blocking(tmp_path: Path, monk
     names = iter(f"n{i}" for i in range(1000))
     current = "a.tmp"
 
-    def always_racing(repo: Repository, paths: list[str], named: gc.Marks, report: gc.GCReport) -> None:
+    def always_racing(repo: Repository, paths: list[str], named: gcmarks.Marks, report: gcreport.GCReport) -> None:
         nonlocal current
         nxt = next(names)
         repo.rename(current, nxt)
         current = nxt
 
-    monkeypatch.setattr(gc, "named_ids", lambda repo, report: gc.Marks(repo.store))
-    monkeypatch.setattr(gc, "_add_created", always_racing)
+    monkeypatch.setattr(gcsweep, "named_ids", lambda repo, report: gcmarks.Marks(repo.store))
+    monkeypatch.setattr(gcsweep, "add_created", always_racing)
     report = gc.run_gc(repo, 0.5)
-    assert report.catch_ups == gc.MAX_CATCH_UPS and report.chunks_freed == 0
+    assert report.catch_ups == gcmarks.MAX_CATCH_UPS and report.chunks_freed == 0
     assert report.errors and "sweep skipped" in report.errors[0]
     assert repo.store.locate(cid)
     repo.close()

@@ -1,6 +1,6 @@
 """GC without a walk: a run looks only at what changed since the last one.
 
-The daemon's catalog counts the references every stub makes; ``gc.collect_changes`` frees the ids
+The daemon's catalog counts the references every stub makes; ``gcchanges.collect_changes`` frees the ids
 the store mapped since the last run and the ids whose last snapshot went, if no snapshot names them
 now. It must never free a named chunk (whatever runs beside it) and must leave nothing a walk of
 every stub would still free. These tests drive the store layer the way the daemon does (saves pin
@@ -18,7 +18,7 @@ from helpers import loop_beside
 from test_scale import _random_op, _save
 from test_scale import service as service  # noqa: F401 - the fixture
 
-from kvchunkfs.maint import gc
+from kvchunkfs.maint import gc, gcchanges
 from kvchunkfs.service import catalog
 from kvchunkfs.service.api import Service
 from kvchunkfs.store import stubs
@@ -51,13 +51,13 @@ def test_collecting_the_changes_frees_exactly_what_a_walk_would(service: Service
     for step in range(300):
         _random_op(repo, rng, 20)
         if step % 7 == 0:
-            report = gc.collect_changes(repo, service.live, 0.5)
+            report = gcchanges.collect_changes(repo, service.live, 0.5)
             assert report is not None and report.mode == "changes" and not report.errors
             freed += report.chunks_freed
             assert_nothing_named_is_missing(repo)
             assert mapped_ids(repo) == named_ids(repo), "garbage left behind"
     assert freed > 0
-    report = gc.collect_changes(repo, service.live, 0.5)
+    report = gcchanges.collect_changes(repo, service.live, 0.5)
     assert report is not None
     walk = gc.run_gc(repo, 0.5)
     assert walk.chunks_freed == 0 and walk.missing_chunks == 0
@@ -80,7 +80,7 @@ def test_collecting_the_changes_while_saves_renames_and_unlinks_run(service: Ser
 
     def collect() -> None:
         nonlocal runs
-        report = gc.collect_changes(repo, service.live, 0.5)
+        report = gcchanges.collect_changes(repo, service.live, 0.5)
         assert report is not None
         runs += not report.errors
 
@@ -94,7 +94,7 @@ def test_collecting_the_changes_while_saves_renames_and_unlinks_run(service: Ser
     assert not errors, errors
     assert runs > 10
     assert_nothing_named_is_missing(repo)
-    assert gc.collect_changes(repo, service.live, 0.5) is not None
+    assert gcchanges.collect_changes(repo, service.live, 0.5) is not None
     assert gc.run_gc(repo, 0.5).chunks_freed == 0, "a collection of the changes missed garbage"
 
 
@@ -105,11 +105,11 @@ def test_a_pinned_chunk_is_kept_and_freed_at_a_later_run(service: Service) -> No
     data = b"an aborted save's chunk" * 100
     cid = hashlib.sha256(data).digest()
     repo.store.put_many([(cid, data)], owner)  # written, pinned, never named (a save in progress)
-    report = gc.collect_changes(repo, service.live, 0.5)
+    report = gcchanges.collect_changes(repo, service.live, 0.5)
     assert report is not None and report.chunks_freed == 0
     assert cid in mapped_ids(repo)
     repo.store.unpin(owner)  # the save gave up
-    report = gc.collect_changes(repo, service.live, 0.5)
+    report = gcchanges.collect_changes(repo, service.live, 0.5)
     assert report is not None and report.chunks_freed == 1
     assert cid not in mapped_ids(repo)
 
@@ -152,9 +152,9 @@ def test_no_sweep_while_a_namespace_change_is_in_flight(service: Service) -> Non
     _save(repo, "b", ["y"])
     repo.unlink("b")  # y is garbage
     with repo._changing("d2/a"):
-        changes = gc.collect_changes(repo, service.live, 0.5)
+        changes = gcchanges.collect_changes(repo, service.live, 0.5)
         walk = gc.run_gc(repo, 0.5)
     assert changes is not None and changes.chunks_freed == 0 and changes.errors
     assert walk.chunks_freed == 0 and walk.errors
-    changes = gc.collect_changes(repo, service.live, 0.5)
+    changes = gcchanges.collect_changes(repo, service.live, 0.5)
     assert changes is not None and changes.chunks_freed == 1 and not changes.errors

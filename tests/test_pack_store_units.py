@@ -14,7 +14,7 @@ import pytest
 from helpers import stream_store
 
 from kvchunkfs.file.fetcher import ChunkCache, Fetcher
-from kvchunkfs.maint import gc
+from kvchunkfs.maint import gccompact, gcreport
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, quick_sum
 from kvchunkfs.store.packwriter import Batch, PackWriter, create_pack_file
@@ -237,8 +237,8 @@ def test_a_compaction_copy_whose_rows_are_refused_is_cut_off(tmp_path: Path, mon
         raise OSError(errno.EIO, "chunk map replaced")
 
     monkeypatch.setattr(store, "move_chunks", refuse)
-    report = gc.GCReport()
-    gc.reclaim_packs(repo, 0.5, report, None)
+    report = gcreport.GCReport()
+    gccompact.reclaim_packs(repo, 0.5, report, None)
     assert report.packs_compacted == 0 and any("not compacted" in e for e in report.errors)
     assert store.pack_ids() == before
     assert store.get_many([live[0]]) == [live[1]]

@@ -319,7 +319,7 @@ def test_gc_keeps_the_chunks_of_a_kept_version(tmp_path: Path) -> None:
     """A save that replaces a name after GC's checkpoint is not durable yet: until the next
     checkpoint the version it replaced may come back after a cut, so its chunks are not garbage."""
     from kvchunkfs.file.files import Files
-    from kvchunkfs.maint import gc
+    from kvchunkfs.maint import gc, gcreport, gcsweep
     from kvchunkfs.store import stubs
     from kvchunkfs.store.repository import Repository, StoreSettings
 
@@ -336,8 +336,8 @@ def test_gc_keeps_the_chunks_of_a_kept_version(tmp_path: Path) -> None:
             old_ids = set(repo.read_index("a").ids)
             repo.checkpoint()
     assert old_ids.isdisjoint(repo.read_index("a").ids)
-    report = gc.GCReport()
-    gc.mark_and_sweep(repo, report)  # a walk that began after the checkpoint of its run
+    report = gcreport.GCReport()
+    gcsweep.mark_and_sweep(repo, report)  # a walk that began after the checkpoint of its run
     assert report.chunks_freed == 0
     assert set(repo.store.locate_many(old_ids)) == old_ids
     kept = next(repo.layout.prev.iterdir())

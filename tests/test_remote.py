@@ -773,7 +773,7 @@ def test_a_mismatch_found_after_mount_turns_the_tier_off(hosts: Hosts, weed: Wee
 
 
 def test_index_objects_over_the_max_file_size_limit_are_refused_unread(hosts: Hosts) -> None:
-    from kvchunkfs.store.remote import max_index_bytes
+    from kvchunkfs.store.remotecore import max_index_bytes
 
     a = hosts.new("a")
     data = rand_bytes(MiB, 46)

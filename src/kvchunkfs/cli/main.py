@@ -188,7 +188,7 @@ def _remote_tier(cfg: cfgmod.Config, repo: Repository) -> RemoteTier:
 
 def cmd_gc_remote(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     from kvchunkfs.maint.remotegc import run_remote_gc
-    from kvchunkfs.store.remote import max_index_bytes
+    from kvchunkfs.store.remotecore import max_index_bytes
     from kvchunkfs.store.s3 import Bucket
 
     if not cfg.remote:
@@ -217,7 +217,8 @@ def _mark_clean(repo: Repository) -> None:
 def cmd_gc(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
     """Through the daemon's API if it holds the store, else right here. ``--dry-run``: what a run
     would free, deleting nothing (offline without recovery's repairs either: they change the store)."""
-    from kvchunkfs.maint.gc import format_summary, plan_gc, run_gc
+    from kvchunkfs.maint.gc import plan_gc, run_gc
+    from kvchunkfs.maint.gcreport import format_summary
     from kvchunkfs.maint.recovery import prepare_map_file, recover
 
     if args.collect_remote:

@@ -49,7 +49,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvchunkfs.format import index as idx
-from kvchunkfs.maint.gc import MAX_CATCH_UPS, GCReport, created_entries, reclaim_packs, salvage_ids, walk_stubs
+from kvchunkfs.maint.gccompact import reclaim_packs
+from kvchunkfs.maint.gcmarks import MAX_CATCH_UPS, created_entries, salvage_ids, walk_stubs
+from kvchunkfs.maint.gcreport import GCReport
 from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import file_size
 from kvchunkfs.store.packs import PackStore

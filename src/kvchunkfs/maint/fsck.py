@@ -51,7 +51,8 @@ from typing import Any
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format import index as idx
 from kvchunkfs.format.cutter import GROUP_WIDTH
-from kvchunkfs.maint.gc import run_gc, salvage_ids, walk_stubs
+from kvchunkfs.maint.gc import run_gc
+from kvchunkfs.maint.gcmarks import salvage_ids, walk_stubs
 from kvchunkfs.maint.recovery import (
     RecoveryReport,
     check_snapshots,
@@ -63,7 +64,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.chunkmap import MapReader
 from kvchunkfs.store.layout import Layout, try_lock_store
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, has_header, is_torn_header, scan
-from kvchunkfs.store.remote import read_synced
+from kvchunkfs.store.remotesync import read_synced
 from kvchunkfs.store.repository import Repository
 from kvchunkfs.units import parse_size
 

@@ -50,7 +50,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.layout import DB_NAME, file_size, fsync_dir
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, Described, Scan, has_header, is_torn_header, scan
 from kvchunkfs.store.packs import PackStore
-from kvchunkfs.store.remote import read_synced
+from kvchunkfs.store.remotesync import read_synced
 from kvchunkfs.store.repository import Repository, prev_rel
 
 log = logging.getLogger(__name__)

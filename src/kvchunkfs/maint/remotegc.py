@@ -22,7 +22,7 @@ from typing import Any
 
 from kvchunkfs.format import index as idx
 from kvchunkfs.store import remotepacks as rp
-from kvchunkfs.store.remote import decode_checked
+from kvchunkfs.store.remotecore import decode_checked
 from kvchunkfs.store.s3 import Bucket, NotItsName, TooLarge
 
 log = logging.getLogger(__name__)

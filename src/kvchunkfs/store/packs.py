@@ -119,7 +119,7 @@ class PackStore(ChunkMap):
         self.index_pins: dict[object, list[Index]] = {}
         self.counters = StoreCounters()
         # Ids mapped since GC last took them (under ``lock``): with the catalog's dropped ids, what
-        # a collection of the changes looks at (maint/gc.py). None once too many piled up: the
+        # a collection of the changes looks at (maint/gcchanges.py). None once too many piled up: the
         # next collection must walk every stub.
         self._fresh: set[bytes] | None = set()
         self._revisit: set[int] = set()  # packs with dead bytes GC left alone (e.g. the open one)

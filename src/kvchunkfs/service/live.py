@@ -20,7 +20,7 @@ keeps the slots of its distinct chunks and their lengths (8 bytes a chunk); the 
 bytes a distinct chunk of the store. A stub is read a piece of its index at a time (its token
 prefix from the first piece), so a load never holds an index of a million chunks whole.
 
-GC's collection of the changes (maint/gc.py) asks ``unnamed`` which of some ids no snapshot names:
+GC's collection of the changes (maint/gcchanges.py) asks ``unnamed`` which of some ids no snapshot names:
 the ids whose count fell to zero since its last question, plus the ids the store mapped meanwhile.
 The answer is only as good as the rows, so it is None while any row's chunks are unknown (a stub
 that could not be read or decoded): GC then walks the stubs itself.

@@ -132,3 +132,23 @@ def test_an_inherited_descriptor_written_after_the_close(kvfs: Mount) -> None:
     assert child.wait(timeout=30) == 0
     assert Path(kvfs.path("v")).read_bytes() == data, "another name read bytes a child wrote"
     check(kvfs, data)
+
+
+def test_a_child_closing_its_copy_after_an_fsync_commits_nothing(kvfs: Mount) -> None:
+    """After a client's fsync, a FLUSH from a child's copy of the descriptor is not a commit: the
+    writer's later writes (passed through: unseen by the daemon) are saved at its own close."""
+    v1, v2 = rand_bytes(2 * MiB, 63), rand_bytes(2 * MiB, 64)
+    fd = os.open(kvfs.path("w"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, v1)
+        os.fsync(fd)  # stored durably now
+        child = subprocess.Popen([sys.executable, "-c", "pass"], pass_fds=(fd,))  # its exit closes its copy
+        assert child.wait(timeout=30) == 0
+        os.pwrite(fd, v2, 0)
+    finally:
+        os.close(fd)
+    wait_closed(kvfs)
+    kvfs.ingested()
+    assert kvfs.path("w").read_bytes() == v2, "the writes after a child's close were lost"
+    kvfs.remount([])
+    assert kvfs.path("w").read_bytes() == v2

@@ -245,3 +245,40 @@ def test_closes_wait_once_ingestion_falls_seconds_behind(kvfs: Mount, tmp_path: 
     kvfs.ingested()
     for name, data in sums.items():
         assert kvfs.path(name).read_bytes() == data
+
+
+def test_more_waiting_closes_than_worker_threads_do_not_stall_the_mount(kvfs: Mount, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Closes waiting for ingestion to catch up do not take the daemon's worker threads (trio has
+    40): ingestion's install needs one, so 48 waiting closes would otherwise wait for ever."""
+    import threading
+
+    hold = tmp_path / "hold-ingestion"
+    monkeypatch.setenv("KVCFS_INGEST_HOLD", str(hold))
+    hold.touch()
+    kvfs.remount()
+    kvfs.path("first").write_bytes(rand_bytes(MiB, 200))  # staged, not stored: ingestion falls behind
+    time.sleep(6)  # past the 5 s window: every close from now on waits
+    errors: list[BaseException] = []
+    sums: dict[str, bytes] = {}
+
+    def save(i: int) -> None:
+        try:
+            data = rand_bytes(MiB, 300 + i)
+            kvfs.path(f"c{i}").write_bytes(data)
+            sums[f"c{i}"] = data
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    writers = [threading.Thread(target=save, args=(i,), daemon=True) for i in range(48)]
+    for w in writers:
+        w.start()
+    time.sleep(3)  # every close is waiting now
+    hold.unlink()
+    for w in writers:
+        w.join(timeout=300)
+    assert not any(w.is_alive() for w in writers), "closes still waiting: the mount stalled"
+    assert not errors, errors
+    kvfs.ingested()
+    for name, data in sums.items():
+        assert kvfs.path(name).read_bytes() == data

@@ -42,7 +42,7 @@ def to_hot_tier(
     """Make the stored staged file ``path`` (open as ``fd``; the snapshot ``rel``) the hot copy of
     ``file_sum``: renamed, or with ``fresh`` (a client may still write it) a copy of it. The staged file is gone after;
     False if no hot copy was made (its bytes changed, no room). Blocking."""
-    if size > whole.budget:
+    if size > whole.budget or whole.short:  # memory short: no copy (a fresh one would double the file)
         whole.drop_staged(path)
         return False
     key = whole.key(file_sum, size)
@@ -50,6 +50,10 @@ def to_hot_tier(
         whole.hot_commit(path, key, size, put_back=False, rel=rel)
         return True
     whole.drop_staged(path)  # its fd is enough to copy it
+    try:
+        whole.reserve(size)  # hot copies evicted first; no room: no copy, and a client's write keeps its room
+    except OSError:
+        return False
     part, out = whole.new_part()
     try:
         pos = 0

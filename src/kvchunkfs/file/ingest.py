@@ -13,8 +13,8 @@ The backlog is bounded in bytes (``ingest_backlog``, by default half the memory 
 with ``durability = close`` a power cut loses the acknowledged saves not yet stored (their staged
 files are memory), so a close waits while the oldest save not yet stored, plus the time the
 queue needs at the rate ingestion has been going, is more than ``WINDOW`` seconds behind
-(``backlogged``, ``wait_below``): whatever the save rate, a cut loses about the last ``WINDOW``
-seconds of saves plus the checkpoint interval of those stored.
+(``backlogged``: the mount's close looks again until it is not): whatever the save rate, a cut
+loses about the last ``WINDOW`` seconds of saves plus the checkpoint interval of those stored.
 
 If the daemon dies meanwhile, the staged file and the stub's name of it remain: the next mount
 queues it again (``pending``). A failure leaves both too: the store cannot take the save now (no
@@ -146,14 +146,6 @@ class Ingester:
     def backlogged(self) -> bool:
         with self.cond:
             return self._over()
-
-    def wait_below(self) -> None:
-        """Block until the queued bytes and the time they need are within their bounds again
-        (blocking: a worker thread)."""
-        with self.cond:
-            self.waits += 1
-            while self._over() and not self._stop:
-                self.cond.wait(0.05)  # time moves the bound: look again
 
     def backlog(self) -> tuple[int, int]:
         """(saves queued or being stored, their bytes)."""
@@ -302,13 +294,19 @@ class Ingester:
                     pending.tmp.unlink(missing_ok=True)
                 log.info("the save of %s changed after its close: stored again", rel)
                 self.changed += 1
+                job.queued = time.monotonic()  # its age starts again: another save's closes do not wait on it
                 self.submit(job)  # counted once: the worker uncounts this run
                 return
             outcome = self.install(job, pending)
             seconds = time.monotonic() - job.queued
             if outcome is Outcome.INSTALLED:
                 self.ingested += 1
-                self._to_hot_tier(job, fd, pending, sparse)
+                try:
+                    self._to_hot_tier(job, fd, pending, sparse)
+                except OSError as e:  # the save is stored: only its hot copy is missing
+                    log.warning("no hot copy of %s: %s", rel, e)
+                    with contextlib.suppress(OSError):
+                        whole.drop_staged(job.path)
             elif outcome is Outcome.SUPERSEDED:
                 whole.drop_staged(job.path)
             self.done(job, outcome, pending.new_bytes, seconds)

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 OnPath = Callable[[str], None]  # run on a snapshot's path in a worker thread
 ATTR_TIMEOUT = 1.0
+BACKLOG_STEP = 0.05  # seconds between looks at ingestion's backlog while a close waits for it
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory, for the daemon's user
 
 
@@ -1167,9 +1168,13 @@ class Operations(fuse.Operations):
             return
         ingester = self.ingester
         if ingester is not None and ingester.backlogged():  # bounded: the client waits, the backlog does not grow
-            # Not under the node's lock: ingestion takes it to install (the wait would never end).
+            # Not under the node's lock: ingestion takes it to install (the wait would never end). On
+            # this thread, not a worker's: closes waiting in every worker would leave none for the
+            # install that ends their wait.
             log.info("ingestion is %s behind: the close of %s waits", _mib(ingester.backlog()[1]), node.path)
-            await self._thread(ingester.wait_below)
+            ingester.waits += 1
+            while ingester.backlogged() and self.ingester is ingester:
+                await trio.sleep(BACKLOG_STEP)
         async with node.lock:
             if not content.dirty and not durable:
                 return
@@ -1183,8 +1188,9 @@ class Operations(fuse.Operations):
                 raise fuse.FUSEError(errno.EFBIG)
             staged = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
             inline = not durable and self._memory_short()  # counted: a save while memory is short
+            if staged:  # a write to it may have failed for room: never committed, staged or stored now
+                await self._room_to_stage(node, content, unless)
             if staged and not inline:
-                await self._room_to_stage(node, content)
                 if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
                     content.mark_changed()  # their close saves what they write (passthrough: unseen)
                 return
@@ -1216,13 +1222,16 @@ class Operations(fuse.Operations):
                 # (ingesting it again would replace the durable stub by one a power cut can take).
                 node.synced = pending.record.file_sum if durable and pending.record is not None else None
 
-    async def _room_to_stage(self, node: Node, content: FileContent) -> None:
-        """A staged save is not committed if a write to it may have failed for lack of room, nor
-        if the store could not take it: ENOSPC (or the store's errno), the previous version kept."""
+    async def _room_to_stage(self, node: Node, content: FileContent, unless: Callable[[], bool] | None) -> None:
+        """A save of a staged file is not committed if a write to it may have failed for lack of
+        room, nor if the store could not take it: ENOSPC (or the store's errno), the previous version
+        kept. A FLUSH that ``unless`` says is not a commit is not refused (its writer's close is)."""
         room = self.room
         if room is None:
             return
         error = await self._thread(room.at_close, content)
+        if error is not None and unless is not None and await self._thread(unless):
+            return  # not a commit: the caller's own check says so again, and nothing is saved
         if error is not None:
             log.error("saving %s refused, previous version kept: %s", node.path, error.strerror)
             await self._forget_unsaved(node)
@@ -1236,9 +1245,13 @@ class Operations(fuse.Operations):
         False if ``unless`` said this is not a commit."""
         assert self.ingester is not None
         synced, node.synced = node.synced, None
-        if synced is not None and await self._thread(same_sum, content.whole_fd(), synced):
-            content.committed(content.gen)  # unchanged since the client's fsync stored it durably
-            return True
+        if synced is not None and (unless is None or not await self._thread(unless)):
+            if await self._thread(same_sum, content.whole_fd(), synced):
+                content.committed(content.gen)  # unchanged since the client's fsync stored it durably
+                return True
+        elif synced is not None:  # a FLUSH from another copy of the descriptor: not a commit
+            node.synced = synced
+            return False
         async with node.gate.use():
             rel = node.path
             try:

@@ -247,8 +247,9 @@ def test_closes_wait_once_ingestion_falls_seconds_behind(kvfs: Mount, tmp_path: 
         assert kvfs.path(name).read_bytes() == data
 
 
-def test_more_waiting_closes_than_worker_threads_do_not_stall_the_mount(kvfs: Mount, tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_more_waiting_closes_than_worker_threads_do_not_stall_the_mount(
+    kvfs: Mount, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Closes waiting for ingestion to catch up do not take the daemon's worker threads (trio has
     40): ingestion's install needs one, so 48 waiting closes would otherwise wait for ever."""
     import threading

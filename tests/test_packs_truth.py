@@ -14,6 +14,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -185,16 +186,27 @@ def test_compacted_packs_describe_their_chunks(tmp_path: Path) -> None:
 
 def save_not_stored(m: Mount, name: str, data: bytes) -> None:
     """A save while the map is not the store's own: its close succeeds (the save is staged), but
-    storing it fails loudly (a log line, ``ingest_failures``): no stub names chunks the map lacks,
-    and the staged copy, whole, stays the snapshot until a later mount stores it."""
+    storing it fails loudly (a log line, ``ingest_failures``) and is tried again: no stub names
+    chunks the map lacks, the staged copy, whole, stays the snapshot until a later mount stores it,
+    and the store says it is degraded."""
     failures = m.stats()["ingest_failures"]
     write_in_pieces(m.path(name), data, MiB)
-    m.ingested()
-    assert m.stats()["ingest_failures"] == failures + 1, m.log()[-3000:]
+    deadline = time.monotonic() + 60
+    while m.stats()["ingest_failures"] <= failures:
+        assert time.monotonic() < deadline, m.log()[-3000:]
+        time.sleep(0.05)
+    assert m.stats()["ingest_degraded"] == 1
     stub = m.store / "snapshots" / name
     assert stubs.read_staged(stub) is not None, "the staged copy is no longer the snapshot"
     assert stubs.read_index(stub).ids == [], "a stub names chunks the map does not have"
     assert read_direct(m.path(name)) == data
+
+
+def refused_at_open(m: Mount, name: str, data: bytes) -> None:
+    """While the store cannot store what is staged, a new save is refused before a byte is written."""
+    with pytest.raises(OSError) as e:
+        write_in_pieces(m.path(name), data, MiB)
+    assert e.value.errno == errno.EIO, e.value
 
 
 def stored_from_chunks(m: Mount, names: dict[str, bytes]) -> None:
@@ -212,22 +224,24 @@ def stored_from_chunks(m: Mount, names: dict[str, bytes]) -> None:
 
 
 def test_map_deleted_while_mounted_refuses_saves(kvfs) -> None:
+    kvfs.remount(["--stop-timeout", "2"])  # a stop waits that long for the saves a degraded store holds
     a, b, c = rand_bytes(2 * MiB, 11), rand_bytes(2 * MiB, 12), rand_bytes(2 * MiB, 13)
     write_in_pieces(kvfs.path("a"), a, MiB)
     kvfs.ingested()
     (kvfs.store / "chunks.db").unlink()
     save_not_stored(kvfs, "b", b)
-    save_not_stored(kvfs, "a2", a)  # all chunks known: still refused
+    refused_at_open(kvfs, "a2", a)  # all chunks known: still refused
     assert "chunks.db was deleted while the store is in use" in kvfs.log()
     assert read_direct(kvfs.path("a")) == a  # reads go on
-    kvfs.remount()  # the map is rebuilt from the packs; the staged saves are stored now
-    stored_from_chunks(kvfs, {"a": a, "b": b, "a2": a})
+    kvfs.remount()  # the map is rebuilt from the packs; the staged save is stored now
+    stored_from_chunks(kvfs, {"a": a, "b": b})
     write_in_pieces(kvfs.path("c"), c, MiB)
     kvfs.remount()
     assert read_direct(kvfs.path("c")) == c
 
 
 def test_map_replaced_while_mounted_refuses_saves(kvfs, tmp_path: Path) -> None:
+    kvfs.remount(["--stop-timeout", "2"])  # a stop waits that long for the saves a degraded store holds
     a, b = rand_bytes(2 * MiB, 14), rand_bytes(2 * MiB, 15)
     write_in_pieces(kvfs.path("a"), a, MiB)
     kvfs.ingested()

@@ -53,7 +53,7 @@ def test_second_daemon_on_the_same_store_is_refused(kvfs, tmp_path: Path) -> Non
     (tmp_path / "mnt2").mkdir()
     cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(kvfs.store), str(tmp_path / "mnt2")]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "in use by another kv-chunk-fs process" in r.stderr and str(kvfs.proc.pid) in r.stderr
     assert kvfs.path("a").read_bytes() == b"x" * 1000  # the first daemon still serves
 

@@ -43,7 +43,7 @@ sys.path.insert(1, str(ROOT))  # e2e.ggsq: synthetic state files (--state)
 from kvchunkfs import config as cfgmod  # noqa: E402
 from kvchunkfs.cli.main import build_parser  # noqa: E402
 from kvchunkfs.format.chunker import Chunker, chunk_id  # noqa: E402
-from kvchunkfs.store import memfs, wholefiles  # noqa: E402
+from kvchunkfs.store import tierdir  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -360,16 +360,11 @@ def one_run(run_no: int, targets: list[Target], fs: list[Mount], res: Results) -
 
 
 def remove_work(work: Path) -> None:
-    """Delete a benchmark's work directory and the whole-file directories of the stores in it (the
-    daemon leaves them, a tmpfs of their own as root, mounted for its next start)."""
-    for db in work.rglob("chunks.db"):
-        whole = wholefiles.default_dir(db.parent)
-        try:
-            memfs.unmount(whole)
-        except OSError as e:
-            print(f"umount {whole}: {e}", file=sys.stderr)
-        shutil.rmtree(whole, ignore_errors=True)
+    """Delete a benchmark's work directory, then the memory tiers of the stores that were in it
+    (a daemon stopped with ``memory_tier_on_stop = keep`` leaves its tier mounted)."""
     shutil.rmtree(work, ignore_errors=True)
+    for root, why, freed in tierdir.sweep():
+        print(f"freed memory tier {root} ({why}, {freed >> 20} MiB)", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -168,10 +168,13 @@ def verify_and_check(m: Mount, work: Workload, context: str) -> int:
     m.ingested()
     verified = work.verify(context)
     resumed = "staged before the last stop are being stored" in m.log().rsplit(MOUNTED, 1)[-1]
-    if work.discarded or resumed:
-        # The discarded .tmp files' chunks are garbage only now; so are those of the versions a
-        # resumed save replaced (kept for a power cut until it was stored: GC at mount kept them).
-        gc_now(m)
+    if work.discarded:
+        gc_now(m)  # the discarded .tmp files' chunks are garbage only now
+    if resumed:
+        # The versions the saves a killed daemon left replace are kept for a power cut until those
+        # are stored; a walk after that finds every chunk they alone named.
+        wait_closed(m)
+        DaemonClient(m.store).json("POST", "/gc?walk=true")
     check_store_clean(m.store, context)
     return verified
 

@@ -99,7 +99,7 @@ def cmd_mount(cfg: cfgmod.Config, args: argparse.Namespace) -> int:
                 files,
                 mountpoint,
                 cfg.kernel_readahead_kb,
-                [lambda ops: collector.periodic(getattr(ops, "resumed_stored", None)), api.task],
+                [lambda _ops: collector.periodic(), api.task],
                 cfg.memory_trim_above,
                 cfg.stop_timeout,
             )

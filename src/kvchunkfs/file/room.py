@@ -85,7 +85,7 @@ class Room:
         if trouble is not None:
             code = trouble.errno if trouble.errno in REFUSABLE else errno.EIO
             return self._refusing_now(OSError(code, f"the store cannot take the saves staged: {trouble.strerror}"))
-        unstored = self.ingester.backlog()[1]
+        unstored = self.unstored_data()
         size = self.expected() if size is None else size
         if unstored + size == 0:
             return None  # nothing known yet: the close checks the save's own size
@@ -99,6 +99,18 @@ class Room:
             self._refusing = False
             log.warning("the store takes new saves again (%d MiB free)", free >> 20)
         return None
+
+    def unstored_data(self) -> int:
+        """The data bytes of the saves not stored yet (a sparse file's holes take no room in the
+        store: they are one chunk of zeros), blocking (a ``stat`` each)."""
+        total = 0
+        for job in self.ingester.unstored():
+            try:
+                st = os.stat(job.path)
+            except OSError:
+                continue
+            total += min(st.st_size, st.st_blocks * 512)
+        return total
 
     def _refusing_now(self, e: OSError) -> OSError:
         with self._lock:

@@ -229,9 +229,6 @@ class Operations(fuse.Operations):
         # the daemon starts (``start_ingestion``); None: every save is stored before its close returns.
         self.ingester: Ingester | None = None
         self.staged_saves = 0  # saves handed to ingestion
-        # Staged files a previous daemon left, queued at this mount and not stored yet: the versions
-        # they replace (kept for a power cut) become garbage only once they are (``resumed_stored``).
-        self.resuming: set[str] = set()
         self.deferred_saves = 0  # of them, waiting for their writer's last release (``Node.deferred``)
         self.room: Room | None = None  # room for saves, checked at their open (file/room.py)
         self.stop_timeout = 60.0  # the daemon's: how long an unmount waits for staged saves to be stored
@@ -291,7 +288,6 @@ class Operations(fuse.Operations):
                 node = self._remember(rel, False)
                 # Not made a hot copy: a mapping from before the restart may still write the file.
                 self._queue_ingestion(node, whole.staged_path(staged.name), staged.size, 0.0, adopt=False)
-                self.resuming.add(staged.name)
                 present.discard(staged.name)
                 queued += 1
                 continue
@@ -1384,14 +1380,9 @@ class Operations(fuse.Operations):
         with contextlib.suppress(trio.RunFinishedError):
             trio.from_thread.run_sync(self._ingested, job, outcome, new_bytes, seconds, trio_token=self._token)
 
-    def resumed_stored(self) -> bool:
-        """Whether every save a previous daemon left has been stored (or given up) since this mount."""
-        return not self.resuming
-
     def _ingested(self, job: Job, outcome: Outcome, new_bytes: int, seconds: float) -> None:
         node = job.owner
         assert isinstance(node, Node)
-        self.resuming.discard(job.name)
         node.ingesting -= 1
         self._maybe_drop(node)
         if outcome is not Outcome.INSTALLED:

@@ -95,9 +95,6 @@ def plan_gc(repo: Repository, threshold: float) -> GCReport:
     return report
 
 
-READY_WAIT = 120.0  # seconds the walk at mount waits for the saves a previous daemon left
-
-
 class GarbageCollector:
     """One GC at a time for a mounted store: at start, every ``interval`` seconds, on SIGUSR1 and on
     demand (``run()``, e.g. the API's POST /gc).
@@ -230,24 +227,19 @@ class GarbageCollector:
         except Exception:
             log.exception("gc failed; nothing was deleted in the failing phase")
 
-    async def periodic(self, ready: Callable[[], bool] | None = None) -> None:
-        """Background task for ``daemon.serve``: GC at mount, then every ``interval`` (0 = never again).
-        ``ready``: the walk at mount waits (up to ``READY_WAIT``) until it says True: the saves a
-        previous daemon left are stored, so the versions they replace are garbage by then."""
+    async def periodic(self) -> None:
+        """Background task for ``daemon.serve``: GC at mount, then every ``interval`` (0 = never again)."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._loop, ready)
+            nursery.start_soon(self._loop)
             nursery.start_soon(self._on_sigusr1)
             try:
                 await trio.sleep_forever()
             finally:
                 self._stop.set()  # before the nursery waits for a GC thread to finish
 
-    async def _loop(self, ready: Callable[[], bool] | None = None) -> None:
+    async def _loop(self) -> None:
         timer = False  # the run at mount always walks: it is what finds a crash's leftovers
         walk = True
-        with trio.move_on_after(READY_WAIT):
-            while ready is not None and not ready():
-                await trio.sleep(0.1)
         # The walk at mount waits for the catalog's first load: both read every stub, and one
         # after the other the daemon holds the transient memory of one only (with an index of a
         # million chunks, tens of MB).

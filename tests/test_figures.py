@@ -12,20 +12,11 @@ import sys
 import pytest
 from conftest import SRC, Mount
 from helpers import rand_bytes, write_in_pieces
-from prometheus_client.parser import text_string_to_metric_families
+from test_reporting import metrics
 
 from kvchunkfs.service.apiclient import DaemonClient
 
 MiB = 1 << 20
-
-
-def metrics(store) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(DaemonClient(store).text("GET", "/metrics")):
-        for sample in family.samples:
-            if not sample.labels:
-                out[sample.name] = sample.value
-    return out
 
 
 def stats_cli(store, *flags: str) -> str:

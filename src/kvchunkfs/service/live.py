@@ -51,6 +51,7 @@ from kvchunkfs.formula import Formula
 from kvchunkfs.service import catalog, prefixtree
 from kvchunkfs.service.dirwatch import DirWatcher
 from kvchunkfs.service.stubread import NO_SLOTS, Read, ReadChunks, StubReader, entries_in
+from kvchunkfs.service.tokenorder import TokenOrder
 from kvchunkfs.store import stubs
 
 log = logging.getLogger(__name__)
@@ -107,12 +108,7 @@ class LiveCatalog:
         self._by_sid: dict[int, Entry] = {}
         self._next_sid = 1
         self._sorted: list[str] | None = None
-        # (tokens, path) of every row with a token prefix, in token order: a prefix match looks at
-        # the neighbours of the query's place in it instead of at every row (see prefix_match).
-        self._by_tokens: list[tuple[array.array, str]] = []
-        # _lcp[i]: tokens row i shares with row i-1 (0 for the first): kept with _by_tokens, so the
-        # prefix tree is built without comparing neighbours again (prefixtree.build_sorted).
-        self._lcp: list[int] = []
+        self._token_order = TokenOrder()  # the rows with a token prefix, in token order
         self._dirs: dict[str, int] = {}
         self._watcher = DirWatcher(snapshots_dir, self.changed)
         self.logical_bytes = 0
@@ -286,7 +282,7 @@ class LiveCatalog:
         self._by_sid[sid] = entry
         self._broken += info.error is not None
         if read.tokens is not None:
-            self._insert_tokens(read.tokens, info.path)
+            self._token_order.insert(read.tokens, info.path)
         self.logical_bytes += info.size
         self._count_dirs(info.path, 1)
         self._sorted = None
@@ -309,7 +305,7 @@ class LiveCatalog:
             return
         del self._by_sid[entry.sid]
         if entry.tokens is not None:
-            self._remove_tokens(entry.tokens, rel)
+            self._token_order.remove(entry.tokens, rel)
         refs, slots, lens = self._refs, entry.slots, entry.lens
         count = refs.count[slots]
         count -= 1
@@ -326,26 +322,6 @@ class LiveCatalog:
         self._count_dirs(rel, -1)
         self._sorted = None
         self.generation += 1
-
-    def _insert_tokens(self, tokens: array.array, rel: str) -> None:
-        order, lcp = self._by_tokens, self._lcp
-        at = bisect.bisect_left(order, (tokens, rel))
-        order.insert(at, (tokens, rel))
-        lcp.insert(at, self._common(at - 1, at))
-        if at + 1 < len(order):
-            lcp[at + 1] = self._common(at, at + 1)
-
-    def _remove_tokens(self, tokens: array.array, rel: str) -> None:
-        order, lcp = self._by_tokens, self._lcp
-        at = bisect.bisect_left(order, (tokens, rel))
-        del order[at]  # the same (tokens, path) pair _add inserted
-        del lcp[at]
-        if at < len(order):
-            lcp[at] = self._common(at - 1, at)
-
-    def _common(self, i: int, j: int) -> int:
-        order = self._by_tokens
-        return prefixtree.common_prefix_len(order[i][0], order[j][0]) if i >= 0 else 0
 
     def _note_dropped(self, keys: np.ndarray) -> None:
         if self._dropped is not None and len(keys):
@@ -506,26 +482,11 @@ class LiveCatalog:
         want = array.array("i", tokens)
         found: list[PrefixMatch] = []
         with self._reading():
-            order = self._by_tokens
-
-            def common(j: int) -> int:
-                return prefixtree.common_prefix_len(want, order[j][0]) if 0 <= j < len(order) else 0
-
-            up = bisect.bisect_left(order, (want, ""))
-            down = up - 1
-            n_down, n_up = common(down), common(up)
-            while (n := max(n_down, n_up)) > 0:
+            for path, n, count in self._token_order.best_first(want):
                 if len(found) >= limit and n < found[limit - 1].match:
                     break
-                if n_down >= n_up:
-                    j, down = down, down - 1
-                    n_down = common(down)
-                else:
-                    j, up = up, up + 1
-                    n_up = common(up)
-                have, path = order[j]
                 if path.startswith(prefix) and not (exclude_suffix and path.endswith(exclude_suffix)):
-                    found.append(PrefixMatch(path, n, len(have), dict(self.entries[path].info.labels)))
+                    found.append(PrefixMatch(path, n, count, dict(self.entries[path].info.labels)))
         found.sort(key=lambda m: (-m.match, m.tokens, m.path))
         return found[:limit]
 
@@ -533,14 +494,7 @@ class LiveCatalog:
         prefix = prefix.lstrip("/")
         names = catalog.display_name
         with self._reading():  # the token-ordered index: no sort, no copies of the token arrays
-            order = self._by_tokens
-            if prefix:
-                kept = [i for i, (_, p) in enumerate(order) if p.startswith(prefix)]
-                entries = [(order[i][0], names(order[i][1])) for i in kept]
-                lcp = _subset_lcp(self._lcp, kept)
-            else:
-                entries = [(tokens, names(p)) for tokens, p in order]
-                lcp = list(self._lcp)
+            entries, lcp = self._token_order.under(prefix, names)
             skipped = {names(p): names(e.token_error or "") for p, e in self.entries.items()
                        if e.tokens is None and p.startswith(prefix)}  # fmt: skip
         return prefixtree.build_sorted(entries, lcp), skipped
@@ -580,15 +534,6 @@ def _total(lens: np.ndarray, where: np.ndarray | None = None) -> int:
     if where is None:
         return int(lens.sum(dtype=np.int64))
     return int(np.sum(lens, where=where, dtype=np.int64))
-
-
-def _subset_lcp(lcp: list[int], kept: list[int]) -> list[int]:
-    """Common prefixes of consecutive kept rows: in sorted order the common prefix of two rows is
-    the least of the neighbours' ones between them."""
-    out = []
-    for n, i in enumerate(kept):
-        out.append(min(lcp[kept[n - 1] + 1 : i + 1]) if n else 0)
-    return out
 
 
 def _columns(formula: Formula, rows: list[dict]) -> dict[str, list[float]]:

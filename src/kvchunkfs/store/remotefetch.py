@@ -18,11 +18,9 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from kvchunkfs.format import index as idx
 from kvchunkfs.store import remotepacks as rp
-from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
-from kvchunkfs.store.remotecore import Deliver, decode_checked
+from kvchunkfs.store.remotecore import Deliver
 from kvchunkfs.store.remoteheal import Healing
 from kvchunkfs.store.remotesync import Synced
 from kvchunkfs.store.s3 import ObjectInfo
@@ -111,25 +109,18 @@ class ReadThrough(Healing):
         if self.db.get(rel) is not None:
             return False
         self.check_format()
-        obj = self._read_index(rel)
-        if obj is None or not self._readable(rel, obj):
-            return False
-        data, etag = obj.data, obj.etag
-        try:
-            index = decode_checked(data, self.max_file_size)
-        except idx.IndexFormatError as e:
-            self._bad_index(rel, e)
+        fetched = self._fetch_stub(rel, None)
+        if fetched is None:
             return False
         path = self.repo.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stubs.prepare(self.repo.tmp, index, None, 0o644)
-        ctime_ns = os.lstat(tmp).st_ctime_ns  # a link changes it: read again below
-        if not self.repo.install_new(tmp, rel):
+        ctime_ns = os.lstat(fetched.tmp).st_ctime_ns  # a link changes it: read again below
+        if not self.repo.install_new(fetched.tmp, rel):
             return True  # a local file won the race
         self.mark_partial(rel)  # its chunks come at the first open
         with contextlib.suppress(OSError):
             ctime_ns = os.lstat(path).st_ctime_ns
-        self.db.put(rel, Synced(hashlib.sha256(data).digest(), etag, ctime_ns))
+        self.db.put(rel, Synced(fetched.sha, fetched.obj.etag, ctime_ns))
         self.fetched_indexes += 1
         log.info("remote: fetched the index of %s", rel)
         return True

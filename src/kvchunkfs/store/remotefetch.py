@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from kvchunkfs.store.s3 import ObjectInfo
 log = logging.getLogger(__name__)
 
 _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
+_FETCH_IDS = 1 << 15  # distinct chunk ids a fetch looks up and fetches at a time
 _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 
 
@@ -132,10 +134,19 @@ class ReadThrough(Healing):
         ``deliver`` gets every fetched chunk as it arrives, checked against its id, on the fetch
         workers (a restore writes them into its whole file meanwhile); no call of it is running or
         to come once this returns or raises."""
+        fetched = 0
+        it = iter(ids)
+        # A window of ids at a time: what a fetch holds per chunk (ids, locations, runs) stays
+        # bounded however many chunks the snapshot has; a chunk a window fetched is local for the next.
+        while wanted := list(dict.fromkeys(itertools.islice(it, _FETCH_IDS))):
+            fetched += self._fetch_some(wanted, owner, deliver)
+        return fetched
+
+    def _fetch_some(self, wanted: list[bytes], owner: object, deliver: Deliver | None) -> int:
         store = self.repo.store
-        wanted = list(dict.fromkeys(ids))
         have = store.has(wanted)
         missing = [c for c in wanted if c not in have]
+        del have
         if not missing:
             return 0
         self.check_format()

@@ -19,7 +19,9 @@ peak RSS growth (``VmHWM`` reset through ``/proc/PID/clear_refs`` before each st
 With ``--bucket``, instead: the index alone (``--chunks`` entries of 64 KiB chunks, 38 MiB for a
 million) put as an index object into a real SeaweedFS bucket (tests/seaweed.py), and a daemon on a
 new, empty store with that bucket as its remote tier: the peak RSS growth of the ``ls -l`` that
-fetches it (the read-through), and what it keeps.
+fetches it (the read-through), and what it keeps. With ``--bucket --open``, the store above
+uploaded whole (packed layout, the tier's own upload, in process) and then, on the new store, the
+``ls -l`` and an open + 4 KiB read (which fetches every chunk into the local packs first).
 
     python3 benchmarks/index_memory.py                       # 1,000,000 chunks
     python3 benchmarks/index_memory.py --chunks 200000 --keep /tmp/im
@@ -150,6 +152,26 @@ def bucket_index(chunks: int) -> bytes:
     return idx.encode(idx.Index._shared((16 << 10, 64 << 10, 256 << 10), table.tobytes(), 0, chunks))
 
 
+def upload(store: Path, args: argparse.Namespace, bucket: object) -> None:
+    """The store with ``big`` built (``build``) and uploaded whole to ``bucket`` (packed layout)."""
+    from kvchunkfs.store.bucketformat import BucketFormat
+    from kvchunkfs.store.remote import RemoteTier
+
+    if not (store / "snapshots" / "big").exists():
+        build(store, args.chunks, args.chunk_bytes)
+    repo = Repository(store, StoreSettings(chunker="cdc"))
+    try:
+        c = repo.chunker
+        tier = RemoteTier(repo, bucket, fmt=BucketFormat(2, "cdc", c.min, c.avg, c.max, 0))  # type: ignore[arg-type]
+        try:
+            tier.check_format()
+            tier._sync("big")
+        finally:
+            tier.close()
+    finally:
+        repo.close()
+
+
 def bucket_case(args: argparse.Namespace, work: Path, mnt: Path, whole: Path) -> dict[str, float]:
     """The daemon's memory for an ``ls -l`` that fetches a bucket-only snapshot's index."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -164,15 +186,19 @@ def bucket_case(args: argparse.Namespace, work: Path, mnt: Path, whole: Path) ->
     out: dict[str, float] = {}
     try:
         url = f"s3://{BUCKET}/index-memory"
-        data = bucket_index(args.chunks)
-        out["index object MiB"] = len(data) / MiB
-        Bucket(url, weed.endpoint, client=weed.client()).put_index("big", data, "plain")
-        del data
+        if args.open:
+            upload(work / "store", args, Bucket(url, weed.endpoint, client=weed.client()))
+        else:
+            data = bucket_index(args.chunks)
+            out["index object MiB"] = len(data) / MiB
+            Bucket(url, weed.endpoint, client=weed.client()).put_index("big", data, "plain")
+            del data
         fresh = work / "fresh"
         shutil.rmtree(fresh, ignore_errors=True)
         Repository(fresh, StoreSettings(chunker="cdc")).close()
         remote = ("--remote", url, "--remote-endpoint", weed.endpoint, "--remote-list-ttl", "0")
-        daemon = Daemon(fresh, mnt, work / "bucket.log", 512 * 65536, whole, remote)
+        readahead = 512 * (args.chunk_bytes if args.open else 65536)
+        daemon = Daemon(fresh, mnt, work / "bucket.log", readahead, whole, remote)
         try:
             daemon.start()
             time.sleep(3)  # the first listing, started at mount
@@ -181,6 +207,11 @@ def bucket_case(args: argparse.Namespace, work: Path, mnt: Path, whole: Path) ->
                 lambda: subprocess.run(["ls", "-l", str(mnt)], check=True, capture_output=True)
             )
             assert (fresh / "snapshots" / "big").exists(), "ls did not fetch the index"
+            if args.open:
+                size = args.chunks * args.chunk_bytes
+                out["bucket: open+read 4 KiB (fetches every chunk): peak RSS growth MiB"], _ = daemon.peak_growth(
+                    lambda: read_4k(mnt / "big", size // 2)
+                )
             time.sleep(4)
             out["bucket: RSS kept 4 s later MiB"] = daemon.status("VmRSS") - base
             out["daemon RSS at the end MiB"] = daemon.status("VmRSS")
@@ -202,6 +233,7 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="build the store here (reused if it is there)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--bucket", action="store_true", help="the index fetched from a bucket (SeaweedFS) instead")
+    ap.add_argument("--open", action="store_true", help="with --bucket: the chunks uploaded too, and an open")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvcfs-index-memory-"))
     store, empty, mnt = work / "store", work / "empty", work / "mnt"

@@ -183,7 +183,7 @@ def test_save_on_a_restore_on_b_fetches_only_missing_chunks(hosts: Hosts) -> Non
     assert b.stats()["remote_fetched_chunks"] - before == len(lacked)
     wait_closed(b)
     restored = [line for line in b.log().splitlines() if "restored conv: " in line]
-    # its whole copy, put back at the first restore (named by its index: a fetched stub has no record)
+    # its whole copy, put back at the first restore
     assert len(restored) == 2 and " from a hot copy (" in restored[1], restored
     # packed layout: no request per chunk on either host (range GETs of runs; no HEAD, no loose GET)
     for m in (a, b):

@@ -61,3 +61,15 @@ def test_packs_hold_at_least_their_size_so_a_save_puts_at_most_ceil_bytes_over_s
     assert sum(sizes) == 750 and len(sizes) <= -(-750 // 100) and all(s >= 100 for s in sizes[:-1])
     for d, data in [*sealed, last]:
         assert d.pack == hashlib.sha256(data).digest() and len(data) == d.size
+
+
+def test_a_pack_of_tiny_chunks_is_sealed_at_what_one_pack_index_may_list() -> None:
+    """Chunks far smaller than any chunker cuts (a pack's bytes never reached): every pack still
+    fits a pack index."""
+    packer = rp.Packer(16 << 20)
+    sealed = [full for i in range(rp.MAX_ENTRIES + 5) if (full := packer.add(cid(i), bytes(8)))]
+    last = packer.flush()
+    assert last is not None and len(sealed) == 1
+    assert [len(d.chunks) for d, _ in [*sealed, last]] == [rp.MAX_ENTRIES, 5]
+    for group in rp.groups([d for d, _ in [*sealed, last]]):
+        assert rp.decode(rp.encode(group))

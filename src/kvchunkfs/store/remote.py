@@ -3,8 +3,9 @@
 ``RemoteTier`` is the whole of it, built of one part per concept: the upload queue
 (store/remoteupload.py), healing of bad chunk objects (store/remoteheal.py), the packed layout
 (store/remotepacked.py), read-through (store/remotefetch.py), cross-host refresh
-(store/remoterefresh.py), on the common ground of store/remotecore.py and the sync database
-``remote.db`` (store/remotesync.py).
+(store/remoterefresh.py), on the common ground of store/remotecore.py, the index objects and the
+file records they carry (store/remoteindex.py) and the sync database ``remote.db``
+(store/remotesync.py).
 
 **Eviction (``local_cache_size``, maint/evict.py).** The tier answers which snapshots are provably
 in the bucket (``confirmed``: the stub is the version this host synced, and a fresh listing shows

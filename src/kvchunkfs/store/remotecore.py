@@ -6,6 +6,7 @@ it; ``RemoteTier`` (store/remote.py) is the whole."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from kvchunkfs.format import filerecord
 from kvchunkfs.format import index as idx
 from kvchunkfs.store.bucketformat import MAX_FORMAT_BYTES, BucketFormat, FormatError, FormatMismatch
 from kvchunkfs.store.packs import PackStore
+from kvchunkfs.store.remoteindex import FetchedStub, fetch_stub
 from kvchunkfs.store.remotesync import DB_NAME, SyncDb
 from kvchunkfs.store.s3 import Bucket, IndexObject, ObjectInfo, TooLarge
 
@@ -188,15 +190,21 @@ class TierCore:
                   rel, self.bucket.url, obj.stream, self.format.stream)  # fmt: skip
         return False
 
-    def _read_index(self, rel: str) -> IndexObject | None:
-        """The bucket's index object of ``rel`` (None: gone, or refused unread for its size)."""
+    def _fetch_stub(self, rel: str, like: Path | None) -> FetchedStub | None:
+        """The bucket's index of ``rel`` as a new stub under ``tmp/`` with the file record it
+        carries (store/remoteindex.py); None if it is gone, or refused (too large, not an index,
+        another stream: nothing of it kept). Blocking: network."""
         try:
-            return self.bucket.read_index(rel, self.max_index)
+            fetched = fetch_stub(self.bucket, rel, self.repo.tmp, self.max_index, self.max_file_size, like)
         except FileNotFoundError:
             return None
-        except TooLarge as e:
+        except (TooLarge, idx.IndexFormatError) as e:
             self._bad_index(rel, e)
             return None
+        if not self._readable(rel, fetched.obj):
+            os.unlink(fetched.tmp)
+            return None
+        return fetched
 
     def _bad_index(self, rel: str, e: Exception) -> None:
         self.refused_indexes += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -18,11 +19,9 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from kvchunkfs.format import index as idx
 from kvchunkfs.store import remotepacks as rp
-from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
-from kvchunkfs.store.remotecore import Deliver, decode_checked
+from kvchunkfs.store.remotecore import Deliver
 from kvchunkfs.store.remoteheal import Healing
 from kvchunkfs.store.remotesync import Synced
 from kvchunkfs.store.s3 import ObjectInfo
@@ -30,6 +29,7 @@ from kvchunkfs.store.s3 import ObjectInfo
 log = logging.getLogger(__name__)
 
 _FETCH_BATCH = 8 << 20  # fetched bytes stored per pack append
+_FETCH_IDS = 1 << 15  # distinct chunk ids a fetch looks up and fetches at a time
 _FIRST_LIST_WAIT = 2.0  # seconds a lookup waits for the daemon's first listing of the bucket
 
 
@@ -111,25 +111,18 @@ class ReadThrough(Healing):
         if self.db.get(rel) is not None:
             return False
         self.check_format()
-        obj = self._read_index(rel)
-        if obj is None or not self._readable(rel, obj):
-            return False
-        data, etag = obj.data, obj.etag
-        try:
-            index = decode_checked(data, self.max_file_size)
-        except idx.IndexFormatError as e:
-            self._bad_index(rel, e)
+        fetched = self._fetch_stub(rel, None)
+        if fetched is None:
             return False
         path = self.repo.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stubs.prepare(self.repo.tmp, index, None, 0o644)
-        ctime_ns = os.lstat(tmp).st_ctime_ns  # a link changes it: read again below
-        if not self.repo.install_new(tmp, rel):
+        ctime_ns = os.lstat(fetched.tmp).st_ctime_ns  # a link changes it: read again below
+        if not self.repo.install_new(fetched.tmp, rel):
             return True  # a local file won the race
         self.mark_partial(rel)  # its chunks come at the first open
         with contextlib.suppress(OSError):
             ctime_ns = os.lstat(path).st_ctime_ns
-        self.db.put(rel, Synced(hashlib.sha256(data).digest(), etag, ctime_ns))
+        self.db.put(rel, Synced(fetched.sha, fetched.obj.etag, ctime_ns))
         self.fetched_indexes += 1
         log.info("remote: fetched the index of %s", rel)
         return True
@@ -141,10 +134,19 @@ class ReadThrough(Healing):
         ``deliver`` gets every fetched chunk as it arrives, checked against its id, on the fetch
         workers (a restore writes them into its whole file meanwhile); no call of it is running or
         to come once this returns or raises."""
+        fetched = 0
+        it = iter(ids)
+        # A window of ids at a time: what a fetch holds per chunk (ids, locations, runs) stays
+        # bounded however many chunks the snapshot has; a chunk a window fetched is local for the next.
+        while wanted := list(dict.fromkeys(itertools.islice(it, _FETCH_IDS))):
+            fetched += self._fetch_some(wanted, owner, deliver)
+        return fetched
+
+    def _fetch_some(self, wanted: list[bytes], owner: object, deliver: Deliver | None) -> int:
         store = self.repo.store
-        wanted = list(dict.fromkeys(ids))
         have = store.has(wanted)
         missing = [c for c in wanted if c not in have]
+        del have
         if not missing:
             return 0
         self.check_format()

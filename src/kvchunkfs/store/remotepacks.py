@@ -96,11 +96,12 @@ class Packer:
 
     def add(self, cid: bytes, data: bytes | memoryview) -> tuple[PackDesc, bytes] | None:
         """A pack is sealed once it reaches ``size`` (so every pack but the last has at least that
-        many bytes: a save of N new bytes puts at most ceil(N / size) packs)."""
+        many bytes: a save of N new bytes puts at most ceil(N / size) packs), or holds as many
+        chunks as one pack index may list (chunks far smaller than any chunker cuts)."""
         self._buf.append(bytes(data))
         self._desc.chunks.append((cid, len(data)))
         self._bytes += len(data)
-        return self.flush() if self._bytes >= self.size else None
+        return self.flush() if self._bytes >= self.size or len(self._desc.chunks) >= MAX_ENTRIES else None
 
     def flush(self) -> tuple[PackDesc, bytes] | None:
         if not self._buf:

@@ -4,15 +4,12 @@ the local stub if the local one is still the version last synced (local changes 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchunkfs.format import index as idx
 from kvchunkfs.store import stubs
-from kvchunkfs.store.remotecore import decode_checked
 from kvchunkfs.store.remotefetch import ReadThrough
 from kvchunkfs.store.remotesync import Synced
 
@@ -59,26 +56,20 @@ class CrossHostRefresh(ReadThrough):
         except OSError:
             return None
         try:
-            local, _ = stubs.read_stub(fd)
+            local_sha = stubs.hash_stub(fd).digest()  # a piece at a time: never the whole index
             ctime_ns = os.fstat(fd).st_ctime_ns
         finally:
             os.close(fd)
-        if hashlib.sha256(local).digest() != row.sha:
+        if local_sha != row.sha:
             return None
         self.check_format()
-        obj = self._read_index(rel)
-        if obj is None or not self._readable(rel, obj):
+        fetched = self._fetch_stub(rel, path)  # keeps use count, labels, mode
+        if fetched is None:
             return None
-        data, etag = obj.data, obj.etag
-        if etag == row.etag:
+        if fetched.obj.etag == row.etag:
+            os.unlink(fetched.tmp)
             return None  # the listing was older than what we synced
-        try:
-            index = decode_checked(data, self.max_file_size)
-        except idx.IndexFormatError as e:
-            self._bad_index(rel, e)
-            return None
-        tmp = stubs.prepare(self.repo.tmp, index, path)  # keeps use count, labels, mode
-        return Fetched(rel, tmp, Synced(hashlib.sha256(data).digest(), etag, 0), ctime_ns)
+        return Fetched(rel, fetched.tmp, Synced(fetched.sha, fetched.obj.etag, 0), ctime_ns)
 
     def refreshed(self, fetched: Fetched) -> None:
         """After the caller renamed ``fetched.tmp`` into place (blocking: SQL)."""

@@ -32,6 +32,7 @@ from kvchunkfs.store import stubs
 from kvchunkfs.store.bucketformat import FormatMismatch
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 from kvchunkfs.store.remoteheal import Healing
+from kvchunkfs.store.remoteindex import record_meta
 from kvchunkfs.store.remotesync import Synced
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class UploadQueue(Healing):
             return
         self._heal()
         self._upload_chunks(index)
-        etag = self.bucket.put_index(rel, data, self._stream_tag(record))
+        etag = self.bucket.put_index(rel, data, self._stream_tag(record), record_meta(data, record, index.size))
         self.db.put(rel, Synced(sha, etag, ctime_ns))
         self.uploaded_indexes += 1
         log.info("remote: uploaded %s (%d chunks)", rel, len(index))

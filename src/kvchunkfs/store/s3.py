@@ -4,7 +4,8 @@ Layout under ``s3://BUCKET/PREFIX`` (desync/casync-compatible, uncompressed, lik
 
     PREFIX/chunks/<first 4 hex>/<64 hex>     one chunk, its SHA-256 id in hex
     PREFIX/index/<snapshot path>.caibx       a snapshot's index (the stub's content); its user
-                                             metadata ``kvcfs-format`` says how its stream is read
+                                             metadata ``kvcfs-format`` says how its stream is read,
+                                             ``kvcfs-file`` carries its file record (remoteindex.py)
     PREFIX/format                            the bucket's format (store/bucketformat.py), written once
     PREFIX/damaged/<64 hex>                  empty: a host fetched that chunk and it failed its id
     PREFIX/packs/<2 hex>/<64 hex>            packed layout: chunks back to back (store/remotepacks.py)
@@ -34,6 +35,8 @@ from kvchunkfs.store.layout import loose_chunk_name
 INDEX_SUFFIX = ".caibx"
 _PACKIDX_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{64}")
 FORMAT_META = "kvcfs-format"  # user metadata of an index object: what its stream needs to be read
+RECORD_META = "kvcfs-file"  # user metadata of an index object: its file record (store/remoteindex.py)
+_INDEX_PIECE = 1 << 20  # bytes of an index object read at a time by ``fetch_index``
 
 
 class RemoteError(OSError):
@@ -64,6 +67,7 @@ class IndexObject:
     data: bytes
     etag: str
     stream: str | None  # the index's ``kvcfs-format`` metadata; None for one written before it existed
+    record: str | None = None  # its ``kvcfs-file`` metadata; None for one written before it existed
 
 
 class TooLarge(RemoteError):
@@ -365,30 +369,44 @@ class Bucket:
             first = str(e).partition("\n")[0]  # the rest is a multi-line debug dump
             raise RemoteError(5, f"{self.url}: {op} failed: {first}") from None
 
-    def put_index(self, rel: str, data: bytes, stream: str = "") -> str:
+    def put_index(self, rel: str, data: bytes, stream: str = "", record: str = "") -> str:
         """Replace the index object (atomic for readers); returns its ETag. ``stream`` (metadata)
-        says what reading it needs (``BucketFormat.stream``)."""
-        meta = {"Metadata": {FORMAT_META: stream}} if stream else {}
-        r = self._call("put_object", Key=self.index_key(rel), Body=data, **meta)
+        says what reading it needs (``BucketFormat.stream``), ``record`` carries its file record
+        (``remoteindex.record_meta``): both put with the bytes in one request."""
+        meta = {k: v for k, v in ((FORMAT_META, stream), (RECORD_META, record)) if v}
+        r = self._call("put_object", Key=self.index_key(rel), Body=data, **({"Metadata": meta} if meta else {}))
         self._count(index_puts=1)
         return str(r.get("ETag", ""))
 
     def read_index(self, rel: str, limit: int | None = None) -> IndexObject:
         """The index object; FileNotFoundError if there is none, TooLarge (nothing read past the
         headers) if it is over ``limit`` bytes."""
+        pieces: list[bytes] = []
+        obj = self.fetch_index(rel, pieces.append, limit)
+        return IndexObject(pieces[0] if len(pieces) == 1 else b"".join(pieces), obj.etag, obj.stream, obj.record)
+
+    def fetch_index(self, rel: str, sink: Callable[[bytes], None], limit: int | None = None) -> IndexObject:
+        """The index object handed to ``sink`` a piece at a time as it arrives (never held whole);
+        its ETag and metadata (``data`` empty). FileNotFoundError if there is none, TooLarge if it
+        is over ``limit`` bytes (nothing read past the headers, or no more than ``limit`` + 1 MiB
+        from a server that sent no length, or a wrong one)."""
         r = self._call("get_object", Key=self.index_key(rel))
         body = r["Body"]
         try:
             size = int(r.get("ContentLength", -1))
             if limit is not None and size > limit:
                 raise TooLarge(27, f"{self.url}: index {rel} has {size} bytes, more than an index may ({limit})")
-            data = body.read() if limit is None else body.read(limit + 1)
+            got = 0
+            while piece := body.read(_INDEX_PIECE):
+                got += len(piece)
+                if limit is not None and got > limit:
+                    raise TooLarge(27, f"{self.url}: index {rel} is larger than an index may be ({limit} bytes)")
+                sink(piece)
         finally:
             body.close()
-        if limit is not None and len(data) > limit:  # a server that sent no length, or a wrong one
-            raise TooLarge(27, f"{self.url}: index {rel} is larger than an index may be ({limit} bytes)")
         self._count(index_gets=1)
-        return IndexObject(bytes(data), str(r.get("ETag", "")), r.get("Metadata", {}).get(FORMAT_META))
+        meta = r.get("Metadata", {})
+        return IndexObject(b"", str(r.get("ETag", "")), meta.get(FORMAT_META), meta.get(RECORD_META))
 
     def get_index(self, rel: str, limit: int | None = None) -> tuple[bytes, str]:
         """(content, ETag); FileNotFoundError if there is none."""

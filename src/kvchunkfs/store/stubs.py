@@ -221,31 +221,10 @@ def prepare(
     exists, so a rewrite keeps the snapshot's created date, use count and labels. The file record
     is ``record`` (None: none), never the replaced stub's: it describes the index beside it.
     """
-    tmp = tmp_dir / f"stub-{uuid.uuid4().hex}"
-    data = idx.encode(index)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & 0o7777)
+    tmp, fd = new_tmp(tmp_dir, mode)
     try:
-        os.write(fd, data)
-        attrs: dict[str, bytes] = {}
-        st = None
-        if like is not None:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(like)
-                attrs = user_xattrs(like)
-        attrs.setdefault(CREATED, str(time.time()).encode())
-        attrs[SIZE] = str(index.size).encode()
-        attrs.pop(RECORD, None)
-        attrs.pop(STAGED, None)  # the new stub is the ingested content itself
-        if record is not None:  # first: labels must not take the room it needs
-            os.setxattr(fd, RECORD, record)
-        for name, value in attrs.items():
-            os.setxattr(fd, name, value)
-        if st is not None:
-            os.fchmod(fd, st.st_mode & 0o7777)
-            if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
-                os.fchown(fd, st.st_uid, st.st_gid)
-        if fsync:
-            os.fsync(fd)
+        os.write(fd, idx.encode(index))
+        finish(fd, index.size, like, record, fsync)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -253,6 +232,36 @@ def prepare(
         raise
     os.close(fd)
     return tmp
+
+
+def new_tmp(tmp_dir: Path, mode: int = 0o644) -> tuple[Path, int]:
+    """A new empty file under ``tmp_dir`` for a stub (``prepare``), open for reading and writing."""
+    tmp = tmp_dir / f"stub-{uuid.uuid4().hex}"
+    return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+
+
+def finish(fd: int, size: int, like: Path | None, record: bytes | None, fsync: bool = False) -> None:
+    """Give the new stub ``fd`` (its index written) its size, record and ``like``'s metadata (``prepare``)."""
+    attrs: dict[str, bytes] = {}
+    st = None
+    if like is not None:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(like)
+            attrs = user_xattrs(like)
+    attrs.setdefault(CREATED, str(time.time()).encode())
+    attrs[SIZE] = str(size).encode()
+    attrs.pop(RECORD, None)
+    attrs.pop(STAGED, None)  # the new stub is the ingested content itself
+    if record is not None:  # first: labels must not take the room it needs
+        os.setxattr(fd, RECORD, record)
+    for name, value in attrs.items():
+        os.setxattr(fd, name, value)
+    if st is not None:
+        os.fchmod(fd, st.st_mode & 0o7777)
+        if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+            os.fchown(fd, st.st_uid, st.st_gid)
+    if fsync:
+        os.fsync(fd)
 
 
 def create_empty(

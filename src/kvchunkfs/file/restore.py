@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -45,9 +45,6 @@ from kvchunkfs.format.index import Index
 from kvchunkfs.store.direct import SLACK
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location, quick_sum
 from kvchunkfs.store.repository import Repository
-
-if TYPE_CHECKING:
-    from kvchunkfs.file.files import Files
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +58,14 @@ SCATTER_READERS = 3  # ... on this many workers (the disk has 2-3 reads in fligh
 REPEATS_KEPT = 64 << 20  # chunks a file has again later (zeros, repeats) kept for their next places
 HEADER_FETCH = 256 << 10  # bytes fetched from the bucket at least, from where a group header is read
 DISK_PREFIX = "restore-"  # a named disk copy (no O_TMPFILE), unlinked at once; recovery sweeps leftovers
+
+
+class Loads(Protocol):
+    """What a put-back from the bucket asks of ``Files``: load a stub again, read stored bytes."""
+
+    def load_stub(self, rel: str) -> FileContent: ...
+
+    def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes: ...
 
 
 class RestoreStats:
@@ -323,7 +328,7 @@ class Restore:
             and content.index.size <= whole.free_bytes() // 2
         )
 
-    def fetch_into_whole(self, files: Files, rel: str, first: FileContent, key: str) -> FileContent | None:
+    def fetch_into_whole(self, files: Loads, rel: str, first: FileContent, key: str) -> FileContent | None:
         """A snapshot with chunks only the bucket has, put back into a new whole file as its chunks
         arrive (each checked against its id on the worker that fetched it, then written where the
         file has it), while the same chunks are appended to the local packs; then loaded again,
@@ -361,7 +366,7 @@ class Restore:
         remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
         return content
 
-    def fetch_missing(self, files: Files, rel: str, content: FileContent) -> FileContent:
+    def fetch_missing(self, files: Loads, rel: str, content: FileContent) -> FileContent:
         """The snapshot loaded again once the chunks only the bucket has are in the local packs."""
         remote = self.repo.remote
         if remote is None:
@@ -384,7 +389,7 @@ class Restore:
         remote.mark_partial(rel, not content.all_local)
         return content
 
-    def _fetching_reader(self, files: Files, owner: object) -> ReadChunks:
+    def _fetching_reader(self, files: Loads, owner: object) -> ReadChunks:
         """Reads of a snapshot's stored bytes (its groups' headers) that fetch the chunks they
         need from the bucket into the local packs first (pinned for ``owner``)."""
         remote = self.repo.remote

@@ -5,7 +5,7 @@ host inode, while the file the kernel knows must keep its identity. ``Node`` map
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
 An unchanged content stays loaded for ``linger`` seconds (``reopen_linger``) after its last close:
 llama-server opens a snapshot twice per restore (it reads the end and the header, closes, and opens
-it again), and the second open takes the first one's content, read-ahead and decodes under way, if
+it again), and the second open takes the first one's content and its whole file, if
 the stub still holds the bytes it was loaded from.
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging

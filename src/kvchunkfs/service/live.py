@@ -789,7 +789,7 @@ def _columns(formula: Formula, rows: list[dict]) -> dict[str, list[float]]:
 
 
 def direct_reader(get_many: Callable[[list[bytes]], list[bytes]]) -> ReadChunks:
-    """Read a byte range of a snapshot straight from the store (a
+    """Read a byte range of a snapshot straight from the store, past the read-ahead cache (a
     catalog refresh must neither evict what restores read nor count as one)."""
 
     def read_chunks(index: Index, offset: int, size: int) -> bytes:

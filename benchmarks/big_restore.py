@@ -129,8 +129,7 @@ def main() -> None:
         m.stop()
         for rnd in range(args.repeat):
             for name, code, extra in variants:  # interleaved
-                shutil.rmtree(whole / "hot", ignore_errors=True)
-                (whole / "hot").mkdir(mode=0o700, exist_ok=True)
+                # No hot copy: a stop frees the tier (memory_tier_on_stop = free, the default).
                 m = daemon(code, work, whole, extra)
                 m.start()
                 try:

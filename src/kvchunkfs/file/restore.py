@@ -5,8 +5,8 @@ one before its open returns, and the open is then served from that file, passed 
 kernel or read by the daemon: one read path. Where it goes:
 
 * in the memory tier, as a hot copy for later restores, when it fits in half the room the tier
-  has free, or in the room left once hot copies are evicted for it (the tier's budget is never
-  exceeded: the host's memory comes first);
+  has free (hot copies give way to it; the tier's budget is never exceeded: the host's memory
+  comes first);
 * else (larger than the whole tier, or memory short) on the store's disk, as an anonymous file
   under ``staging/`` (``O_TMPFILE``): it has no name, so nothing is left behind once its last
   descriptor closes, at the last close, at a stop or when the daemon is killed. Where the file
@@ -75,7 +75,6 @@ class RestoreStats:
         self.chunks_read = 0  # chunks read from the packs
         self.to_memory = 0  # snapshots put back into the memory tier
         self.to_disk = 0  # snapshots put back onto the store's disk (too big for the tier)
-        self.evicted_for = 0  # put-backs that evicted hot copies to fit
         self.disk_copies_open = 0  # disk copies some open still holds
         self._lock = threading.Lock()
 
@@ -130,21 +129,12 @@ class Restore:
         content.use_whole(fd, None)
 
     def _fits_memory(self, size: int) -> bool:
-        """Whether a put-back of ``size`` bytes goes to the memory tier: half its free room covers
-        it (the other half stays for saves), or the room freed by evicting hot copies does."""
+        """Whether a put-back of ``size`` bytes goes to the memory tier: half the room it has free
+        covers it (the other half stays for saves; hot copies count as room: they give way to it
+        when it is kept, least recently used first). Never while memory is short."""
         whole = self.repo.whole
         assert whole is not None
-        if whole.short:
-            return False
-        if size <= whole.free_bytes() // 2:
-            return True
-        if size > whole.tier_size // 2:
-            return False  # it would take the room saves are staged in: on disk instead
-        free = whole.make_room(2 * size)
-        if free // 2 >= size:
-            self.stats.add(evicted_for=1)
-            return True
-        return False
+        return not whole.short and size <= whole.free_bytes() // 2
 
     def _to_disk(self, content: FileContent) -> None:
         """Put the snapshot back into an anonymous file on the store's disk (``staging/``)."""

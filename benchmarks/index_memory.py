@@ -93,7 +93,7 @@ class Daemon:
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         whole = self.whole / self.store.name
         cmd = [sys.executable, "-m", "kvchunkfs.cli", "mount", "--store", str(self.store), "--gc-interval", "0",
-               "--hot-tier-size", "1MiB", "--readahead", str(self.readahead), "--whole-files-dir", str(whole),
+               "--hot-tier-size", "1MiB", "--whole-files-dir", str(whole),
                *self.extra, str(self.mnt)]  # fmt: skip
         before = self._settled_lines()
         with open(self.log, "ab") as log:

@@ -10,7 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from types import SimpleNamespace
+from typing import Any, Protocol, cast
 
 from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.format.index import Index
@@ -142,3 +143,23 @@ def stream_store(root: Path, sizes: list[int]) -> tuple[PackStore, Index, bytes]
     for cid, data in chunks:
         index.append(cid, len(data))
     return store, index, b"".join(d for _, d in chunks)
+
+
+def scatter_read(store: PackStore, index: Index, readers: int = 3) -> bytes:
+    """The stored stream ``index`` names, read from ``store`` the way a put-back reads it
+    (``Restore.scatter``: pieces on workers, each chunk checked) into a buffer."""
+    from kvchunkfs.file.buffers import BufferPool
+    from kvchunkfs.file.restore import Restore
+
+    restore = Restore(cast(Any, SimpleNamespace(store=store)), BufferPool(64 << 20), 4)
+    out = bytearray(index.size)
+
+    def write(pos: int, piece: memoryview) -> None:
+        out[pos : pos + len(piece)] = piece
+
+    try:
+        for _ in restore.scatter(index, write, None, readers):
+            pass
+    finally:
+        restore.close()
+    return bytes(out)

@@ -41,23 +41,6 @@ def test_the_pool_keeps_no_more_than_its_capacity() -> None:
     assert len(small) == 1000 and pool.size == 8 * MiB
 
 
-def test_a_pool_without_an_idle_buffer_asks_to_reclaim_one() -> None:
-    """When every buffer is busy and no new one fits in the capacity, the pool asks its reclaimer
-    (the kept decoded groups) to let one go and hands that one out. While a new one would fit once
-    idle buffers are dropped, kept groups are left alone."""
-    kept: list[np.ndarray] = []
-    pool = BufferPool(8 * MiB, reclaim=lambda: bool(kept) and kept.pop(0) is not None)
-    kept.append(pool.take(4 * MiB))  # held by a "kept group"
-    busy = pool.take(2 * MiB)
-    idle = pool.take(1 * MiB)
-    del idle
-    fresh = pool.take(2 * MiB)  # fits once the idle 1 MiB one is dropped: the kept group stays
-    assert kept and pool.size == 8 * MiB and pool.reused == 0
-    again = pool.take(3 * MiB)  # nothing idle, no room: the kept group lets its buffer go
-    assert not kept and pool.reused == 1 and not np.shares_memory(again, fresh)
-    assert len(busy) == 2 * MiB and len(again) == 3 * MiB
-
-
 def test_a_mount_reserves_the_sizes_the_last_one_kept() -> None:
     pool = BufferPool(16 * MiB)
     pool.reserve([7 * MiB, 7 * MiB, 100, 9 * MiB])  # largest first, as far as they fit; tiny ones not pooled

@@ -54,9 +54,9 @@ def empty_config(tmp_path: Path) -> Path:
 
 def test_config_shows_each_value_and_where_it_came_from(tmp_path: Path) -> None:
     conf = tmp_path / "conf.toml"
-    conf.write_text('chunk_avg = "128KiB"\nreadahead = "16MiB"\ngc_interval = "2h"\nstore = "data"\n')
-    env = {"KV_CHUNK_FS_CACHE_SIZE": "1GiB", "KV_CHUNK_FS_READAHEAD": "8MiB"}
-    r = run("config", "--readahead", "4MiB", "--api-address", "9000", "--api-token", "s3cret", env=env, config=conf)
+    conf.write_text('chunk_avg = "128KiB"\npack_size = "16MiB"\ngc_interval = "2h"\nstore = "data"\n')
+    env = {"KV_CHUNK_FS_CACHE_SIZE": "1GiB", "KV_CHUNK_FS_PACK_SIZE": "8MiB"}
+    r = run("config", "--pack-size", "4MiB", "--api-address", "9000", "--api-token", "s3cret", env=env, config=conf)
     assert r.returncode == 0, r.stderr
     rows = config_rows(r.stdout)
     file_source = f"file:{conf}"
@@ -64,7 +64,7 @@ def test_config_shows_each_value_and_where_it_came_from(tmp_path: Path) -> None:
     assert rows["gc_interval"] == ("2h (7200)", file_source)
     assert rows["store"] == (str(tmp_path / "data"), file_source), "relative to the config file"
     assert rows["cache_size"] == ("1 GiB (1073741824)", "env:KV_CHUNK_FS_CACHE_SIZE")
-    assert rows["readahead"] == ("4 MiB (4194304)", "flag:--readahead"), "flag beats env beats file"
+    assert rows["pack_size"] == ("4 MiB (4194304)", "flag:--pack-size"), "flag beats env beats file"
     assert rows["api_address"] == ("127.0.0.1:9000", "flag:--api-address"), "a bare port is loopback"
     assert rows["api_token"] == ("(set, hidden)", "flag:--api-token")
     assert "s3cret" not in r.stdout

@@ -54,7 +54,7 @@ def test_defaults(env: dict[str, str], tmp_path: Path) -> None:
     cfg = load(None, env)
     assert cfg.store == tmp_path / "home" / ".local" / "share" / "kv-chunk-fs"
     assert (cfg.chunk_min, cfg.chunk_avg, cfg.chunk_max) == (16384, 65536, 262144)
-    assert (cfg.pack_size, cfg.readahead, cfg.cache_size) == (64 << 20, 32 << 20, 256 << 20)
+    assert (cfg.pack_size, cfg.cache_size) == (64 << 20, 128 << 20)
     assert (cfg.prefetch_workers, cfg.kernel_readahead_kb, cfg.verify_reads) == (8, 4096, True)
     assert (cfg.gc_interval, cfg.gc_compact_threshold, cfg.durability) == (3600, 0.5, "close")
     assert (cfg.api_address, cfg.api_token, cfg.log_level) == ("", "", "info")
@@ -156,6 +156,25 @@ def test_unknown_keys(env: dict[str, str], tmp_path: Path) -> None:
     env["KV_CHUNK_FS_CHUNK_SIZE"] = "1"
     with pytest.raises(ConfigError, match="unknown environment variable KV_CHUNK_FS_CHUNK_SIZE"):
         load(None, env)
+
+
+def test_a_retired_setting_is_read_with_one_warning(
+    env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config file (or the environment) written for an older version that sets ``readahead``,
+    which no longer does anything, still loads: one warning line names it; its flag is gone."""
+    path = write(tmp_path / "r.toml", 'readahead = "16MiB"\nchunk_avg = 65536\n')
+    with caplog.at_level("WARNING", logger="kvchunkfs.config"):
+        cfg = load({"config": str(path)}, env)
+    assert cfg.chunk_avg == 65536 and not hasattr(cfg, "readahead")
+    lines = [r.getMessage() for r in caplog.records if "readahead" in r.getMessage()]
+    assert len(lines) == 1 and "ignored" in lines[0], lines
+    caplog.clear()
+    env["KV_CHUNK_FS_READAHEAD"] = "8MiB"
+    with caplog.at_level("WARNING", logger="kvchunkfs.config"):
+        load(None, env)
+    assert ["KV_CHUNK_FS_READAHEAD" in r.getMessage() for r in caplog.records] == [True]
+    assert "readahead" not in SETTINGS
 
 
 def test_env_names_are_upper_case(env: dict[str, str]) -> None:
@@ -338,14 +357,14 @@ def test_every_setting_has_a_flag_and_help_renders() -> None:
 
 
 def test_describe(env: dict[str, str]) -> None:
-    env.update(KV_CHUNK_FS_API_TOKEN="s3cret", KV_CHUNK_FS_READAHEAD="500MB")
+    env.update(KV_CHUNK_FS_API_TOKEN="s3cret", KV_CHUNK_FS_PACK_SIZE="500MB")
     text = describe(load(None, env))
     lines = text.splitlines()
     assert lines[0].split() == ["NAME", "VALUE", "SOURCE"]
     assert len(lines) == 1 + len(SETTINGS)
     rows = {line.split()[0]: line for line in lines[1:]}
     assert rows["chunk_avg"].split() == ["chunk_avg", "64", "KiB", "(65536)", "default"]
-    assert rows["readahead"].split() == ["readahead", "476.8", "MiB", "(500000000)", "env:KV_CHUNK_FS_READAHEAD"]
+    assert rows["pack_size"].split() == ["pack_size", "476.8", "MiB", "(500000000)", "env:KV_CHUNK_FS_PACK_SIZE"]
     assert rows["gc_interval"].split() == ["gc_interval", "1h", "(3600)", "default"]
     assert rows["verify_reads"].split() == ["verify_reads", "true", "default"]
     assert rows["api_address"].split() == ["api_address", '""', "default"]

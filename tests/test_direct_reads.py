@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import stream_store
+from helpers import scatter_read, stream_store
 
-from kvchunkfs.file.fetcher import ChunkCache, Fetcher
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import direct
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore
@@ -29,11 +28,9 @@ def _store(root: Path, direct_wanted: bool = True) -> tuple[PackStore, Index, by
 
 
 def _read_all(store: PackStore, index: Index) -> bytes:
-    fetcher = _fetcher(store)
     try:
-        return b"".join(bytes(v) for v in fetcher.stream(index, 0, index.size))
+        return scatter_read(store, index)
     finally:
-        fetcher.close()
         store.close()
 
 
@@ -53,10 +50,6 @@ def _evict(store: PackStore) -> None:
                     Path("/proc/sys/vm/drop_caches").write_text("1")
         finally:
             os.close(fd)
-
-
-def _fetcher(store: PackStore) -> Fetcher:
-    return Fetcher(store, ChunkCache(64 << 20), workers=4, readahead=0)
 
 
 def test_place_aligns_the_span_and_finds_the_run() -> None:
@@ -97,20 +90,12 @@ def test_resident_sees_the_page_cache(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_cold_runs_are_read_direct_and_give_the_same_bytes(tmp_path: Path) -> None:
     store, index, whole = _store(tmp_path)
-    _evict(store)
-    fetcher = _fetcher(store)
     try:
-        ranges = [(0, len(whole)), (1, len(whole) - 1), (299_999, 305_001), (310_000, 2_900_000)]
-        for lo, hi in ranges:
+        for readers in (1, 3):
             _evict(store)
-            got = b"".join(bytes(v) for v in fetcher.stream(index, lo, hi))
-            assert got == whole[lo:hi], (lo, hi)
+            assert scatter_read(store, index, readers) == whole, readers
         assert store.counters.direct_reads > 0
-        _evict(store)
-        want = [whole[index.start(i) : index.ends[i]] for i in range(len(index))]
-        assert [bytes(b) for b in fetcher.get_many(index.ids)] == want
     finally:
-        fetcher.close()
         store.close()
 
 
@@ -127,7 +112,6 @@ def test_a_changed_byte_fails_a_direct_read(tmp_path: Path) -> None:
     with open(store.pack_path(loc.pack), "r+b") as f:
         f.seek(loc.offset + 1_000_003)
         f.write(bytes([whole[index.start(2) + 1_000_003] ^ 0x01]))
-    fetcher = _fetcher(store)
     try:
         # The pages evicted, the read is direct; on a loaded machine a page the kernel still held
         # in a per-CPU batch may make a try read through the page cache: that try proves nothing
@@ -135,16 +119,12 @@ def test_a_changed_byte_fails_a_direct_read(tmp_path: Path) -> None:
         for _ in range(5):
             _evict(store)
             direct_before = store.counters.direct_reads
-            got = bytearray()
             with pytest.raises(ChunkCorrupt):
-                for view in fetcher.stream(index, 0, len(whole)):
-                    got += view
-            assert bytes(got) == whole[: len(got)] and len(got) <= index.start(2)
+                scatter_read(store, index)
             if store.counters.direct_reads > direct_before:
                 break
         assert store.counters.direct_reads > 0, "no try read the packs directly"
     finally:
-        fetcher.close()
         store.close()
 
 
@@ -181,13 +161,10 @@ def test_a_direct_read_refused_midway_goes_on_in_place(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(PackStore, "_read_direct", staticmethod(flaky))
     _evict(store)
-    fetcher = _fetcher(store)
     try:
-        got = fetcher.get_many(index.ids)
-        assert [bytes(b) for b in got] == [whole[index.start(i) : index.ends[i]] for i in range(len(index))]
+        assert scatter_read(store, index, readers=1) == whole
         assert not store.direct_reads
     finally:
-        fetcher.close()
         store.close()
 
 

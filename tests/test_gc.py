@@ -161,7 +161,7 @@ def read_direct(fd: int, offset: int, size: int) -> bytes:
 
 
 def test_gc_keeps_the_chunks_of_a_file_unlinked_while_open(tmp_path: Path) -> None:
-    extra = ["--pack-size", "1MiB", "--cache-size", "0", "--readahead", "0"]  # every read goes to the packs
+    extra = ["--pack-size", "1MiB", "--cache-size", "0"]  # every read goes to the packs
     m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", extra)
     m.start()
     try:
@@ -222,7 +222,7 @@ def test_gc_never_drops_a_chunk_a_save_is_reusing(small_packs: Mount) -> None:
 def test_restore_while_its_packs_are_compacted(tmp_path: Path) -> None:
     """Readers keep getting the right bytes while GC copies their chunks and deletes the old packs."""
     # No hot tier: every restore reads the chunks GC moves (a whole copy would never touch the packs).
-    extra = ["--pack-size", "16MiB", "--gc-compact-threshold", "0.9", "--cache-size", "0", "--readahead", "0",
+    extra = ["--pack-size", "16MiB", "--gc-compact-threshold", "0.9", "--cache-size", "0",
              "--hot-tier-size", "0"]  # fmt: skip
     m = Mount(tmp_path / "store", tmp_path / "mnt", tmp_path / "daemon.log", extra)
     m.start()

@@ -7,13 +7,12 @@ import errno
 import hashlib
 import os
 import sqlite3
-import threading
 from pathlib import Path
 
 import pytest
-from helpers import stream_store
+from helpers import scatter_read, stream_store
 
-from kvchunkfs.file.fetcher import ChunkCache, Fetcher
+from kvchunkfs.format.index import Index
 from kvchunkfs.maint import gccompact, gcreport
 from kvchunkfs.store.packformat import PACK_HEADER_SIZE, scan
 from kvchunkfs.store.packs import ChunkCorrupt, PackStore, quick_sum
@@ -102,12 +101,11 @@ def test_local_reads_check_the_rows_quick_sum(tmp_path: Path) -> None:
     loc = store.locate_many([cid])[cid]
     assert loc.sum == quick_sum(data) and len(loc.sum) == 8
 
-    def read() -> bytes:
-        fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)  # nothing cached
-        try:
-            return bytes(fetcher.get_many([cid])[0])
-        finally:
-            fetcher.close()
+    index = Index(1, 1 << 20, 4 << 20)
+    index.append(cid, len(data))
+
+    def read() -> bytes:  # as a put-back reads it
+        return scatter_read(store, index)
 
     assert read() == data
     store.db.execute("UPDATE chunks SET sum = ? WHERE id = ?", (quick_sum(data + b"x"), cid))
@@ -125,52 +123,37 @@ def test_local_reads_check_the_rows_quick_sum(tmp_path: Path) -> None:
     store.close()
 
 
-def test_an_empty_chunk_is_read(tmp_path: Path) -> None:
-    """A run of empty chunks is read (nothing to read: in place at once), not waited for forever."""
-    store = PackStore(tmp_path)
-    cid = hashlib.sha256(b"").digest()
-    store.put_many([(cid, b"")], object())
-    fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.extend(bytes(b) for b in fetcher.get_many([cid])), daemon=True)
-    reader.start()
-    reader.join(timeout=30)
-    assert got == [b""], "the read of an empty chunk never finished"
-    fetcher.close()
-    store.close()
-
-
-def test_stream_gives_the_range_in_order_from_cache_and_packs(tmp_path: Path) -> None:
-    """``stream`` (a group's chunks straight off the packs) yields exactly the range asked, cut at
-    both ends, whatever mix of cached and uncached chunks and pieces larger than its buffer."""
+def test_a_put_back_reads_the_stream_in_order_and_repeats_once(tmp_path: Path) -> None:
+    """A put-back's reads (``Restore.scatter``) give every byte of the stored stream at its place,
+    whatever the chunk sizes (pieces larger than a piece buffer, a one-byte chunk), and a chunk the
+    file has again later (zeros, a repeat) is read from the packs once."""
     store, index, whole = stream_store(tmp_path, [300_000, 5_000, 2_500_000, 70_000, 900_000, 1])
-    fetcher = Fetcher(store, ChunkCache(64 << 20), workers=2, readahead=0)
     try:
-        fetcher.get_many([index.ids[1], index.ids[4]])  # two of them cached
-        for lo, hi in [(0, len(whole)), (1, len(whole) - 1), (299_999, 305_001), (310_000, 2_000_000)]:
-            got = b"".join(bytes(v) for v in fetcher.stream(index, lo, hi))
-            assert got == whole[lo:hi], (lo, hi)
+        reads = store.counters.pack_reads
+        assert scatter_read(store, index) == whole
+        once = store.counters.pack_reads - reads
+        again = index.copy()
+        for i in (1, 3, 1):  # chunks read already, again
+            again.append(index.ids[i], index.length(i))
+        want = whole + whole[300_000:305_000] + whole[2_805_000:2_875_000] + whole[300_000:305_000]
+        reads = store.counters.pack_reads
+        assert scatter_read(store, again) == want
+        assert store.counters.pack_reads - reads == once  # the repeats were not read again
     finally:
-        fetcher.close()
         store.close()
 
 
-def test_stream_fails_a_changed_chunk(tmp_path: Path) -> None:
-    """A chunk whose bytes changed on disk fails the stream with ChunkCorrupt, never wrong bytes."""
+def test_a_put_back_fails_a_changed_chunk(tmp_path: Path) -> None:
+    """A chunk whose bytes changed on disk fails the put-back with ChunkCorrupt, never wrong bytes."""
     store, index, whole = stream_store(tmp_path, [200_000, 200_000, 200_000])
     loc = store.locate_many([index.ids[1]])[index.ids[1]]
     with open(store.pack_path(loc.pack), "r+b") as f:
         f.seek(loc.offset + 7)
         f.write(bytes([whole[200_007] ^ 0xFF]))
-    fetcher = Fetcher(store, ChunkCache(1 << 20), workers=1, readahead=0)
-    got = bytearray()
     try:
         with pytest.raises(ChunkCorrupt):
-            for view in fetcher.stream(index, 0, len(whole)):
-                got += view
-        assert bytes(got) == whole[: len(got)] and len(got) < 400_000  # nothing past the bad chunk
+            scatter_read(store, index)
     finally:
-        fetcher.close()
         store.close()
 
 

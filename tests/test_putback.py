@@ -170,11 +170,11 @@ def test_a_put_back_without_a_checksum_to_compare_reads_nothing_back(tmp_path):
 
 
 def test_fetched_chunks_go_where_the_index_has_them():
-    """``files._pieces``: a fetched buffer's chunks (pack order) written at their places in the
+    """``restore._pieces``: a fetched buffer's chunks (pack order) written at their places in the
     stored stream; neighbours in both the buffer and the index as one piece, a chunk the file has
     twice at both places, chunks the file did not lack skipped; a length the index disagrees with
     is never written."""
-    from kvchunkfs.file.files import _pieces
+    from kvchunkfs.file.restore import _pieces
     from kvchunkfs.format.index import Index
     from kvchunkfs.store.packs import ChunkCorrupt
 

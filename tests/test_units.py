@@ -283,27 +283,6 @@ def test_one_large_batch_is_split_across_packs(tmp_path: Path):
     repo.close()
 
 
-def test_chunk_cache_counts_whole_run_buffers():
-    """A cached chunk is a view that keeps its whole pread buffer alive: the cache charges the buffer,
-    so its capacity bounds the memory it really holds."""
-    from kvchunkfs.file.fetcher import ChunkCache, Run
-
-    cache = ChunkCache(capacity=10 * MiB)
-    buf = memoryview(bytes(4 * MiB))
-    run = Run(len(buf))
-    for i in range(4):  # four 64 KiB chunks of one 4 MiB read
-        cache.put(bytes([i]), buf[i * 65536 : (i + 1) * 65536], run)
-    assert cache.size == 4 * MiB
-    other = Run(4 * MiB)
-    cache.put(b"x", memoryview(bytes(4 * MiB))[:65536], other)
-    assert cache.size == 8 * MiB
-    third = Run(4 * MiB)
-    cache.put(b"y", memoryview(bytes(4 * MiB))[:65536], third)  # over capacity: the oldest buffer goes whole
-    assert cache.size == 8 * MiB
-    assert all(cache.get(bytes([i])) is None for i in range(4))
-    assert cache.get(b"x") is not None and cache.get(b"y") is not None
-
-
 def test_packstore_is_a_chunk_store(tmp_path: Path):
     """The interface the file layer depends on, exercised on the pack store."""
     from kvchunkfs.store.chunkstore import ChunkStore
@@ -321,32 +300,6 @@ def test_packstore_is_a_chunk_store(tmp_path: Path):
         store.get_many([b"\1" * 32])
     store.unpin(owner)
     store.sync()
-    repo.close()
-
-
-def test_sequential_cached_reads_are_slices_of_the_run(tmp_path: Path):
-    """A read whose chunks lie back to back in one pread buffer is answered with a slice of that
-    buffer (no copy); reads across runs or of scattered chunks are joined. Both give the same bytes."""
-    from kvchunkfs.file.fetcher import Cursor
-
-    repo = Repository(tmp_path, StoreSettings(readahead=8 * MiB, prefetch_workers=2))
-    files = Files(repo)
-    data = rand_bytes(6 * MiB, 7)
-    content = files.content(repo.empty_index())
-    content.truncate(0)
-    content.write(0, data)
-    index, _ = content.prepare_commit()
-    cursor = Cursor()
-    assert bytes(files.fetcher.read(index, 0, 1, cursor)) == data[:1]  # locates the file, starts read-ahead
-    files.fetcher.get_many(index.ids)  # wait for the read-ahead
-    kinds = set()
-    for off in range(0, len(data), 300_000):
-        got = files.fetcher.read_cached(index, off, 300_000, cursor)
-        assert got is not None and bytes(got) == data[off : off + 300_000]
-        kinds.add(type(got))
-    assert kinds == {memoryview, bytes}  # runs are at most 4 MiB: some reads span two of them
-    content.close()
-    files.close()
     repo.close()
 
 
@@ -416,37 +369,22 @@ def _relayout_file() -> tuple[bytes, bytes, idx.Index, list]:
     return data, b"".join(bytes(c) for c in chunks), index, groups
 
 
-def test_a_read_of_the_end_starts_the_first_group_before_parsing_the_headers_after_it() -> None:
-    """llama-server's restore reads the file's last KiB first. The first group's decode is handed to
-    the decoders as soon as its own header is parsed, before the headers up to the end are read
-    (each a small disk read); the end is still answered from its rows' records alone."""
-    from concurrent.futures import Executor, Future
-
+def test_a_read_through_the_groups_puts_each_group_back_whole() -> None:
+    """``FileGroups.read_file`` (appends, copies of a file being written, tools): a read of the
+    file's end or of all of it returns the file's bytes, each group it touches put back whole."""
     from kvchunkfs.file.groups import FileGroups
 
     data, stored, index, groups = _relayout_file()
     assert len(groups) == 2 and groups[1].end == len(data)
-    events: list[tuple[str, int]] = []
 
     def read_chunks(ix: idx.Index, offset: int, size: int, ahead: int | None = None) -> bytes:
-        events.append(("read", offset))
         return stored[offset : offset + size]
 
-    class Inline(Executor):  # runs a decode at once, noting which group it puts back
-        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-            events.append(("decode", args[1].seg.start))
-            done: Future[None] = Future()
-            done.set_result(fn(*args, **kwargs))
-            return done
-
-    fg = FileGroups(GROUP_WIDTH, None, lambda: False, None, Inline())
+    fg = FileGroups(GROUP_WIDTH)
     tail = len(data) - 8192
-    assert fg.read_file(index, tail, 8192, read_chunks) == data[tail:]
-    decode_k = events.index(("decode", groups[0].start))
-    after_k = [i for i, (kind, off) in enumerate(events) if kind == "read" and off >= groups[1].start]
-    assert after_k and decode_k < after_k[0], events[: after_k[0] + 1]
-    assert ("decode", groups[1].start) not in events  # the last group: only its rows' records read
+    assert bytes(fg.read_file(index, tail, 8192, read_chunks)) == data[tail:]
     assert bytes(fg.read_file(index, 0, len(data), read_chunks)) == data
+    assert bytes(fg.read_file(index, 100, 5000, read_chunks)) == data[100:5100]
 
 
 def test_prestart_starts_the_threads_at_once() -> None:
@@ -522,47 +460,16 @@ def test_prefault_maps_every_page_of_a_library() -> None:
     assert before < size and after == size, (before, after, size)
 
 
-def test_a_wait_for_a_group_is_called_back_once_when_it_may_be_read() -> None:
-    """The event loop waits for a group being put back without a worker thread: the decode calls
-    back once (when the range's cells are in, or at its end, error or not); a range already in
-    place, or a decode that ended, calls nothing back and says so."""
-    from kvchunkfs.file.groups import GroupDecode
-
-    data, stored, index, groups = _relayout_file()
-    k = groups[0]
-    assert k.end is not None
-    calls: list[str] = []
-    decode = GroupDecode(k)
-    assert decode.when_ready(0, 4096, lambda: calls.append("first"))
-    assert decode.when_ready(k.end - k.start - 4096, 4096, lambda: calls.append("last"))
-    assert calls == []
-    decode.run(index, lambda ix, off, n, ahead=None: stored[off : off + n])
-    assert sorted(calls) == ["first", "last"]
-    assert bytes(decode.wait(0, k.end - k.start)) == data[k.start : k.end]
-    assert not decode.when_ready(0, 4096, lambda: calls.append("again")) and len(calls) == 2
-
-    failing = GroupDecode(k)
-    assert failing.when_ready(0, 4096, lambda: calls.append("failed"))
-
-    def broken(ix: idx.Index, off: int, n: int, ahead: int | None = None) -> bytes:
-        raise OSError(5, "a pack read failed")
-
-    failing.run(index, broken)
-    assert calls[-1] == "failed" and isinstance(failing.error, OSError)
-
-
 def test_a_large_index_is_checked_in_batches_and_read_without_kept_locations(tmp_path: Path, monkeypatch):
     """Past LOCATE_ALL chunks an open keeps no location per chunk (reads look up their window),
     still checks every chunk's length against the map, and reads the right bytes; its pin is the
     index. Shrunk limits stand in for an index of a million chunks."""
-    from kvchunkfs.file import fetcher
     from kvchunkfs.file import files as files_mod
     from kvchunkfs.store.stubs import StubError
 
     monkeypatch.setattr(files_mod, "LOCATE_ALL", 8)
     monkeypatch.setattr(files_mod, "CHECK_BATCH", 5)
-    monkeypatch.setattr(fetcher, "LOCATE_ALL", 8)
-    repo = Repository(tmp_path, StoreSettings(chunker="cdc", readahead=4096))
+    repo = Repository(tmp_path, StoreSettings(chunker="cdc"))
     files = Files(repo)
     try:
         chunks = [rand_bytes(300 + 7 * i, i) for i in range(40)]

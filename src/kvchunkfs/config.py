@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import tomllib
@@ -41,6 +42,13 @@ from kvchunkfs.units import GiB, KiB, MiB, format_duration, format_size, is_int,
 ENV_PREFIX = "KV_CHUNK_FS_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_SCORE = "(1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)"
+# Settings that no longer do anything: a config file or environment naming one is read with a
+# warning line (a config written for an older version still mounts); the flag is gone.
+RETIRED = {
+    "readahead": "every open reads a whole file put back before the open returns; there is nothing to read ahead",
+}
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -212,13 +220,12 @@ SETTINGS: dict[str, Setting] = {
             choices=("relayout", "format", "cdc"),
         ),
         Setting("pack_size", "size", 64 * MiB, "pack file size before a new pack is started", lo=1),
-        Setting("readahead", "size", 32 * MiB, "bytes fetched ahead of sequential reads", lo=0),
-        Setting("prefetch_workers", "int", 8, "threads reading packs ahead", lo=1, hi=64),
+        Setting("prefetch_workers", "int", 8, "threads reading packs to put snapshots back", lo=1, hi=64),
         Setting(
             "cache_size",
             "size",
-            256 * MiB,
-            "memory restores keep: half caches chunks, half holds stored groups put back (faulted in at mount)",
+            128 * MiB,
+            "memory kept in buffers that restores and saves reuse (faulted in at mount)",
             lo=0,
         ),
         Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
@@ -430,7 +437,6 @@ class Config:
     chunk_max: int = SETTINGS["chunk_max"].default
     chunker: str = SETTINGS["chunker"].default
     pack_size: int = SETTINGS["pack_size"].default
-    readahead: int = SETTINGS["readahead"].default
     prefetch_workers: int = SETTINGS["prefetch_workers"].default
     cache_size: int = SETTINGS["cache_size"].default
     chunk_workers: int = SETTINGS["chunk_workers"].default
@@ -539,6 +545,9 @@ def _file_layer(path: Path, source: str) -> Layer:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
+    for k in sorted(k for k in data if k in RETIRED):
+        log.warning("config file %s: setting %s is ignored: %s", path, k, RETIRED[k])
+        del data[k]
     unknown = sorted(k for k in data if k not in SETTINGS)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in config file {path}")
@@ -551,6 +560,9 @@ def _env_layer(environ: Mapping[str, str]) -> Layer:
         if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV:
             continue
         name = var[len(ENV_PREFIX) :].lower()
+        if name in RETIRED:
+            log.warning("environment variable %s is ignored: %s", var, RETIRED[name])
+            continue
         if name not in SETTINGS or var != SETTINGS[name].env:
             raise ConfigError(f"unknown environment variable {var} (known: {', '.join(_env_names())})")
         source = f"env:{var}"

@@ -192,7 +192,7 @@ def tree_text(cfg: cfgmod.Config, prefix: str) -> str:
     repo = open_repo(cfg)  # no daemon: read the chunks ourselves
     files = Files(repo)
     try:
-        root, skipped = catalog.token_tree(repo.snapshots, files.fetcher.read, prefix)
+        root, skipped = catalog.token_tree(repo.snapshots, files.read_chunks, prefix)
     finally:
         files.close()
         repo.close()

@@ -1,33 +1,28 @@
-"""Big byte buffers for restores, faulted in once and handed out again.
+"""Big byte buffers for put-backs and saves, faulted in once and handed out again.
 
-Putting a stored group back (chunker relayout) writes the whole group into one fresh buffer; in a
-daemon just started, every page of it is a page fault, and on a virtual machine whose freed memory
-goes back to the host (free page reporting, ballooning) each such fault is far dearer than the
-copy itself. The pool keeps the buffers it handed out and gives one out again once nothing refers
-to it any more.
+A put-back reads its pieces into a ring of buffers, a save joins its batches and re-lays out its
+groups into one; in a daemon just started, every page of a fresh buffer is a page fault, and on a
+virtual machine whose freed memory goes back to the host (free page reporting, ballooning) each
+such fault is far dearer than the copy itself. The pool keeps the buffers it handed out and gives
+one out again once nothing refers to it any more.
 
 A buffer is reused only when the pool holds the last reference to it: every view, slice or
-memoryview of it (a decoded group kept for later reads, a FUSE reply being sent) refers to it, so
-the bytes a reader holds are never overwritten.
+memoryview of it refers to it, so bytes still in use are never overwritten.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
 _MIN = 1 << 20  # smaller buffers are cheap to fault: not pooled
-RECLAIMS = 8  # kept groups forgotten at most per take, to free a buffer that fits
 
 
 class BufferPool:
-    def __init__(self, capacity: int, reclaim: Callable[[], bool] | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # bytes of idle and busy buffers the pool keeps
-        # Asked to let go of a buffer when none is idle (drop a kept decoded group); False: nothing left.
-        self.reclaim = reclaim
         self._bufs: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again (a metric for tests and profiles)
@@ -65,28 +60,21 @@ class BufferPool:
     def take(self, n: int, brief: bool = False) -> np.ndarray:
         """An uninitialised ``n``-byte array: the smallest pooled buffer nothing else refers to of
         ``n`` to ``2 * n`` bytes (``brief``: of at least ``n``), else a new one, kept if the pool
-        has room once idle ones are dropped or, failing that, the reclaimer let one go (the pool
-        follows the sizes restores really need).
+        has room once idle ones are dropped (the pool follows the sizes put-backs and saves really
+        need).
 
         ``brief``: the buffer is given back within moments (a save's batch joined, a group re-laid
         out for storing), so a bigger idle one does: fresh memory costs more than the copy into it."""
         if n < _MIN or n > self.capacity:
             return np.empty(n, np.uint8)
         top = self.capacity if brief else 2 * n
-        for _ in range(RECLAIMS):
-            with self._lock:
-                idle = self._idle()
-                # At most twice the size asked: a small group must not hold a big buffer that a
-                # big group will need (a new buffer of the right size is kept instead).
-                fits = [i for i in idle if n <= len(self._bufs[i]) <= top]
-                if fits:
-                    self.reused += 1
-                    return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]
-                if self.size - sum(len(self._bufs[i]) for i in idle) + n <= self.capacity:
-                    break  # room for a new one once idle ones are dropped: keep the kept groups
-            # Outside the lock: the reclaimer takes its own.
-            if self.reclaim is None or not self.reclaim():
-                break
+        with self._lock:
+            # At most twice the size asked: a small request must not hold a big buffer that a
+            # big one will need (a new buffer of the right size is kept instead).
+            fits = [i for i in self._idle() if n <= len(self._bufs[i]) <= top]
+            if fits:
+                self.reused += 1
+                return self._bufs[min(fits, key=lambda i: len(self._bufs[i]))][:n]
         fresh = np.empty(n, np.uint8)
         with self._lock:
             for i in sorted(self._idle(), key=lambda i: len(self._bufs[i])):  # smallest first

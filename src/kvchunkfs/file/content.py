@@ -14,7 +14,7 @@
 The worker is not a thread: each batch is one *turn* run by a shared ``ChunkPool`` (a bounded set
 of threads). A file has at most one turn queued or running (``_scheduled``), so its steps stay in
 order; a turn that leaves more work queues the next one behind other files' turns (file/queues.py).
-Reads of relayout files put stored groups back in file order through ``FileGroups`` (file/groups.py).
+Reads of the chunks of a file being streamed put stored groups back through ``FileGroups`` (file/groups.py).
 
 Content in STREAM mode is ``index`` chunks, then ``inflight`` (bytes the worker is cutting), then
 ``tail``, then ``buf``, then ``ahead`` (writes that arrived a little early, keyed by offset).
@@ -34,18 +34,17 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from kvchunkfs.file import putback, sparse
+from kvchunkfs.file import sparse
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes, SaveSums
-from kvchunkfs.file.groups import DecodedGroups, FileGroups
+from kvchunkfs.file.groups import FileGroups
 from kvchunkfs.file.hashing import chunk_ids
 from kvchunkfs.file.predict import START, Pieces, Successors, cut_batch
 from kvchunkfs.file.queues import ByteQueue, ChunkPool
@@ -70,11 +69,6 @@ MAX_BACKLOG = 64 << 20  # queued bytes per file before a writer waits for the ch
 SOURCE_BACKLOG = 8 << 20
 AHEAD_WINDOW = 16 << 20  # how far past the end an early write may land and still stream
 PAGE = 4096
-
-# ``Fetcher.scatter``: (index, write(offset, bytes), known locations) -> offsets written up to.
-Scatter = Callable[
-    [Index, Callable[[int, memoryview], None], "dict[bytes, Location] | None"], Generator[int, None, None]
-]
 
 
 def _pread_into(fd: int, off: int, out: memoryview) -> None:
@@ -159,9 +153,7 @@ class FileContent:
         keep_partial_page: bool = False,
         max_size: int = 1 << 62,
         successors: Successors | None = None,
-        decoded_groups: DecodedGroups | None = None,
         buffers: BufferPool | None = None,
-        decoders: Executor | None = None,
         checks: FileChecks | None = None,
         resumes: Resumes | None = None,
         whole: WholeFiles | None = None,
@@ -181,7 +173,7 @@ class FileContent:
         # Chunker relayout: the chunks hold some byte ranges (groups) permuted; reads put them back.
         self.checks = checks if checks is not None else FileChecks()
         self.resumes = resumes  # where a save leaves its checksum's marks for an append (Files)
-        self.groups = FileGroups(chunker.group_w, decoded_groups, lambda: self._stop, buffers, decoders, self.checks)
+        self.groups = FileGroups(chunker.group_w, self.checks)
         # The loaded snapshot's file record and the index object it describes (None: none, or
         # the content changed since).
         self.record: FileRecord | None = None
@@ -217,6 +209,9 @@ class FileContent:
         self.shared = False
         self.staged: Staged | None = None  # the stub's staged save when loaded (Files sets it)
         self.source: str | None = None  # where a restore found the bytes (Files: log lines)
+        # A whole file on the store's disk (a snapshot too big for the memory tier): read in a
+        # worker thread, never on the event loop; the callback runs at close.
+        self.on_disk: Callable[[], None] | None = None
         self._retired_fds: list[int] = []
         self._active = False  # the worker is started and has not yet seen ``_stop``
         self._scheduled = False  # a turn of this file is queued or running in the pool
@@ -488,39 +483,21 @@ class FileContent:
 
     # -- staging ----------------------------------------------------------------------------
 
-    def write_whole(self, fd: int, scatter: Scatter, read_chunks: ReadChunks | None = None) -> int:
-        """Write the loaded snapshot's bytes in file order into the empty ``fd``, checked against
-        its file record's checksum (EIO, logged and counted, if they differ); the size. Blocking.
-
-        ``scatter`` reads the stored stream in pieces on its workers and has each written where
-        the file has it (``Fetcher.scatter``, file/putback.py): a few pieces in memory at a time,
-        whatever the file's size. ``read_chunks``: how the groups' headers are read, if not as
-        the content's reads are."""
-        with self.cond:
-            index = self.index
-            record = self._loaded_record()
-            locations = self.locations
-        # The groups: the record's, else parsed from their headers (a snapshot from before records).
-        segs = self.groups.groups_before(index, index.size, read_chunks or self.read_chunks)
-        out = putback.PutBack(fd, index.size, segs, summed=record is not None)
-        pieces = scatter(index, out.write, locations)
-        try:
-            for written in pieces:
-                out.sum_to(written)
-        finally:
-            pieces.close()  # now, not when collected: no worker may write once the caller drops ``fd``
-        file_sum = out.finish()
-        if record is not None and file_sum != record.file_sum:
-            raise self.checks.mismatch(f"{self.groups.name or 'a file'}: the whole file put back for a restore")
-        return index.size
-
-    def use_whole(self, fd: int, path: Path | None) -> None:
+    def use_whole(self, fd: int, path: Path | None, on_disk: Callable[[], None] | None = None) -> None:
         """The content is the plain file ``fd``: this content's own (``path``: deleted at close)
-        or shared (None: a hot copy, a staged save; copied before any change). Before any handle."""
+        or shared (None: a hot copy, a staged save, a put-back on disk; copied before any change).
+        ``on_disk``: ``fd`` is an anonymous file on disk, this is called at close. Before any handle."""
         with self.cond:
             self.staging_fd, self.staging_path = fd, path
             self.shared = path is None
             self.mode = Mode.STAGING
+            self.on_disk = on_disk
+
+    def snapshot(self) -> tuple[Index, FileRecord | None, dict[bytes, Location] | None]:
+        """The loaded snapshot: its index, its file record (None: none, or changed since) and
+        where its chunks were at load (a put-back reads them: file/restore.py)."""
+        with self.cond:
+            return self.index, self._loaded_record(), self.locations
 
     def whole_fd(self) -> int:
         """The whole file the content is (-1: none)."""
@@ -668,6 +645,8 @@ class FileContent:
     # -- reading ----------------------------------------------------------------------------
 
     def read(self, offset: int, size: int, read_chunks: ReadChunks) -> bytes | memoryview:
+        """The content's bytes: its whole file's, or (a content with none: a file being streamed
+        to the chunker, an offline tool's) its chunks' then what is queued. Blocking."""
         with self.cond:
             staging_fd = self.staging_fd if self.mode is Mode.STAGING else -1
             # The worker appends to ``index`` concurrently; its first ``isize`` bytes never change.
@@ -683,7 +662,7 @@ class FileContent:
         end = min(offset + size, total)
         if offset >= end:
             return b""
-        if end <= isize:  # all in chunks: the common restore case, no extra copy
+        if end <= isize:  # all in chunks
             return self.groups.read_file(index, offset, end - offset, read_chunks, isize)
         out = bytearray()
         if offset < isize:
@@ -700,28 +679,10 @@ class FileContent:
             out += seg
         return bytes(out)
 
-    def plain_range(self, offset: int, size: int) -> bool:
-        """True if the chunks hold ``[offset, offset + size)`` as the file has it (no stored group
-        there), as far as known without reading: the event loop's cached-read shortcut."""
-        return self.groups.plain_range(self.index, offset, size)
-
     @property
     def _alloc(self) -> Callable[[int], np.ndarray] | None:
         pool = self.buffers
         return (lambda n: pool.take(n, brief=True)) if pool is not None else None  # joins: given back at once
-
-    def read_ahead_limit(self, end: int) -> int | None:
-        """Where read-ahead past ``end`` must stop (see ``FileGroups.read_ahead_limit``)."""
-        return self.groups.read_ahead_limit(self.index, end)
-
-    def when_ready(self, offset: int, size: int, callback: Callable[[], None]) -> bool:
-        """``FileGroups.when_ready`` for this file's chunks (the event loop calls it)."""
-        return self.groups.when_ready(self.index, offset, size, callback)
-
-    def decoded(self, offset: int, size: int) -> memoryview | None:
-        """The bytes if a group being put back holds all of them in place already (no wait, no
-        lock: the event loop calls it)."""
-        return self.groups.decoded(self.index, offset, size)
 
     # -- the chunking worker ----------------------------------------------------------------
 
@@ -1128,7 +1089,9 @@ class FileContent:
             self._kick()
             self.cond.notify_all()
             self._close_staging(final=True)
-        self.groups.close()
+            on_disk, self.on_disk = self.on_disk, None
+        if on_disk is not None:
+            on_disk()
         self.store.unpin(self)
 
 

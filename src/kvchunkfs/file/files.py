@@ -1,4 +1,5 @@
-"""Open-file services over a ``Repository``: file contents, reads, and the save protocol.
+"""Open-file services over a ``Repository``: file contents, loads (a whole file for every open of
+a snapshot: file/restore.py), and the save protocol.
 
 ``Files.save`` is the whole save of one file, in the order docs/design.md requires: chunk what is
 still queued (pack bytes, then map rows), sync packs and map if durable, write the complete new
@@ -14,22 +15,17 @@ import json
 import logging
 import os
 import sqlite3
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvchunkfs.file.buffers import BufferPool
-from kvchunkfs.file.content import FileContent, Scatter
-from kvchunkfs.file.fetcher import LOCATE_ALL, SCATTER_READERS, ChunkCache, Fetcher
+from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
-from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool, prestart
-from kvchunkfs.file.reader import ReadChunks
+from kvchunkfs.file.queues import ChunkPool
+from kvchunkfs.file.restore import Restore
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
 from kvchunkfs.format.index import Index
@@ -42,12 +38,13 @@ from kvchunkfs.store.wholefiles import WholeFiles
 
 log = logging.getLogger(__name__)
 
-DECODERS = 8  # threads putting groups back, for all open files (more decodes wait for one)
 BUFFER_SIZES_KEY = "restore_buffers"  # map meta: the pool's buffer sizes at the last unmount
 LOADS_KEPT = 8  # recently opened snapshots whose checked index and chunk locations are remembered
 CHECK_BATCH = 16384  # chunks of a large index looked up (and checked) at a time at open
 HASHED_READ = 1 << 20  # a larger stub is first only hashed: a reopen need not hold its bytes
-HEADER_FETCH = 256 << 10  # bytes fetched from the bucket at least, from where a group header is read
+# Up to this many chunks (a 4 GiB file of 64 KiB chunks), a file's chunks are looked up all at once
+# at open and the locations kept for its put-back (~280 bytes a chunk); a larger file's at put-back.
+LOCATE_ALL = 65536
 
 
 @dataclass
@@ -71,20 +68,16 @@ class Files:
     def __init__(self, repo: Repository) -> None:
         s = repo.settings
         self.repo = repo
-        # cache_size bounds the memory restores keep: half caches chunks, half holds groups being
-        # put back (chunker relayout), in buffers faulted in once (file/buffers.py).
-        self.buffers = BufferPool(s.cache_size // 2)
-        self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
+        # cache_size bounds the buffers restores and saves reuse (file/buffers.py): the pieces a
+        # put-back reads, a save's batches joined and groups re-laid out for storing.
+        self.buffers = BufferPool(s.cache_size)
         pool = self.buffers
         repo.chunker.alloc = lambda n: pool.take(n, brief=True)  # a save's groups are re-laid out there too
         self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
-        self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
-        self.fetcher.buffers = self.buffers
-        # Not its workers started at mount: a pool whose every thread takes turns at the reads
-        # spreads the run buffers over more malloc arenas (tests/test_soak.py: RSS grew twice as much).
+        self.restore = Restore(repo, self.buffers, s.prefetch_workers, s.verify_reads)
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
-        # whole-file map lookup. Locations may go stale (GC moves chunks): readers relocate, as
-        # for locations looked up at open. Only touched under store.lock, in load.
+        # whole-file map lookup. Locations may go stale (GC moves chunks): a put-back relocates,
+        # as for locations looked up at open. Only touched under store.lock, in load.
         # Keyed by path, valid while the stub's bytes are the same (their SHA-256 compared, with the
         # file record's and the staged mark's). Also keyed by the store's ``drop_gen``: eviction
         # drops rows a remembered load relied on. The index is a copy sharing the open's table.
@@ -92,24 +85,28 @@ class Files:
         # The chunk that followed each recently cut chunk: a next turn's save takes those bytes
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
-        # Groups of relayout files put back lately, for the next restore of the same snapshot.
-        # They live in the pool's buffers: the pool forgets the oldest when it needs a buffer.
-        self.decoded_groups = DecodedGroups(self.buffers.capacity)
-        self.buffers.reclaim = self.decoded_groups.drop_oldest
-        # The threads that put groups back: started at mount and kept (a new thread per group cost
-        # its start, waited for by the read that needed the group).
-        self.decoders = ThreadPoolExecutor(DECODERS, thread_name_prefix="group")
-        prestart(self.decoders, 2)
         self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
         self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
-        return self.fetcher.read(index, offset, size)
+        """Bytes ``[offset, offset + size)`` of the stored stream ``index`` names (short at its
+        end), each chunk read from its pack and checked against its id and the index's length.
+        For tools, appends and copies of a file being written: a restore puts the whole file back."""
+        end = min(offset + size, index.size)
+        if offset >= end:
+            return b""
+        first, last = index.find(offset), index.find(end - 1)
+        datas = self.repo.store.get_many(index.ids[first : last + 1])
+        for i, data in enumerate(datas, first):
+            if len(data) != index.length(i):  # the map's chunk is not the one the index means
+                raise ChunkCorrupt(f"chunk {index.ids[i].hex()} is {len(data)} bytes, the index says {index.length(i)}")
+        head = offset - index.start(first)
+        if len(datas) == 1:
+            return bytes(datas[0][head : head + end - offset])
+        return b"".join(datas)[head : head + end - offset]
 
     def read_file(self, index: Index, offset: int, size: int) -> bytes:
-        """The file's bytes (stored groups of chunker relayout put back, each whole): tools and
-        tests. Open files read through their ``FileContent``, which puts groups back as their chunks
-        arrive and keeps them for the next reads."""
+        """The file's bytes (stored groups of chunker relayout put back, each whole): tools and tests."""
         read = self.read_chunks
         found = relayout.groups(lambda off, n: read(index, off, n), index.size, self.repo.chunker.group_w)
         out = bytearray(read(index, offset, size))
@@ -153,9 +150,7 @@ class Files:
             keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
             successors=self.successors,
-            decoded_groups=self.decoded_groups,
             buffers=self.buffers,
-            decoders=self.decoders,
             checks=self.checks,
             resumes=self.resumes,
             whole=repo.whole if whole else None,
@@ -200,17 +195,15 @@ class Files:
             content.close()
             raise StubError(f"{rel}: its staged save keeps vanishing as it is opened")
         try:
-            if self._fetches_into_whole(content):
-                fetched = self._fetch_into_whole(rel, content)
+            key = _hot_key(content)
+            if self.restore.fetches_into_whole(content, key):
+                assert key is not None
+                fetched = self.restore.fetch_into_whole(self, rel, content, key)
                 if fetched is not None:
                     return fetched
                 content = self._load(rel)  # the stub changed while its chunks came: the new version
-            content = self._fetch_missing(rel, content)
-            if self._room_for(content):
-                self._put_back(content, rel)
-            else:  # served from the chunks, request by request (no whole file: no passthrough)
-                log.info("%s: %d bytes, more than half the room for whole files: served from its chunks",
-                         rel, content.index.size)  # fmt: skip
+            content = self.restore.fetch_missing(self, rel, content)
+            self.restore.put_back(content, rel, _hot_key(content))  # memory, or the store's disk
         except BaseException:
             content.close()
             raise
@@ -255,178 +248,16 @@ class Files:
         except ValueError:
             return False
 
-    def _room_for(self, content: FileContent) -> bool:
-        whole = self.repo.whole
-        return whole is None or content.index.size <= whole.free_bytes() // 2
-
-    def _put_back(self, content: FileContent, rel: str) -> None:
-        """Write the snapshot's bytes into a new whole file, checked against its file record, and
-        back ``content`` by it, kept in the hot tier."""
-        whole = self.repo.whole
-        if whole is None:
-            return
-        key = _hot_key(content)
-        path, fd = whole.new_part() if key is not None else whole.new_staged()
-        try:
-            size = content.write_whole(fd, self.fetcher.scatter)
-        except BaseException:
-            os.close(fd)
-            whole.drop_staged(path)
-            raise
-        if key is None:  # an empty stub (a new file): this open's own
-            content.use_whole(fd, path)
-            return
-        try:
-            whole.hot_commit(path, key, size, rel=rel)
-        except OSError:
-            os.close(fd)
-            whole.drop_staged(path)
-            raise
-        content.use_whole(fd, None)
-
-    def _fetches_into_whole(self, content: FileContent) -> bool:
-        """Whether ``content`` is a snapshot with chunks only the bucket has, to put back as they come."""
-        return (
-            self.repo.remote is not None
-            and self.repo.whole is not None
-            and content.staged is None
-            and _hot_key(content) is not None
-            and len(content.locations or ()) != len(set(content.index.ids))
-            and self._room_for(content)
-        )
-
-    def _fetch_into_whole(self, rel: str, first: FileContent) -> FileContent | None:
-        """A snapshot with chunks only the bucket has, put back into a new whole file as its chunks
-        arrive (each checked against its id on the worker that fetched it, then written where the
-        file has it), while the same chunks are appended to the local packs; then loaded again,
-        backed by the whole file, which becomes its hot copy. One pass over the bytes: no second
-        read of them from the packs. None if the stub changed meanwhile (nothing kept).
-
-        The first load's pins and the fetch's own (``owner``) hold every chunk until the second
-        load has pinned them again."""
-        whole, remote = self.repo.whole, self.repo.remote
-        assert whole is not None and remote is not None
-        key = _hot_key(first)
-        assert key is not None and first.loaded_from is not None
-        owner = object()
-        content = first
-        path, fd = whole.new_part()
-        try:
-            try:
-                size = first.write_whole(fd, self._fetching_scatter(owner), self._fetching_reader(owner))
-                content = self._load(rel)
-                if content.loaded_from is None or content.loaded_from[0] != first.loaded_from[0]:
-                    content.close()
-                    os.close(fd)
-                    whole.drop_staged(path)
-                    return None
-                whole.hot_commit(path, key, size, rel=rel)
-            except BaseException:
-                if content is not first:
-                    content.close()
-                os.close(fd)
-                whole.drop_staged(path)
-                raise
-            content.use_whole(fd, None)
-        finally:
-            first.close()
-            self.repo.store.unpin(owner)
-        remote.mark_partial(rel, len(content.locations or ()) != len(set(content.index.ids)))
-        return content
-
-    def _fetching_reader(self, owner: object) -> ReadChunks:
-        """Reads of a snapshot's stored bytes (its groups' headers) that fetch the chunks they
-        need from the bucket into the local packs first (pinned for ``owner``)."""
-        remote = self.repo.remote
-        assert remote is not None
-
-        def read(index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
-            # A header's reads grow at one offset (the parser looks ahead): one GET brings them all.
-            end = min(offset + max(size, HEADER_FETCH), index.size)
-            if offset < end:
-                remote.fetch_missing(index.ids[index.find(offset) : index.find(end - 1) + 1], owner)
-            return self.read_chunks(index, offset, size)
-
-        return read
-
-    def _fetching_scatter(self, owner: object) -> Scatter:
-        """``Fetcher.scatter`` for a snapshot whose chunks are partly or only in the bucket: the
-        missing ones fetched (``RemoteTier.fetch_missing``: parallel range GETs, stored in the
-        local packs pinned for ``owner``) and each written at every place the file has it as it
-        arrives, on the fetch workers; then the rest read from the local packs. Every place is
-        written once, by one or the other, or the put-back fails (EIO): never a hole for bytes."""
-        remote = self.repo.remote
-        assert remote is not None
-
-        def scatter(
-            index: Index, write: Callable[[int, memoryview], None], locations: dict[bytes, Location] | None
-        ) -> Generator[int, None, None]:
-            if not index.size:
-                return
-            places: dict[bytes, list[int]] = {}  # missing chunk -> where the index has it
-            have = self.repo.store.has(dict.fromkeys(index.ids))
-            for i, cid in enumerate(index.ids):
-                if cid not in have:
-                    places.setdefault(cid, []).append(i)
-            written: set[bytes] = set()  # chunks written at every place (set.add: atomic)
-            # As many writers as a put-back from the packs has: more only queue on the file's lock
-            # (a tmpfs write holds the inode's) while it zeroes new huge pages.
-            writers = threading.BoundedSemaphore(SCATTER_READERS)
-
-            def deliver(buf: memoryview, parts: list[tuple[bytes, int, int]]) -> None:
-                with writers:
-                    for pos, piece in _pieces(index, places, buf, parts):
-                        write(pos, piece)
-                written.update(cid for cid, _, _ in parts if cid in places)
-
-            remote.fetch_missing(places, owner, deliver)
-            # What no fetch wrote (local already; or stored meanwhile by another open's fetch),
-            # read from the local packs a run of places at a time (ChunkMissing if not there).
-            i, n = 0, len(index)
-            while i < n:
-                if index.ids[i] in written:
-                    i += 1
-                    continue
-                j = i
-                while j < n and index.ids[j] not in written:
-                    j += 1
-                pos = index.start(i)
-                for piece in self.fetcher.stream(index, pos, index.start(j - 1) + index.length(j - 1)):
-                    write(pos, piece)
-                    pos += len(piece)
-                i = j
-            yield index.size
-
-        return scatter
-
-    def _fetch_missing(self, rel: str, content: FileContent) -> FileContent:
-        remote = self.repo.remote
-        if remote is None:
-            return content
-        if content.all_local:
-            remote.mark_partial(rel, False)
-            return content
-        # Chunks only the bucket has (a snapshot another host saved, or chunks evicted under
-        # local_cache_size): fetch them into the local packs, outside the lock (network), then
-        # load again. The first load's pins hold every chunk of the snapshot until the second
-        # load has pinned them again: eviction must not take the local ones meanwhile.
-        owner = object()
-        first = content
-        try:
-            remote.fetch_missing(first.index.ids, owner)
-            content = self._load(rel)
-        finally:
-            first.close()
-            self.repo.store.unpin(owner)
-        remote.mark_partial(rel, not content.all_local)
-        return content
+    def load_stub(self, rel: str) -> FileContent:
+        """The snapshot's content as its stub names it, nothing put back (blocking)."""
+        return self._load(rel)
 
     def _load(self, rel: str) -> FileContent:
         with self.repo.store.lock:
             index, found, complete, loaded_from, record, staged = self._checked_index(rel)
             content = self.content(index)
         content.staged = staged
-        content.locations = found  # the restore's read-ahead starts from these: one map lookup per open
+        content.locations = found  # the put-back reads from these: one map lookup per open
         content.all_local = complete
         content.loaded_from = loaded_from
         content.use_record(record, rel)
@@ -600,38 +431,7 @@ class Files:
 
     def close(self) -> None:
         self.pool.close()
-        self.fetcher.close()
-        self.decoders.shutdown(wait=False)
-
-
-def _pieces(
-    index: Index, places: dict[bytes, list[int]], buf: memoryview, parts: list[tuple[bytes, int, int]]
-) -> Iterator[tuple[int, memoryview]]:
-    """Where fetched chunks go in the stored stream: (offset, bytes) for each, chunks that follow
-    each other both in ``buf`` and in the index (a pack written in file order) as one piece. A
-    chunk whose length is not the index's is never written (ChunkCorrupt: EIO)."""
-    start, end, nxt = -1, -1, -1  # the piece being grown: its bytes in buf, its next index place
-    pos = 0
-    for cid, off, n in parts:
-        at = places.get(cid)
-        if at is None:  # not one this file lacked
-            continue
-        for i in at:
-            if index.length(i) != n:
-                raise ChunkCorrupt(f"chunk {cid.hex()} is {n} bytes, the index says {index.length(i)}")
-        if len(at) == 1 and at[0] == nxt and off == end:
-            end, nxt = off + n, nxt + 1
-            continue
-        if start >= 0:
-            yield pos, buf[start:end]
-            start = -1
-        if len(at) == 1:
-            start, end, nxt, pos = off, off + n, at[0] + 1, index.start(at[0])
-            continue
-        for i in at:  # a chunk the file has more than once: written at each place
-            yield index.start(i), buf[off : off + n]
-    if start >= 0:
-        yield pos, buf[start:end]
+        self.restore.close()
 
 
 class _StagedGone(StubError):

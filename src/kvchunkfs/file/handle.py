@@ -2,15 +2,14 @@
 
 A ``FileHandle`` is one open handle over the file's shared ``FileContent``. It owns the steps the
 content's write modes need (``plan_write``: start the stream or copy to staging first, each in a
-worker thread), the wait for a chunker far behind, and the read fast path: on the event loop, a read
-whose bytes are cached, or already put back from a stored group (chunker relayout), is answered
-with no thread hop; anything else reads in a worker thread. No call here waits on the event loop
-for a lock another thread holds across I/O: the content's ``cond`` is never held across I/O.
+worker thread) and the wait for a chunker far behind. A read is a read of the content's whole
+file: in the memory tier on the event loop, on disk in a worker thread. No call here waits on the
+event loop for a lock another thread holds across I/O: the content's ``cond`` is never held
+across I/O.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -18,9 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from kvchunkfs.file.content import Action, FileContent, Mode
-from kvchunkfs.file.fetcher import Cursor, Fetcher
-from kvchunkfs.file.reader import HandleReader
+from kvchunkfs.file.content import Action, FileContent
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +37,12 @@ async def truncate(content: FileContent, size: int) -> None:
 
 
 class FileHandle:
-    """One open handle: its reads (with a read-ahead cursor of its own) and writes over the shared content."""
+    """One open handle: its reads and writes over the shared content (nothing of its own to build)."""
 
-    def __init__(self, content: FileContent, fetcher: Fetcher, lock: trio.Lock, name: Callable[[], str | None]) -> None:
+    def __init__(self, content: FileContent, lock: trio.Lock, name: Callable[[], str | None]) -> None:
         self.content = content
-        self.fetcher = fetcher
         self.lock = lock  # the file's, shared by its handles: its writes, truncates and commits in order
         self.name = name  # the file's path now, for log lines
-        self.cursor = Cursor()  # this handle's read-ahead
-        if content.mode is Mode.CLEAN:
-            self.cursor.locations = content.locations  # looked up once, at load
-        self.reader = HandleReader(fetcher, self.cursor)
 
     async def write(self, offset: int, data: bytes | memoryview) -> None:
         """Apply one write, in arrival order with the file's others; then, if the chunker is far
@@ -70,17 +62,6 @@ class FileHandle:
         if content.backlogged():
             await _thread(content.wait_backlog)
 
-    def read_ready(self, offset: int, size: int) -> bytes | memoryview | None:
-        """The bytes if they can be answered on the event loop (no wait, no lock held across I/O):
-        a restore's prefetched chunks, or a stored group's bytes already put back in file order."""
-        content = self.content
-        if content.mode is not Mode.CLEAN:
-            return None
-        if content.plain_range(offset, size):
-            ahead = content.read_ahead_limit(offset + size)
-            return self.fetcher.read_cached(content.index, offset, size, self.cursor, ahead)
-        return content.decoded(offset, size)  # a re-laid-out group: the one put back in file order
-
     def plain_range(self, offset: int, size: int) -> tuple[int, int] | None:
         """The file a read may be copied from by the kernel: the whole file in memory (served
         mode), its descriptor and how many of the ``size`` bytes at ``offset`` it has (it may end
@@ -88,7 +69,7 @@ class FileHandle:
         content = self.content
         fd = content.whole_fd()
         whole = content.whole
-        if fd < 0 or whole is None or not whole.in_memory:
+        if fd < 0 or whole is None or not whole.in_memory or content.on_disk is not None:
             return None
         return fd, max(0, min(size, os.fstat(fd).st_size - offset))
 
@@ -97,28 +78,8 @@ class FileHandle:
         fd = content.whole_fd()
         if fd >= 0:  # a whole file (served mode): in memory, read here; else in a worker thread
             whole = content.whole
-            if whole is not None and whole.in_memory:
+            if whole is not None and whole.in_memory and content.on_disk is None:
                 return os.pread(fd, size, offset)
             return await _thread(os.pread, fd, size, offset)
-        data = self.read_ready(offset, size)
-        if data is None and self.content.mode is Mode.CLEAN:
-            data = await self._group_bytes(offset, size)
-        if data is not None:
-            return data
-        return await _thread(self.content.read, offset, size, self.reader)
-
-    async def _group_bytes(self, offset: int, size: int) -> bytes | memoryview | None:
-        """A read of a group being put back: waited for on the event loop, woken by the decode,
-        instead of in a worker thread (the hop there and back cost more than the wait itself);
-        None if the bytes are not there when woken (the usual read then says why)."""
-        token = trio.lowlevel.current_trio_token()
-        woken = trio.Event()
-
-        def wake() -> None:  # on the decode's thread
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(woken.set)
-
-        if not self.content.when_ready(offset, size, wake):
-            return self.read_ready(offset, size)
-        await woken.wait()
-        return self.read_ready(offset, size)
+        # No whole file (a file being streamed to the chunker): its chunks, then what is queued.
+        return await _thread(content.read, offset, size, content.read_chunks)

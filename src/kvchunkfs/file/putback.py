@@ -1,6 +1,6 @@
 """Putting a stored snapshot back into a whole file, in parallel and in bounded memory.
 
-The snapshot's stored stream is read a piece at a time by a few workers (``Fetcher.scatter``), and
+The snapshot's stored stream is read a piece at a time by a few workers (``Restore.scatter``), and
 each worker writes the piece it read and checked straight to where the file has its bytes
 (``PutBack.write``, safe from any thread: every stored byte has its own place in the file): bytes
 outside groups at their own offset; a stored group's (chunker relayout: headers, then one record

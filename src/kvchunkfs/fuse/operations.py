@@ -5,7 +5,7 @@ host inode, while the file the kernel knows must keep its identity. ``Node`` map
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
 An unchanged content stays loaded for ``linger`` seconds (``reopen_linger``) after its last close:
 llama-server opens a snapshot twice per restore (it reads the end and the header, closes, and opens
-it again), and the second open takes the first one's content, read-ahead and decodes under way, if
+it again), and the second open takes the first one's content and its whole file, if
 the stub still holds the bytes it was loaded from.
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
@@ -943,7 +943,7 @@ class Operations(fuse.Operations):
             opener = None
         fh = self._next_fh
         self._next_fh += 1
-        file = FileHandle(content, self.files.fetcher, node.lock, lambda: node.path)
+        file = FileHandle(content, node.lock, lambda: node.path)
         self.handles[fh] = Handle(node, file, writer=writer, opener=opener)
         node.writers += writer
         return fh
@@ -1498,10 +1498,10 @@ class Operations(fuse.Operations):
                 "pack_reads": c.pack_reads,
                 "pack_bytes_read": c.pack_bytes_read,
                 "pack_direct_reads": c.direct_reads,
-                "chunks_read": self.files.fetcher.chunks_read,
-                "cache_hits": self.files.cache.hits,
-                "cache_misses": self.files.cache.misses,
-                "cache_bytes": self.files.cache.size,
+                "chunks_read": self.files.restore.stats.chunks_read,
+                "restores_to_memory": self.files.restore.stats.to_memory,
+                "restores_to_disk": self.files.restore.stats.to_disk,
+                "restore_disk_copies": self.files.restore.stats.disk_copies_open,
                 "restore_buffers_reused": self.files.buffers.reused,
                 "saves": self.saves,
                 "restores": self.restores,

@@ -16,9 +16,6 @@ PUBLIC = {
     "bytes_deduped": "deduped_bytes",  # chunk bytes saves passed that the store already had
     "bytes_predicted": "predicted_bytes",
     "pack_bytes_read": "pack_read_bytes",
-    "cache_hits": "readahead_cache_hits",
-    "cache_misses": "readahead_cache_misses",
-    "cache_bytes": "readahead_cache_bytes",
 }
 
 

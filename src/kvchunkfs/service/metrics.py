@@ -211,19 +211,24 @@ class StoreCollector(Collector):
         yield _counter("kvcfs_pack_reads", "Pack reads (one pread per run of chunks)", c.pack_reads)
         yield _counter("kvcfs_pack_read_bytes", "Bytes read from packs", c.pack_bytes_read)
         yield _counter("kvcfs_pack_direct_reads", "Pack reads that bypassed the page cache (O_DIRECT)", c.direct_reads)
-        yield _counter("kvcfs_chunks_read", "Chunks read from disk", self.files.fetcher.chunks_read)
-        cache = self.files.cache
-        yield _counter("kvcfs_readahead_cache_hits", "Chunk reads served by the read-ahead cache", cache.hits)
-        yield _counter("kvcfs_readahead_cache_misses", "Chunk reads that had to wait for disk", cache.misses)
-        yield _gauge("kvcfs_readahead_cache_bytes", "Bytes held by the read-ahead cache", cache.size)
+        rs = self.files.restore.stats
+        yield _counter("kvcfs_chunks_read", "Chunks read from disk", rs.chunks_read)
+        yield _counter(
+            "kvcfs_restores_to_memory", "Snapshots put back into a whole file in the memory tier", rs.to_memory
+        )
+        yield _counter("kvcfs_restores_to_disk", "Snapshots too big for the memory tier put back on the store's disk",
+                       rs.to_disk)  # fmt: skip
+        yield _gauge("kvcfs_restore_disk_copies", "Whole files on the store's disk that opens still hold",
+                     rs.disk_copies_open)  # fmt: skip
         pool = self.files.buffers
-        yield _counter("kvcfs_restore_buffers_reused", "Groups put back into a buffer faulted in before", pool.reused)
+        yield _counter("kvcfs_restore_buffers_reused", "Put-backs and saves given a buffer faulted in before",
+                       pool.reused)  # fmt: skip
         checks = self.files.checks
         doc = "Saves stored in file order: their stored form parsed otherwise"
         yield _counter("kvcfs_file_order_saves", doc, checks.file_order_saves)
         doc = "File or group checksums that did not match (failed with EIO)"
         yield _counter("kvcfs_checksum_mismatches", doc, checks.mismatches)
-        yield _gauge("kvcfs_restore_buffers_bytes", "Bytes of buffers kept for groups being put back", pool.size)
+        yield _gauge("kvcfs_restore_buffers_bytes", "Bytes of buffers kept for put-backs and saves", pool.size)
         yield from self._ops()
         yield from self._store()
 

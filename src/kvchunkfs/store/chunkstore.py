@@ -1,6 +1,6 @@
 """The narrow interfaces the layers above use the store through (as desync's Store / WriteStore /
-PruneStore): ``ChunkStore`` for a file's content (store, pin, fetch), ``ChunkReader`` for the
-read-ahead (locate, read runs), ``PruneStore`` for garbage collection (sweep rows, reclaim packs).
+PruneStore): ``ChunkStore`` for a file's content (store, pin, fetch), ``ChunkReader`` for a
+put-back's reads (locate, read runs), ``PruneStore`` for garbage collection (sweep rows, reclaim packs).
 
 ``PackStore`` (local packs + map) implements all three. The shared tier on S3 (``store/remote.py``) is not
 a second implementation: the read path needs the local map (locations, runs of back-to-back chunks),
@@ -56,7 +56,7 @@ class ChunkStore(Protocol):
 
 
 class ChunkReader(Protocol):
-    """What the read-ahead (``file/fetcher.py``) reads through."""
+    """What a put-back (``file/restore.py``) reads through."""
 
     def locate_many(self, ids: Iterable[bytes]) -> dict[bytes, Location]:
         """Where each of ``ids`` the map knows lies (ids it lacks are left out)."""

@@ -249,7 +249,7 @@ class PackStore(ChunkMap):
         return set(self.locate_many(ids))
 
     def get_many(self, ids: Sequence[bytes]) -> list[bytes]:
-        """Each chunk read and checked on its own (the read-ahead reads runs instead: file/fetcher.py)."""
+        """Each chunk read and checked on its own (a put-back reads runs instead: file/restore.py)."""
         found = self.locate_many(ids)
         out = []
         for cid in ids:

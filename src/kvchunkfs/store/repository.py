@@ -41,9 +41,8 @@ class StoreSettings:
     chunk_max: int = 256 << 10
     chunker: str = "relayout"  # for new stores: "relayout", "format" or "cdc" (format/cutter.py)
     pack_size: int = 64 << 20
-    readahead: int = 32 << 20
     prefetch_workers: int = 8
-    cache_size: int = 256 << 20
+    cache_size: int = 128 << 20
     chunk_workers: int = 0  # 0: one per CPU
     max_file_size: int = 64 << 30
     verify_reads: bool = True

@@ -157,10 +157,9 @@ function renderOverview(s) {
   const c = s.counters || {};
   setVal("ov-saves", c.saves, num(c.saves));
   setVal("ov-restores", c.restores, num(c.restores));
-  const lookups = (c.readahead_cache_hits || 0) + (c.readahead_cache_misses || 0);
-  const rate = lookups ? c.readahead_cache_hits / lookups : null;
-  setVal("ov-cache", rate, rate === null ? "–" : (100 * rate).toFixed(1) + " %");
-  $("#ov-cache-sub").textContent = num(c.readahead_cache_hits) + " hits, " + num(c.readahead_cache_misses) + " misses";
+  const putBacks = (c.restores_to_memory || 0) + (c.restores_to_disk || 0);
+  setVal("ov-cache", putBacks, num(putBacks));
+  $("#ov-cache-sub").textContent = num(c.restores_to_memory) + " into memory, " + num(c.restores_to_disk) + " on disk";
   if (c.hot_budget !== undefined) {
     setVal("ov-hot", c.hot_bytes, bytes(c.hot_bytes) + " of " + bytes(c.hot_budget));
     $("#ov-hot-sub").textContent = num(c.hot_files) + " copies · " + num(c.hot_hits) + " hits, " + num(c.hot_misses) +

@@ -28,7 +28,7 @@ from kvchunkfs.file.fetcher import LOCATE_ALL, SCATTER_READERS, ChunkCache, Fetc
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool, prestart
+from kvchunkfs.file.queues import ChunkPool, InFlight, prestart
 from kvchunkfs.file.reader import ReadChunks
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
@@ -101,6 +101,7 @@ class Files:
         self.decoders = ThreadPoolExecutor(DECODERS, thread_name_prefix="group")
         prestart(self.decoders, 2)
         self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
+        self.restores = InFlight()  # clients' loads under way: the warm-up waits for them (file/warmup.py)
         self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
@@ -187,6 +188,10 @@ class Files:
         Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them. With a
         remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
+        with self.restores.client():  # the warm-up waits meanwhile
+            return self._load_whole(rel)
+
+    def _load_whole(self, rel: str) -> FileContent:
         content = self._load(rel)
         for _ in range(3):  # its staged file stored and moved into the hot tier between: load again
             try:
@@ -259,16 +264,17 @@ class Files:
         whole = self.repo.whole
         return whole is None or content.index.size <= whole.free_bytes() // 2
 
-    def _put_back(self, content: FileContent, rel: str) -> None:
+    def _put_back(self, content: FileContent, rel: str, scatter: Scatter | None = None, warm: bool = False) -> None:
         """Write the snapshot's bytes into a new whole file, checked against its file record, and
-        back ``content`` by it, kept in the hot tier."""
+        back ``content`` by it, kept in the hot tier. ``scatter``: how the stored bytes are read
+        (``Fetcher.scatter`` if None); ``warm``: the warm-up's (file/warmup.py), not a client's."""
         whole = self.repo.whole
         if whole is None:
             return
         key = _hot_key(content)
         path, fd = whole.new_part() if key is not None else whole.new_staged()
         try:
-            size = content.write_whole(fd, self.fetcher.scatter)
+            size = content.write_whole(fd, scatter or self.fetcher.scatter)
         except BaseException:
             os.close(fd)
             whole.drop_staged(path)
@@ -277,7 +283,7 @@ class Files:
             content.use_whole(fd, path)
             return
         try:
-            whole.hot_commit(path, key, size, rel=rel)
+            whole.hot_commit(path, key, size, rel=rel, warm=warm)
         except OSError:
             os.close(fd)
             whole.drop_staged(path)

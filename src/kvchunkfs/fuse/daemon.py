@@ -18,6 +18,7 @@ from typing import cast
 import trio
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.file.warmup import start_if_empty
 from kvchunkfs.fuse import api, mounts
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
@@ -155,7 +156,9 @@ def serve(
     tierdir.sweep(skip=whole.root)  # tiers whose store is gone or that no daemon serves
     watcher = PressureWatcher(whole)
     watcher.start()
+    warm = start_if_empty(files, whole, s.warm_up)  # a tier found empty: the likeliest restores put back
     ops = Operations(files)
+    ops.warm_up_stats = warm.stats
     ops.linger = files.repo.settings.reopen_linger
     ops.stop_timeout = stop_timeout
     ops.mountpoint = str(mountpoint.resolve())
@@ -172,6 +175,7 @@ def serve(
         tasks.append(partial(stop_on_signals, terminate=session.terminate, bound=stop_timeout))
         trio.run(_main, session, mountpoint, kernel_readahead_kb, tasks)
     finally:
+        warm.close()
         session.close(unmount=True)
         watcher.close()
         log.info("unmounted %s", mountpoint)

@@ -197,6 +197,7 @@ class Operations(fuse.Operations):
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
         self.retries = StaleRetries()  # opens answered ESTALE, which the kernel retries (fuse/retries.py)
+        self.warm_up_stats: Callable[[], dict[str, int]] = dict  # the mount's warm-up (file/warmup.py)
         self._next_ino = fuse.ROOT_INODE + 1
         self._next_fh = 1
         root = Node(fuse.ROOT_INODE, "", True, nlookup=1)
@@ -1545,7 +1546,7 @@ class Operations(fuse.Operations):
             "hot_misses": h.misses,
             "hot_put_backs": h.put_backs,
             "hot_evictions": h.evictions,
-        } | whole.tier_stats()
+        } | whole.tier_stats() | self.warm_up_stats()
 
     def _room_stats(self) -> dict[str, int]:
         """Whether the store is degraded (ingestion cannot store what is staged) and how much is

@@ -28,13 +28,13 @@ budget leaves clients (``tier_size`` less the budget: staged saves are taking it
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvchunkfs.file.files import Files, _hot_key
 from kvchunkfs.file.queues import lower_priority
@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 READERS = 1  # workers reading the warm-up's pieces
 POLL = 0.02  # seconds between looks while waiting for clients
-HOLD_ENV = "KVCFS_WARM_UP_HOLD"  # tests: while the file it names exists, the warm-up waits after each piece
+# Tests: while the file it names exists, the warm-up waits after each piece once it has written the
+# number of pieces the file holds (none: from the first).
+HOLD_ENV = "KVCFS_WARM_UP_HOLD"
 
 
 class Stopped(Exception):
@@ -168,6 +170,7 @@ class WarmUp:
             "warm_up_yields": self.yields,
             "warm_up_stopped_short": int(self.stopped_short),
             "warm_up_ms": int(self.elapsed * 1000),
+            "restores_loading": int(self.files.restores.busy()),
         }
 
     def _run(self) -> None:
@@ -221,9 +224,7 @@ class WarmUp:
             self._gate(count=True)
             write(pos, view)
             self.pieces += 1
-            hold = os.environ.get(HOLD_ENV)
-            while hold and os.path.exists(hold) and not self._stop.is_set():
-                time.sleep(POLL)
+            self._hold()
 
         inner = self.files.fetcher.scatter(index, gated, locations, readers=READERS)
         try:
@@ -232,6 +233,17 @@ class WarmUp:
                 yield done
         finally:
             inner.close()
+
+    def _hold(self) -> None:
+        hold = os.environ.get(HOLD_ENV)
+        while hold and not self._stop.is_set():
+            try:
+                after = int(Path(hold).read_text().strip() or 0)
+            except (OSError, ValueError):
+                return
+            if self.pieces < after:
+                return
+            time.sleep(POLL)
 
     def _gate(self, count: bool = False) -> None:
         """Return once no client's restore or save is under way; Stopped if the warm-up must stop."""
@@ -260,11 +272,9 @@ class WarmUp:
             raise Stopped(f"stopped: the memory tier's room is for clients ({self.whole.room() >> 20} MiB left)")
 
 
-def start_if_empty(files: Files, whole: WholeFiles, share: float) -> WarmUp:
-    """The mount's warm-up, started if the tier holds neither a hot copy nor a staged save."""
-    warm = WarmUp(files, whole, share)
-    files_hot, _ = whole.hot_usage()
-    with contextlib.suppress(OSError):
-        if not files_hot and not whole.staged_names():
-            warm.start()
-    return warm
+def tier_empty(whole: WholeFiles) -> bool:
+    """Whether the tier holds neither a hot copy nor a staged save (what a mount found: call it first)."""
+    try:
+        return not whole.hot_usage()[0] and not whole.staged_names()
+    except OSError:
+        return False

@@ -178,6 +178,7 @@ _WHOLE = (
     ("warm_up_yields", "counter", "Times the warm-up waited for a client's restore or save to finish"),
     ("warm_up_stopped_short", "gauge", "1 if the warm-up stopped because memory was short"),
     ("warm_up_ms", "gauge", "Milliseconds the warm-up ran (waits for clients included)"),
+    ("restores_loading", "gauge", "Clients' restores loading or being put back now (the warm-up waits for them)"),
     ("tier_size", "gauge", "memory_tier_size in effect: staged saves and hot copies together"),
     ("tier_fs_size", "gauge", "Size of the file system the memory tier is on (its own tmpfs as root)"),
     ("staged_files", "gauge", "Files in the memory tier's staged area (saves not yet stored, open rewrites)"),

@@ -138,11 +138,14 @@ def test_a_clients_restore_goes_first(warm: Mount, boot: Path, tmp_path: Path, m
     got: dict[str, bytes] = {}
     client = threading.Thread(target=lambda: got.__setitem__("cold", warm.path("cold").read_bytes()))
     client.start()
-    wait_until(warm, lambda s: s["restores_loading"] == 1)
-    warm_hold.unlink()  # the warm-up may go on: it meets the client's restore
-    st = wait_until(warm, lambda s: s["warm_up_yields"] >= 1)
-    assert st["warm_up_pieces"] == pieces and st["warm_up_files"] == 0, "no piece while a client restores"
-    restore_hold.unlink()
+    try:
+        wait_until(warm, lambda s: s["restores_loading"] == 1)
+        warm_hold.unlink()  # the warm-up may go on: it meets the client's restore
+        st = wait_until(warm, lambda s: s["warm_up_yields"] >= 1)
+        assert st["warm_up_pieces"] == pieces and st["warm_up_files"] == 0, "no piece while a client restores"
+    finally:  # a failure above leaves nothing held (the unmount would wait for the client)
+        warm_hold.unlink(missing_ok=True)
+        restore_hold.unlink()
     client.join(timeout=60)
     assert not client.is_alive()
     assert hashlib.sha256(got["cold"]).digest() == hashlib.sha256(data["cold"]).digest()

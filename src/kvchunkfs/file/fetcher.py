@@ -251,12 +251,13 @@ class Fetcher:
         write: Callable[[int, memoryview], None],
         locations: dict[bytes, Location] | None = None,
         readers: int = SCATTER_READERS,
+        executor: ThreadPoolExecutor | None = None,
     ) -> Generator[int, None, None]:
         """Every stored byte of ``index`` read from the packs a piece at a time by ``readers``
         workers, each piece checked and handed to ``write(offset, bytes)`` on the worker that read
         it, so pieces are written in parallel while the disk reads the next ones; yields, in order,
         the offset up to which every piece is written. Returns (or raises the first error) only
-        once no worker is still writing.
+        once no worker is still writing. ``executor``: the workers' (the read-ahead's if None).
 
         Memory: ``readers + 2`` pieces, whatever the file's size. Only chunks the file has again
         later are cached (a repeat, zeros): a piece of repeats waits for the pieces that read them
@@ -316,7 +317,7 @@ class Fetcher:
             write(index.start(j), view)
             return view
 
-        workers = [self.pool.submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
+        workers = [(executor or self.pool).submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
         try:
             for k, (j, _n, length) in enumerate(pieces):
                 buf, _ = reads.results[k].result()

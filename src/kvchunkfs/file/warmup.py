@@ -15,9 +15,10 @@ attribute per stub, known at mount, where the score needs the catalog (docs/memo
 **Clients first.** Before each snapshot and before each piece of one (``Fetcher.scatter``'s, about
 1 MiB), the warm-up waits while a client's restore is under way (``Files.restores``) or a save waits
 in the tier to be stored, so a client's restore waits at most for the piece in hand. It reads with
-one worker (a client's put-back has three). A client's open of the very snapshot being warmed does
-its own put-back, and the warm-up's copy is then dropped. Its copies are first in line for
-eviction, so a client's copy, or a save, never goes for one of them.
+one worker of its own at low priority (a client's put-back has three of the read-ahead's). A
+client's open of the very snapshot being warmed does its own put-back, and the warm-up's copy is
+then dropped. Its copies are first in line for eviction, so a client's copy, or a save, never goes
+for one of them.
 
 **Stops** when the budget is filled, when memory is short (``WholeFiles.short``: the copy being made
 is dropped; the pressure watcher evicts warmed copies first), when the tier's room is what the
@@ -33,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +149,8 @@ class WarmUp:
         self.elapsed = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="warm-up", daemon=True)
+        # Its own reader, at low priority too: a client's put-back has the read-ahead's workers.
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="warm-up-read", initializer=lower_priority)
 
     def start(self) -> None:
         if self.budget > 0:
@@ -157,6 +161,7 @@ class WarmUp:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._readers.shutdown(wait=False)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -226,7 +231,7 @@ class WarmUp:
             self.pieces += 1
             self._hold()
 
-        inner = self.files.fetcher.scatter(index, gated, locations, readers=READERS)
+        inner = self.files.fetcher.scatter(index, gated, locations, readers=READERS, executor=self._readers)
         try:
             for done in inner:
                 self._gate()

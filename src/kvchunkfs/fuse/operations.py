@@ -1519,6 +1519,7 @@ class Operations(fuse.Operations):
                 "fuse_passthrough": int(self.session is not None and self.session.passthrough),
             }
             | self.whole_stats()
+            | self.warm_up_stats()
             | (self.repo.remote.stats() if self.repo.remote is not None else {})
         )
 
@@ -1546,7 +1547,7 @@ class Operations(fuse.Operations):
             "hot_misses": h.misses,
             "hot_put_backs": h.put_backs,
             "hot_evictions": h.evictions,
-        } | whole.tier_stats() | self.warm_up_stats()
+        } | whole.tier_stats()
 
     def _room_stats(self) -> dict[str, int]:
         """Whether the store is degraded (ingestion cannot store what is staged) and how much is

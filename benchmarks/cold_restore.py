@@ -130,6 +130,9 @@ def main() -> None:
     margs = {k: extra for k in kinds}
     if args.baseline_args is not None:
         margs["base"] = args.baseline_args.split()
+    for k in kinds:  # a restore from chunks: no warm-up puts the file back first (an older tree has none)
+        if kinds[k] == (ROOT / "src").resolve() or k == "new":
+            margs[k] = ["--warm-up", "0", *margs[k]]
     mounts = {}
     for k, src in kinds.items():
         store, mnt = str(work / f"store-{k}"), str(work / f"mnt-{k}")

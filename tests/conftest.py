@@ -109,9 +109,11 @@ class Mount:
         self._catalogs_before = self.log().count(CATALOG_LOADED)
         env = dict(os.environ, PYTHONPATH=str(SRC))
         launcher = [str(TESTS / "jitter_daemon.py")] if self.jitter else ["-m", "kvchunkfs.cli"]
-        # A stop keeps the memory tier (hot copies survive a restart) unless a test sets it otherwise.
+        # A stop keeps the memory tier (hot copies survive a restart), and a mount on an emptied tier
+        # puts nothing back before a client asks (no warm-up: tests/test_warmup.py turns it on),
+        # unless a test sets them otherwise.
         cmd = [sys.executable, *launcher, "mount", "--store", str(self.store), "--whole-files-dir", str(self.whole),
-               "--memory-tier-on-stop", "keep", *self.extra, str(self.mnt)]  # fmt: skip
+               "--memory-tier-on-stop", "keep", "--warm-up", "0", *self.extra, str(self.mnt)]  # fmt: skip
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec)
         deadline = time.monotonic() + 30

@@ -301,6 +301,16 @@ SETTINGS: dict[str, Setting] = {
             lo=-1,
         ),
         Setting(
+            "warm_up",
+            "float",
+            0.5,
+            "at a mount that finds the memory tier empty (a reboot, a new directory), the share of the hot "
+            "copies' budget the daemon fills in the background with the most recently used snapshots, "
+            "yielding to clients' restores and saves (0 = off)",
+            lo=0,
+            hi=1,
+        ),
+        Setting(
             "ingest_backlog",
             "size",
             0,
@@ -452,6 +462,7 @@ class Config:
     memory_tier_size: int = SETTINGS["memory_tier_size"].default
     memory_tier_on_stop: str = SETTINGS["memory_tier_on_stop"].default
     hot_tier_size: int = SETTINGS["hot_tier_size"].default
+    warm_up: float = SETTINGS["warm_up"].default
     ingest_backlog: int = SETTINGS["ingest_backlog"].default
     memory_trim_above: int = SETTINGS["memory_trim_above"].default
     stop_timeout: int = SETTINGS["stop_timeout"].default

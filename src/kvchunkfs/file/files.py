@@ -24,7 +24,7 @@ from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool
+from kvchunkfs.file.queues import ChunkPool, InFlight
 from kvchunkfs.file.restore import Restore
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
@@ -86,6 +86,7 @@ class Files:
         # without cutting them (file/predict.py).
         self.successors = Successors() if s.predict_chunks else None
         self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
+        self.restores = InFlight()  # clients' loads under way: the warm-up waits for them (file/warmup.py)
         self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
@@ -182,6 +183,10 @@ class Files:
         Read and pin as one step under ``store.lock``: GC's sweep cannot fall between them. With a
         remote tier, the chunks the local packs lack are fetched first (outside the lock: network).
         """
+        with self.restores.client():  # the warm-up waits meanwhile
+            return self._load_whole(rel)
+
+    def _load_whole(self, rel: str) -> FileContent:
         content = self._load(rel)
         for _ in range(3):  # its staged file stored and moved into the hot tier between: load again
             try:

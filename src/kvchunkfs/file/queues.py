@@ -1,13 +1,14 @@
 """The data path's threads and queues: ``ChunkPool`` (the threads that run file workers' turns),
-``prestart`` (a pool's threads started before they are needed) and ``ByteQueue`` (a file's bytes
-waiting for the chunker)."""
+``prestart`` (a pool's threads started before they are needed), ``ByteQueue`` (a file's bytes
+waiting for the chunker) and ``InFlight`` (clients' restores under way, which the warm-up waits for)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -108,3 +109,37 @@ class ByteQueue:
 
     def join(self) -> bytes:
         return b"".join(self.pieces)
+
+
+RESTORE_HOLD_ENV = "KVCFS_RESTORE_HOLD"  # tests: while the file it names exists, a restore under way waits
+
+
+class InFlight:
+    """Clients' restores under way (their loads and put-backs): background work that would compete
+    with them for the disk, the CPU and the read workers (the warm-up) waits while any is."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[None]:
+        with self._cond:
+            self._n += 1
+        try:
+            hold = os.environ.get(RESTORE_HOLD_ENV)
+            while hold and os.path.exists(hold):
+                time.sleep(0.02)
+            yield
+        finally:
+            with self._cond:
+                self._n -= 1
+                self._cond.notify_all()
+
+    def busy(self) -> bool:
+        return self._n > 0
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for no restore to be under way; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout)

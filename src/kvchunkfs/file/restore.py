@@ -128,6 +128,21 @@ class Restore:
         self.stats.add(to_memory=1)
         content.use_whole(fd, None)
 
+    def warm(self, content: FileContent, rel: str, key: str, scatter: Scatter) -> None:
+        """The warm-up's put-back (file/warmup.py): into the memory tier only, as a warm copy (first
+        to go, never counted as a client's put-back), its bytes read through ``scatter``."""
+        whole = self.repo.whole
+        assert whole is not None
+        path, fd = whole.new_part()
+        try:
+            self.write_whole(content, fd, scatter)
+            whole.hot_commit(path, key, content.index.size, rel=rel, warm=True)
+        except BaseException:
+            whole.drop_staged(path)
+            raise
+        finally:
+            os.close(fd)
+
     def _fits_memory(self, size: int) -> bool:
         """Whether a put-back of ``size`` bytes goes to the memory tier: half the room it has free
         covers it (the other half stays for saves; hot copies count as room: they give way to it
@@ -180,12 +195,13 @@ class Restore:
         write: Callable[[int, memoryview], None],
         locations: dict[bytes, Location] | None = None,
         readers: int = SCATTER_READERS,
+        executor: ThreadPoolExecutor | None = None,
     ) -> Generator[int, None, None]:
         """Every stored byte of ``index`` read from the packs a piece at a time by ``readers``
         workers, each piece checked and handed to ``write(offset, bytes)`` on the worker that read
         it, so pieces are written in parallel while the disk reads the next ones; yields, in order,
         the offset up to which every piece is written. Returns (or raises the first error) only
-        once no worker is still writing.
+        once no worker is still writing. ``executor``: the workers' (the put-back pool's if None).
 
         Memory: ``readers + 2`` pieces, whatever the file's size, and the chunks the file has
         again later (a repeat, zeros) up to ``REPEATS_KEPT``: a piece of repeats waits for the
@@ -258,7 +274,7 @@ class Restore:
             write(index.start(j), view)
             return view
 
-        workers = [self.pool.submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
+        workers = [(executor or self.pool).submit(reads.work, work) for _ in range(min(readers, len(pieces)))]
         try:
             for k, (j, _n, length) in enumerate(pieces):
                 buf, _ = reads.results[k].result()

@@ -18,6 +18,7 @@ from typing import cast
 import trio
 
 from kvchunkfs.file.files import Files
+from kvchunkfs.file.warmup import WarmUp, tier_empty
 from kvchunkfs.fuse import api, mounts
 from kvchunkfs.fuse.operations import Operations
 from kvchunkfs.fuse.prefault import prefault_libraries
@@ -155,7 +156,10 @@ def serve(
     tierdir.sweep(skip=whole.root)  # tiers whose store is gone or that no daemon serves
     watcher = PressureWatcher(whole)
     watcher.start()
+    warm = WarmUp(files, whole, s.warm_up)  # a tier found empty: the likeliest restores put back, once mounted
+    empty = tier_empty(whole)
     ops = Operations(files)
+    ops.warm_up_stats = warm.stats
     ops.linger = files.repo.settings.reopen_linger
     ops.stop_timeout = stop_timeout
     ops.mountpoint = str(mountpoint.resolve())
@@ -169,14 +173,22 @@ def serve(
             close_lingering,
             *(background or []),
         ]
+        if empty:
+            tasks.append(partial(start_warm_up, warm))
         tasks.append(partial(stop_on_signals, terminate=session.terminate, bound=stop_timeout))
         trio.run(_main, session, mountpoint, kernel_readahead_kb, tasks)
     finally:
+        warm.close()
         session.close(unmount=True)
         watcher.close()
         log.info("unmounted %s", mountpoint)
     whole.stop()  # a clean stop: the tier freed or kept, as the operator chose
     return ops
+
+
+async def start_warm_up(warm: WarmUp, ops: Operations) -> None:
+    """Start the warm-up (its own thread), once the saves staged before the last stop are resumed."""
+    warm.start()
 
 
 CHECKPOINT_INTERVAL = 5.0  # seconds: with durability=close, the saves a power cut may take back

@@ -197,6 +197,7 @@ class Operations(fuse.Operations):
         self.by_path: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
         self.retries = StaleRetries()  # opens answered ESTALE, which the kernel retries (fuse/retries.py)
+        self.warm_up_stats: Callable[[], dict[str, int]] = dict  # the mount's warm-up (file/warmup.py)
         self._next_ino = fuse.ROOT_INODE + 1
         self._next_fh = 1
         root = Node(fuse.ROOT_INODE, "", True, nlookup=1)
@@ -1518,6 +1519,7 @@ class Operations(fuse.Operations):
                 "fuse_passthrough": int(self.session is not None and self.session.passthrough),
             }
             | self.whole_stats()
+            | self.warm_up_stats()
             | (self.repo.remote.stats() if self.repo.remote is not None else {})
         )
 

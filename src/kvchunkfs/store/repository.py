@@ -56,6 +56,7 @@ class StoreSettings:
     memory_tier_size: int = 0  # staged saves and hot copies together (0: 1/4 of the machine's memory)
     memory_tier_on_stop: str = "free"  # "free" or "keep" the memory tier when the daemon stops
     hot_tier_size: int = -1  # bytes of whole copies kept for restores (0: none; -1: the tier's)
+    warm_up: float = 0.5  # share of the hot budget filled at a mount on an empty tier (file/warmup.py)
     ingest_backlog: int = 0  # staged bytes waiting for ingestion beyond which a close waits (0: 1/2 tier)
 
     @classmethod

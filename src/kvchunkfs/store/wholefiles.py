@@ -293,14 +293,18 @@ class WholeFiles:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         return path, fd
 
-    def hot_commit(self, path: Path, key: str, size: int, put_back: bool = True, rel: str | None = None) -> None:
+    def hot_commit(
+        self, path: Path, key: str, size: int, put_back: bool = True, rel: str | None = None, warm: bool = False
+    ) -> None:
         """``path`` (a verified whole copy of the snapshot ``rel``: a put-back part, or an ingested
         staged file) becomes the hot copy ``key``; with a budget of 0, or memory short, it is
-        unlinked (open fds keep it readable)."""
-        if put_back:
+        unlinked (open fds keep it readable). ``warm``: the warm-up's copy (not counted as a
+        restore's put-back): dropped if a client's is there already, else first in line for eviction
+        (the warm-up puts copies back most likely first: the last one is the least likely)."""
+        if put_back and not warm:
             with self._lock:
                 self.stats.put_backs += 1  # kept or not: the restore was put back
-        if self.budget <= 0 or size > self.budget or self.short:
+        if self.budget <= 0 or size > self.budget or self.short or (warm and self.hot_has(key)):
             self.drop_staged(path)
             return
         os.rename(path, self.hot_dir / key)
@@ -308,10 +312,17 @@ class WholeFiles:
             old = self._hot.pop(key, None)
             self._hot_bytes += size - (old or 0)
             self._hot[key] = size
+            if warm:
+                self._hot.move_to_end(key, last=False)
             if not put_back:
                 self.stats.adopted += 1
             self._name(rel, key)
         self.evict()
+
+    def hot_has(self, key: str) -> bool:
+        """Whether the hot tier holds the copy ``key`` (not counted as a hit or a miss)."""
+        with self._lock:
+            return key in self._hot
 
     def _name(self, rel: str | None, key: str) -> None:
         """``rel`` holds the version ``key`` now (under the lock): the copy of the version it held

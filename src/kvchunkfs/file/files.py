@@ -1,8 +1,9 @@
 """Open-file services over a ``Repository``: file contents, reads, and the save protocol.
 
-``Files.save`` is the whole save of one file, in the order docs/design.md requires: chunk what is
-still queued (pack bytes, then map rows), sync packs and map if durable, write the complete new
-stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run it in a thread.
+A save, in the order docs/design.md requires: store the whole file (pack bytes, then map rows:
+``prepare_save``, file/chunking.py), sync packs and map if durable, write the complete new stub
+under ``tmp/``, then rename it over the snapshot (``finish_save``). Every step blocks; callers run
+it in a thread.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Any
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent, Scatter
 from kvchunkfs.file.fetcher import LOCATE_ALL, SCATTER_READERS, ChunkCache, Fetcher
-from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
+from kvchunkfs.file.filesums import FileChecks
 from kvchunkfs.file.groups import DecodedGroups
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool, prestart
+from kvchunkfs.file.queues import prestart
 from kvchunkfs.file.reader import ReadChunks
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
@@ -60,7 +61,6 @@ class PendingSave:
     tmp: Path | None  # None: the file was unlinked, nothing to install
     durable: bool
     record: FileRecord | None = None
-    marks: list[Mark] | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -77,7 +77,6 @@ class Files:
         self.cache = ChunkCache(s.cache_size - self.buffers.capacity)
         pool = self.buffers
         repo.chunker.alloc = lambda n: pool.take(n, brief=True)  # a save's groups are re-laid out there too
-        self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.fetcher = Fetcher(repo.store, self.cache, s.prefetch_workers, s.readahead, s.verify_reads)
         self.fetcher.buffers = self.buffers
         # Not its workers started at mount: a pool whose every thread takes turns at the reads
@@ -101,7 +100,6 @@ class Files:
         self.decoders = ThreadPoolExecutor(DECODERS, thread_name_prefix="group")
         prestart(self.decoders, 2)
         self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
-        self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         return self.fetcher.read(index, offset, size)
@@ -141,7 +139,7 @@ class Files:
 
     def content(self, index: Index, whole: bool = True) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread); with
-        ``whole`` false, one that streams its writes to the chunker (ingestion's)."""
+        ``whole`` false, one whose copies are plain files under ``staging/`` (not the memory tier)."""
         repo = self.repo
         return FileContent(
             repo.store,
@@ -149,15 +147,12 @@ class Files:
             index,
             repo.staging,
             self.read_chunks,
-            self.pool,
-            keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
             successors=self.successors,
             decoded_groups=self.decoded_groups,
             buffers=self.buffers,
             decoders=self.decoders,
             checks=self.checks,
-            resumes=self.resumes,
             whole=repo.whole if whole else None,
         )
 
@@ -560,7 +555,7 @@ class Files:
             self.repo.sync()
         record = p.record.encode() if p.record is not None else None
         tmp = self.repo.prepare_stub(p.index, rel, durable, record) if rel is not None else None
-        return PendingSave(content, p.index, p.gen, tmp, durable, p.record, p.marks)
+        return PendingSave(content, p.index, p.gen, tmp, durable, p.record)
 
     def finish_staged(self, pending: PendingSave, rel: str) -> None:
         """``finish_save`` of an ingested staged save: its metadata is the snapshot's now."""
@@ -582,24 +577,13 @@ class Files:
             return False
         self.repo.install(pending.tmp, rel)
         pending.content.committed(pending.gen)
-        if pending.record is not None and pending.marks:
-            self.resumes.put(pending.record.file_sum, pending.marks)  # an append resumes from them
         return True
 
     def sync_dir(self, rel: str) -> None:
         """After a durable save: the rename itself survives power loss (blocking)."""
         fsync_dir(self.repo.path(rel).parent)
 
-    def save(self, content: FileContent, rel: str, durable: bool = False) -> bool:
-        """All of a save in one call, for callers that own the namespace (tests, offline tools)."""
-        pending = self.prepare_save(content, rel, durable)
-        saved = self.finish_save(pending, rel)
-        if saved and pending.durable:
-            self.sync_dir(rel)
-        return saved
-
     def close(self) -> None:
-        self.pool.close()
         self.fetcher.close()
         self.decoders.shutdown(wait=False)
 

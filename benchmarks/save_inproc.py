@@ -1,9 +1,10 @@
-"""A save through ``FileContent`` and a real store, no FUSE: the daemon's side of a save alone.
+"""A save stored in process, no FUSE: what ingestion does with a staged file, alone.
 
-Random bytes written in 1 MiB pieces into a fresh file (as FUSE hands them over), then committed;
-"new" is a save of bytes the store lacks, "stored" the same bytes again under a new file. Each
-round uses a fresh store per setting, ``predict_chunks`` on and off, alternating; medians of wall
-and process CPU time (the chunker threads and the writer). The store goes under ``--dir``.
+Random bytes in a staged file (in /dev/shm, as the memory tier), stored as a save is
+(``FileContent.prepare``: file/chunking.py); "new" is a save of bytes the store lacks, "stored"
+the same bytes again under a new file (its chunks predicted). Each round uses a fresh store per
+setting, ``predict_chunks`` on and off, alternating; medians of wall and process CPU time (every
+thread). The store goes under ``--dir``.
 ``--state`` saves an f16-shaped llama.cpp state file instead (32 layers, 1 KiB rows, as many cells
 as fit ``--size``): the relayout path with its groups, checksums and stored-form check.
 
@@ -27,7 +28,6 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))  # e2e/ggsq.py: the state files of --state
 
 from kvchunkfs import config as cfgmod  # noqa: E402
-from kvchunkfs.file.content import Action  # noqa: E402
 from kvchunkfs.file.files import Files  # noqa: E402
 from kvchunkfs.store.repository import Repository, StoreSettings  # noqa: E402
 
@@ -35,19 +35,20 @@ MiB = 1 << 20
 
 
 def save(files: Files, data: bytes) -> tuple[float, float]:
-    """(wall, CPU) seconds of one streamed save and its commit's chunking."""
-    content = files.content(files.repo.empty_index())
-    t0, c0 = time.perf_counter(), time.process_time()
-    for off in range(0, len(data), MiB):
-        piece = data[off : off + MiB]
-        if content.plan_write(off, len(piece)) is Action.START_STREAM:
-            content.start_stream()
-        assert content.write(off, piece)
-        if content.backlogged():
-            content.wait_backlog()
-    content.prepare_commit()
-    took = time.perf_counter() - t0, time.process_time() - c0
-    content.close()
+    """(wall, CPU) seconds of storing one staged save."""
+    fd, path = tempfile.mkstemp(prefix="kvcfs-staged-", dir="/dev/shm")
+    try:
+        os.unlink(path)
+        for off in range(0, len(data), MiB):
+            os.pwrite(fd, data[off : off + MiB], off)
+        content = files.content(files.repo.empty_index())
+        content.use_whole(os.dup(fd), None)
+        t0, c0 = time.perf_counter(), time.process_time()
+        content.prepare()
+        took = time.perf_counter() - t0, time.process_time() - c0
+        content.close()
+    finally:
+        os.close(fd)
     return took
 
 

@@ -101,7 +101,7 @@ def test_imports_follow_the_layers(name: str):
 # tells the catalog of each change), a file's write modes and thread hops through ``FileHandle``.
 FUSE_NEVER = {
     "kvchunkfs.store.stubs": None,  # the whole module
-    "kvchunkfs.file.content": {"Action", "Mode"},
+    "kvchunkfs.file.content": {"Mode"},
     "kvchunkfs.file.reader": None,
 }
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import tomllib
@@ -41,6 +42,14 @@ from kvchunkfs.units import GiB, KiB, MiB, format_duration, format_size, is_int,
 ENV_PREFIX = "KV_CHUNK_FS_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_SCORE = "(1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)"
+
+
+# Settings that no longer have an effect: a config file or the environment may still set them (one
+# warning line each), a command-line flag is refused.
+RETIRED = {
+    "writeback_cache": "every write goes to a whole file the kernel writes directly",
+    "chunk_workers": "a save is stored by one thread reading it, its chunks hashed on every core",
+}
 
 
 class ConfigError(ValueError):
@@ -221,7 +230,6 @@ SETTINGS: dict[str, Setting] = {
             "memory restores keep: half caches chunks, half holds stored groups put back (faulted in at mount)",
             lo=0,
         ),
-        Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
         Setting(
             "max_file_size",
             "size",
@@ -246,7 +254,6 @@ SETTINGS: dict[str, Setting] = {
             True,
             "saving: bytes that hash to the chunk that followed the last one before are not cut again",
         ),
-        Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
         Setting(
             "fuse_passthrough",
             "bool",
@@ -433,13 +440,11 @@ class Config:
     readahead: int = SETTINGS["readahead"].default
     prefetch_workers: int = SETTINGS["prefetch_workers"].default
     cache_size: int = SETTINGS["cache_size"].default
-    chunk_workers: int = SETTINGS["chunk_workers"].default
     max_file_size: int = SETTINGS["max_file_size"].default
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
     reopen_linger: int = SETTINGS["reopen_linger"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
     predict_chunks: bool = SETTINGS["predict_chunks"].default
-    writeback_cache: bool = SETTINGS["writeback_cache"].default
     fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
     whole_files_dir: Path | None = SETTINGS["whole_files_dir"].default
     whole_files_huge_pages: bool = SETTINGS["whole_files_huge_pages"].default
@@ -539,10 +544,17 @@ def _file_layer(path: Path, source: str) -> Layer:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
-    unknown = sorted(k for k in data if k not in SETTINGS)
+    for k in sorted(k for k in data if k in RETIRED):
+        _retired(k, f"config file {path}")
+    unknown = sorted(k for k in data if k not in SETTINGS and k not in RETIRED)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in config file {path}")
-    return {k: (_parse(SETTINGS[k], v, source, path.parent), source) for k, v in data.items()}
+    return {k: (_parse(SETTINGS[k], v, source, path.parent), source) for k, v in data.items() if k in SETTINGS}
+
+
+def _retired(name: str, where: str) -> None:
+    logging.getLogger(__name__).warning("%s (%s) no longer has an effect and is ignored: %s", name, where,
+                                        RETIRED[name])  # fmt: skip
 
 
 def _env_layer(environ: Mapping[str, str]) -> Layer:
@@ -551,6 +563,9 @@ def _env_layer(environ: Mapping[str, str]) -> Layer:
         if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV:
             continue
         name = var[len(ENV_PREFIX) :].lower()
+        if name in RETIRED and var == ENV_PREFIX + name.upper():
+            _retired(name, f"env:{var}")
+            continue
         if name not in SETTINGS or var != SETTINGS[name].env:
             raise ConfigError(f"unknown environment variable {var} (known: {', '.join(_env_names())})")
         source = f"env:{var}"

@@ -18,10 +18,15 @@ in-process users (offline tools, benchmarks) directly: every save is cut by this
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +45,9 @@ from kvchunkfs.store.chunkstore import ChunkStore
 log = logging.getLogger(__name__)
 
 WINDOW = BATCH  # file bytes read (and cut) at a time
+AHEAD = 1  # windows of a group made ahead of their use (memory: this and two more)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -198,7 +206,7 @@ class _Run:
             _pread_into(fd, off, out)
 
         reader, windows = self.cutter.group_windows(seg, read)
-        for pieces in windows:
+        for pieces in _ahead(windows) if reader.windows > 1 else windows:
             self._put(list(zip(chunk_ids(pieces, parallel=True), pieces, strict=True)))
         self.sums.add_group(seg, reader.file_pieces())
 
@@ -208,6 +216,41 @@ class _Run:
         self.new += self.store.put_many(chunks, self.owner)
         for cid, p in chunks:
             self.index.append(cid, len(p))
+
+
+def _ahead(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each made on a thread of its own one ahead of the caller's use of the last (the
+    next window of a group read and permuted while this one is hashed and written): at most
+    ``AHEAD`` made and not yet taken. An error comes out where its item would have."""
+    q: queue.Queue[tuple[bool, T | BaseException | None]] = queue.Queue(AHEAD)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put((True, item))
+            q.put((False, None))
+        except BaseException as e:  # handed to the caller
+            q.put((False, e))
+
+    t = threading.Thread(target=produce, name="chunking-ahead", daemon=True)
+    t.start()
+    try:
+        while True:
+            more, item = q.get()
+            if not more:
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        while t.is_alive():  # let it finish (it may wait to put one more)
+            with contextlib.suppress(queue.Empty):
+                q.get(timeout=0.05)
+        t.join()
 
 
 def _group_at(state: CutState) -> Segment | None:

@@ -38,7 +38,7 @@ from kvchunkfs.format.cutter import Cutter
 from kvchunkfs.format.filerecord import FileRecord, file_hasher
 from kvchunkfs.format.index import Index
 from kvchunkfs.store.chunkstore import ChunkStore
-from kvchunkfs.store.packs import Location
+from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing, Location
 from kvchunkfs.store.stubs import Staged
 from kvchunkfs.store.wholefiles import WholeFiles
 
@@ -413,9 +413,14 @@ class FileContent:
                 record = self.record if self._record_index is self.index else None
                 return Prepared(self.index, gen, record)
             fd = self.staging_fd  # open until close(), whatever replaces it meanwhile
-        stored = store_file(
-            fd, self.store, self.chunker, self, self.successors, self.checks, self.groups.name or "a file"
-        )
+        name = self.groups.name or "a file"
+        try:
+            stored = store_file(fd, self.store, self.chunker, self, self.successors, self.checks, name)
+        except (OSError, ChunkCorrupt, ChunkMissing):
+            raise
+        except Exception as e:  # a bug: the save fails (EIO), the daemon goes on
+            log.exception("storing %s failed", name)
+            raise OSError(errno.EIO, f"storing {name} failed: {e!r}") from e
         with self.cond:
             self.bytes_new += stored.new_bytes
         return Prepared(stored.index, gen, stored.record)

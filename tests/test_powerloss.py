@@ -359,7 +359,7 @@ def test_a_power_cut_loses_only_the_last_seconds_of_saves(layers: tuple[PowerFS,
     promises about the last 10 s)."""
     power, m = layers
     rng = random.Random(SEED)
-    m.extra = ["--durability", "close", "--chunk-workers", "1"]
+    m.extra = ["--durability", "close"]
     power.start(rng.randrange(1 << 30))
     m.store.mkdir(parents=True, exist_ok=True)
     m.start_settled()

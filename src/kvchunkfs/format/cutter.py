@@ -1,10 +1,10 @@
 """Where chunks end: plain content-defined chunking, or format-aware cutting of llama.cpp state files.
 
-The streaming writer feeds bytes in file order with the ``CutState`` at their first byte and gets
-back the chunks that are final plus the state at the first byte it must feed again (the tentative
-tail: bytes whose boundary later bytes may still move). ``final`` says the data ends the file.
-Boundaries are a function of the file's bytes only, so any split of the writes, a one-pass
-chunking of a staged copy and ``cut_all`` give the same chunks.
+A save (file/chunking.py) feeds a file's bytes in order, a window at a time, with the ``CutState``
+at their first byte and gets back the chunks that are final plus the state at the first byte it
+must feed again (the tentative tail: bytes whose boundary later bytes may still move). ``final``
+says the data ends the file. Boundaries are a function of the file's bytes only, so any split of
+the bytes and ``cut_all`` give the same chunks.
 
 ``aware=False`` is FastCDC over the whole file (the cutter of stores created before format-aware
 cutting). ``aware=True`` walks the file with ``llama_state.step``:

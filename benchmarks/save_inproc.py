@@ -6,10 +6,12 @@ the same bytes again under a new file (its chunks predicted). Each round uses a 
 setting, ``predict_chunks`` on and off, alternating; medians of wall and process CPU time (every
 thread). The store goes under ``--dir``.
 ``--state`` saves an f16-shaped llama.cpp state file instead (32 layers, 1 KiB rows, as many cells
-as fit ``--size``): the relayout path with its groups, checksums and stored-form check.
+as fit ``--size``): the relayout path with its groups, checksums and stored-form check; "next" is
+then its next turn (2% more tokens) saved after it.
 
     PYTHONPATH=src python3 benchmarks/save_inproc.py --size 200MiB --rounds 5
     PYTHONPATH=src python3 benchmarks/save_inproc.py --size 40MiB --rounds 9 --state
+    PYTHONPATH=src python3 benchmarks/save_inproc.py --size 1GiB --rounds 6 --state
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvchunkfs.file.files import Files  # noqa: E402
 from kvchunkfs.store.repository import Repository, StoreSettings  # noqa: E402
 
 MiB = 1 << 20
+OPS = {False: ("new", "stored"), True: ("new", "next", "stored")}
 
 
 def save(files: Files, data: bytes) -> tuple[float, float]:
@@ -52,12 +55,14 @@ def save(files: Files, data: bytes) -> tuple[float, float]:
     return took
 
 
-def state_file(size: int, seed: int) -> bytes:
-    """A state file of about ``size`` bytes: 32 layers of 1 KiB K and V rows (64 KiB a cell)."""
+def state_file(size: int, seed: int, more: float = 0.0) -> bytes:
+    """A state file of about ``size`` bytes: 32 layers of 1 KiB K and V rows (64 KiB a cell);
+    ``more``: that many more tokens of the same conversation (a next turn)."""
     from e2e import ggsq
 
     spec = ggsq.Spec(n_layer=32, row_bytes=1024)
-    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(max(1, size // spec.bytes_per_token), seed), spec)
+    n = max(1, size // spec.bytes_per_token)
+    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(n + int(n * more), seed), spec)
 
 
 def main() -> None:
@@ -71,18 +76,19 @@ def main() -> None:
     res: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
         data = state_file(size, rnd) if args.state else os.urandom(size)
+        turn = state_file(size, rnd, 0.02) if args.state else data
         for predict in (True, False) if rnd % 2 == 0 else (False, True):
             root = Path(tempfile.mkdtemp(prefix="kvcfs-inproc-", dir=args.dir))
             files = Files(Repository(root, StoreSettings(predict_chunks=predict)))
             try:
-                for op in ("new", "stored"):
-                    res.setdefault((op, predict), []).append(save(files, data))
+                for op in OPS[args.state]:
+                    res.setdefault((op, predict), []).append(save(files, turn if op == "next" else data))
             finally:
                 files.close()
                 files.repo.close()
                 shutil.rmtree(root, ignore_errors=True)
     print(f"{args.size}, {args.rounds} rounds, medians: wall s / CPU s")
-    for op in ("new", "stored"):
+    for op in OPS[args.state]:
         on, off = res[(op, True)], res[(op, False)]
         cells = [f"{statistics.median(x[i] for x in runs):.3f}" for runs in (off, on) for i in (0, 1)]
         print(f"{op:7} predict off {cells[0]} / {cells[1]}   on {cells[2]} / {cells[3]}")

@@ -29,7 +29,7 @@ format:
 unit:  # no root, no FUSE: about a minute
 	$(PYTEST) -m "unit and not slow"
 
-slow:  # no root, no FUSE: the exhaustive interleavings of the streaming writer, minutes
+slow:  # no root, no FUSE: every window a save may be read in, exhaustively, minutes
 	$(PYTEST) -m "unit and slow"
 
 fuse:  # real mounts: root and /dev/fuse
@@ -44,8 +44,8 @@ SERVED_TESTS = tests/test_fs_core.py tests/test_recovery.py tests/test_flush_cop
 served:
 	KV_CHUNK_FS_FUSE_PASSTHROUGH=false $(PYTEST) $(SERVED_TESTS)
 
-busy:  # the core streaming tests again beside a CPU hog, the chunker worker slowed and sped at random
+busy:  # the core save tests again beside a CPU hog, storing saves slowed and sped at random
 	KVCFS_TEST_BUSY=1 KVCFS_STRESS_ROUNDS=100 $(PYTEST) \
-		tests/test_fs_core.py tests/test_stream_stress.py tests/test_stream_interleave.py
+		tests/test_fs_core.py tests/test_stream_stress.py
 
 full: setup lint unit slow fuse served busy

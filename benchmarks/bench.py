@@ -271,7 +271,7 @@ def make_targets(
         str(ROOT / "benchmarks" / "nullfs.py"),
         "--kernel-readahead-kb",
         str(cfg.kernel_readahead_kb),
-        "--writeback-cache" if cfg.writeback_cache else "--no-writeback-cache",
+        "--no-writeback-cache",  # as kv-chunk-fs: the kernel never caches writes
         str(work / "null"),
     ]
     (work / PLAIN).mkdir()

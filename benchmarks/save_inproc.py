@@ -1,14 +1,17 @@
-"""A save through ``FileContent`` and a real store, no FUSE: the daemon's side of a save alone.
+"""A save stored in process, no FUSE: what ingestion does with a staged file, alone.
 
-Random bytes written in 1 MiB pieces into a fresh file (as FUSE hands them over), then committed;
-"new" is a save of bytes the store lacks, "stored" the same bytes again under a new file. Each
-round uses a fresh store per setting, ``predict_chunks`` on and off, alternating; medians of wall
-and process CPU time (the chunker threads and the writer). The store goes under ``--dir``.
+Random bytes in a staged file (in /dev/shm, as the memory tier), stored as a save is
+(``FileContent.prepare``: file/chunking.py); "new" is a save of bytes the store lacks, "stored"
+the same bytes again under a new file (its chunks predicted). Each round uses a fresh store per
+setting, ``predict_chunks`` on and off, alternating; medians of wall and process CPU time (every
+thread). The store goes under ``--dir``.
 ``--state`` saves an f16-shaped llama.cpp state file instead (32 layers, 1 KiB rows, as many cells
-as fit ``--size``): the relayout path with its groups, checksums and stored-form check.
+as fit ``--size``): the relayout path with its groups, checksums and stored-form check; "next" is
+then its next turn (2% more tokens) saved after it.
 
     PYTHONPATH=src python3 benchmarks/save_inproc.py --size 200MiB --rounds 5
     PYTHONPATH=src python3 benchmarks/save_inproc.py --size 40MiB --rounds 9 --state
+    PYTHONPATH=src python3 benchmarks/save_inproc.py --size 1GiB --rounds 6 --state
 """
 
 from __future__ import annotations
@@ -27,36 +30,39 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))  # e2e/ggsq.py: the state files of --state
 
 from kvchunkfs import config as cfgmod  # noqa: E402
-from kvchunkfs.file.content import Action  # noqa: E402
 from kvchunkfs.file.files import Files  # noqa: E402
 from kvchunkfs.store.repository import Repository, StoreSettings  # noqa: E402
 
 MiB = 1 << 20
+OPS = {False: ("new", "stored"), True: ("new", "next", "stored")}
 
 
 def save(files: Files, data: bytes) -> tuple[float, float]:
-    """(wall, CPU) seconds of one streamed save and its commit's chunking."""
-    content = files.content(files.repo.empty_index())
-    t0, c0 = time.perf_counter(), time.process_time()
-    for off in range(0, len(data), MiB):
-        piece = data[off : off + MiB]
-        if content.plan_write(off, len(piece)) is Action.START_STREAM:
-            content.start_stream()
-        assert content.write(off, piece)
-        if content.backlogged():
-            content.wait_backlog()
-    content.prepare_commit()
-    took = time.perf_counter() - t0, time.process_time() - c0
-    content.close()
+    """(wall, CPU) seconds of storing one staged save."""
+    fd, path = tempfile.mkstemp(prefix="kvcfs-staged-", dir="/dev/shm")
+    try:
+        os.unlink(path)
+        for off in range(0, len(data), MiB):
+            os.pwrite(fd, data[off : off + MiB], off)
+        content = files.content(files.repo.empty_index())
+        content.use_whole(os.dup(fd), None)
+        t0, c0 = time.perf_counter(), time.process_time()
+        content.prepare()
+        took = time.perf_counter() - t0, time.process_time() - c0
+        content.close()
+    finally:
+        os.close(fd)
     return took
 
 
-def state_file(size: int, seed: int) -> bytes:
-    """A state file of about ``size`` bytes: 32 layers of 1 KiB K and V rows (64 KiB a cell)."""
+def state_file(size: int, seed: int, more: float = 0.0) -> bytes:
+    """A state file of about ``size`` bytes: 32 layers of 1 KiB K and V rows (64 KiB a cell);
+    ``more``: that many more tokens of the same conversation (a next turn)."""
     from e2e import ggsq
 
     spec = ggsq.Spec(n_layer=32, row_bytes=1024)
-    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(max(1, size // spec.bytes_per_token), seed), spec)
+    n = max(1, size // spec.bytes_per_token)
+    return ggsq.synthetic_bytes(ggsq.synthetic_tokens(n + int(n * more), seed), spec)
 
 
 def main() -> None:
@@ -70,18 +76,19 @@ def main() -> None:
     res: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
         data = state_file(size, rnd) if args.state else os.urandom(size)
+        turn = state_file(size, rnd, 0.02) if args.state else data
         for predict in (True, False) if rnd % 2 == 0 else (False, True):
             root = Path(tempfile.mkdtemp(prefix="kvcfs-inproc-", dir=args.dir))
             files = Files(Repository(root, StoreSettings(predict_chunks=predict)))
             try:
-                for op in ("new", "stored"):
-                    res.setdefault((op, predict), []).append(save(files, data))
+                for op in OPS[args.state]:
+                    res.setdefault((op, predict), []).append(save(files, turn if op == "next" else data))
             finally:
                 files.close()
                 files.repo.close()
                 shutil.rmtree(root, ignore_errors=True)
     print(f"{args.size}, {args.rounds} rounds, medians: wall s / CPU s")
-    for op in ("new", "stored"):
+    for op in OPS[args.state]:
         on, off = res[(op, True)], res[(op, False)]
         cells = [f"{statistics.median(x[i] for x in runs):.3f}" for runs in (off, on) for i in (0, 1)]
         print(f"{op:7} predict off {cells[0]} / {cells[1]}   on {cells[2]} / {cells[3]}")

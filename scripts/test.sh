@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up for tests (scripts/setup-dev.sh: the test-only system packages and .venv), then the test
 # tiers in fail-fast order (Makefile): lint and types; unit tests (no FUSE); the exhaustive
-# interleavings of the streaming writer; the real-mount suite (root and /dev/fuse); its core, crash
+# window splits of a save (`slow`); the real-mount suite (root and /dev/fuse); its core, crash
 # and staged-save tests again with passthrough off (served mode); a "busy machine"
-# round: the core streaming tests again with a CPU hog beside them and the chunker worker slowed and
-# sped at random (tests/conftest.py BUSY). Everything runs on .venv/bin/python.
+# round: the core save tests again with a CPU hog beside them and storing saves slowed and sped at
+# random (tests/conftest.py BUSY). Everything runs on .venv/bin/python.
 # Arguments, if any, are passed to one pytest run instead of the tiers.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -17,7 +17,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 TESTS = Path(__file__).resolve().parent
-# KVCFS_TEST_BUSY=1: every daemon runs with its chunker workers slowed and sped at random
+# KVCFS_TEST_BUSY=1: every daemon runs with its saves' storing slowed and sped at random
 # (tests/jitter_daemon.py) and a process keeps one core busy for the whole session.
 BUSY = os.environ.get("KVCFS_TEST_BUSY") == "1"
 MOUNTED = "kvchunkfs.fuse.daemon: mounted "  # the daemon's log line once it serves
@@ -37,6 +37,7 @@ UNIT_MODULES = {
     "test_fuzz_relayout",
     "test_format_cutter",
     "test_format_stream",
+    "test_chunking_windows",
     "test_fuse_protocol",
     "test_formula",
     "test_gc_changes",
@@ -51,10 +52,9 @@ UNIT_MODULES = {
     "test_putback",
     "test_sparse_copy",
     "test_splicing",
-    "test_stream_interleave",
     "test_units",
 }
-EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser", "test_stream_interleave": "slow"}
+EXTRA_MARKS = {"test_remote": "remote", "test_ui": "browser", "test_chunking_windows": "slow"}
 
 
 def fuse_missing() -> str | None:

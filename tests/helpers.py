@@ -13,7 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol, cast
 
-from kvchunkfs.file.content import Action, FileContent
+from kvchunkfs.file.content import FileContent
+from kvchunkfs.file.files import Files
 from kvchunkfs.format.index import Index
 from kvchunkfs.store import stubs
 from kvchunkfs.store.packs import PackStore
@@ -30,16 +31,32 @@ def write_in_pieces(path: Path, data: bytes, piece: int, mode: str = "wb") -> No
 
 
 def write_content(content: FileContent, off: int, data: bytes) -> None:
-    """What the FUSE write does, in this thread: start the stream or copy to staging as the content's
-    plan asks, then write."""
-    while True:
-        action = content.plan_write(off, len(data))
-        if action is Action.START_STREAM:
-            content.start_stream()
-        elif action is Action.TO_STAGING:
-            content.to_staging()
-        elif content.write(off, data):
-            return
+    """What the FUSE write does, in this thread: a file of the content's own first, then write."""
+    if not content.own_file():
+        content.to_staging()
+    content.write(off, data)
+
+
+def truncate_content(content: FileContent, size: int) -> None:
+    """What the FUSE truncate does, in this thread."""
+    if not content.own_file():
+        content.to_staging(size)
+    content.truncate(size)
+
+
+def prepare_commit(content: FileContent) -> tuple[Index, int]:
+    """Store what the content holds: (index, generation). Blocking."""
+    p = content.prepare()
+    return p.index, p.gen
+
+
+def save(files: Files, content: FileContent, rel: str, durable: bool = False) -> bool:
+    """All of a save in one call, as the mount's close makes it (the caller owns the namespace)."""
+    pending = files.prepare_save(content, rel, durable)
+    saved = files.finish_save(pending, rel)
+    if saved and pending.durable:
+        files.sync_dir(rel)
+    return saved
 
 
 def sha(data: bytes) -> str:

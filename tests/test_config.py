@@ -168,13 +168,32 @@ def test_a_retired_setting_is_read_with_one_warning(
         cfg = load({"config": str(path)}, env)
     assert cfg.chunk_avg == 65536 and not hasattr(cfg, "readahead")
     lines = [r.getMessage() for r in caplog.records if "readahead" in r.getMessage()]
-    assert len(lines) == 1 and "ignored" in lines[0], lines
+    assert len(lines) == 1 and "no longer has an effect" in lines[0], lines
     caplog.clear()
     env["KV_CHUNK_FS_READAHEAD"] = "8MiB"
     with caplog.at_level("WARNING", logger="kvchunkfs.config"):
         load(None, env)
     assert ["KV_CHUNK_FS_READAHEAD" in r.getMessage() for r in caplog.records] == [True]
     assert "readahead" not in SETTINGS
+
+
+def test_retired_settings_are_ignored_with_one_warning(
+    env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config file or the environment that still sets a setting without effect loads, saying so
+    once; the command line no longer has its flag."""
+    path = write(tmp_path / "c.toml", "writeback_cache = true\nchunk_avg = 65536\n")
+    env["KV_CHUNK_FS_CHUNK_WORKERS"] = "4"
+    with caplog.at_level("WARNING", logger="kvchunkfs.config"):
+        cfg = load({"config": str(path)}, env)
+    assert cfg.chunk_avg == 65536 and not hasattr(cfg, "writeback_cache")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("no longer has an effect" in x for x in lines), lines
+    assert "writeback_cache" in lines[0] and "chunk_workers" in lines[1]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--writeback-cache"])
 
 
 def test_env_names_are_upper_case(env: dict[str, str]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from ggsq_shapes import ISSUE_FILE, ggsq_files, tiny_ggsq_files
+from helpers import save as save_content
 from helpers import write_content
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -154,7 +155,7 @@ def save(repo: Repository, files: Files, data: bytes, pieces: list[int], name: s
         for n in [*pieces, len(data)]:
             write_content(content, pos, data[pos : pos + n])
             pos = min(len(data), pos + n)
-        assert files.save(content, name)
+        assert save_content(files, content, name)
     finally:
         content.close()
     return name
@@ -223,20 +224,17 @@ def test_small_values_round_trip_through_a_save(store, data, pieces):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=_slow_ok)
-@given(ggsq_files(max_cells=40, max_row=300), st.data(), st.booleans())
-def test_an_append_continues_the_record(store, data, draw, remembered):
-    """A file saved, then appended to (llama-server's second pass): the record is the whole file's,
-    whether the append continues the checksum from this daemon's marks or reads the file back."""
+@given(ggsq_files(max_cells=40, max_row=300), st.data())
+def test_an_append_continues_the_record(store, data, draw):
+    """A file saved, then appended to (llama-server's second pass): the record is the whole file's."""
     repo, files = store
     cut = draw.draw(st.integers(1, max(1, len(data))))
     first, rest = data[:cut], data[cut:]
     name = save(repo, files, first, [])
-    if not remembered:
-        files.resumes.put(record_of(repo, name, len(first)).file_sum, [])  # forgotten: read back
     content = files.load(name)
     try:
         write_content(content, len(first), rest)
-        assert files.save(content, name)
+        assert save_content(files, content, name)
     finally:
         content.close()
     assert read_back(files, name, len(data)) == data
@@ -254,9 +252,8 @@ def test_a_bad_record_fails_the_open(store):
 
 @pytest.mark.parametrize("how", ["append", "rewrite"])
 def test_a_file_put_back_whole_is_checked(store, how):
-    """An append that reads the file back, or a write behind the end that copies it into a staging
-    file: a file whose checksum does not match fails with EIO (counted), it never becomes the next
-    version."""
+    """A write (past the end, or behind it) copies the file into a staging file: a file whose
+    checksum does not match fails with EIO (counted), it never becomes the next version."""
     repo, files = store
     data = ISSUE_FILE * 2 if how == "append" else os.urandom(1 << 20)  # one chunk; many chunks
     name = save(repo, files, data, [])
@@ -298,37 +295,3 @@ def test_any_file_range_of_a_group_comes_from_its_records(count, cells, width, l
     off, end = sorted((a % (seg.end + 1), b % (seg.end + 1)))
     got = relayout.file_range(g, lambda o, n: stream[o : o + n], off, end - off)
     assert got is None if trans else got == data[off:end]
-
-
-def test_an_append_right_after_the_save_reads_back_only_the_end(store):
-    """llama-server's second pass: the append continues from the save's marks and parses the
-    headers from the few stored bytes they need, so it reads the last group (the one holding the
-    last chunk) and little else; with the marks forgotten (a restart) it reads the file whole."""
-    from e2e import ggsq
-
-    repo, files = store
-    spec = ggsq.Spec(n_layer=24, row_bytes=1024)
-    counters = repo.store.counters
-    for remembered in (True, False):
-        toks = ggsq.synthetic_tokens(600, 3 + remembered)  # nothing of it cached
-        data = ggsq.synthetic_bytes(toks, spec)
-        blob = ggsq.checkpoint_blob(toks, ggsq.Spec(n_layer=24, row_bytes=1024, recurrent_bytes=4096))
-        groups = [g for g in ls.segments(data, GROUP_WIDTH) if g.group is not None]
-        assert len(groups) >= 6
-        name = save(repo, files, data, [])
-        if not remembered:
-            files.resumes.put(record_of(repo, name, len(data)).file_sum, [])
-        before = counters.pack_bytes_read
-        content = files.load(name)
-        try:
-            write_content(content, len(data), blob)
-            assert files.save(content, name)
-        finally:
-            content.close()
-        read = counters.pack_bytes_read - before
-        if remembered:
-            assert read <= len(data) * 2 // len(groups) + (1 << 20), (read, len(data))  # the last group
-        else:
-            assert read >= len(data) - (groups[-1].end or 0) + groups[-1].start, (read, len(data))
-        assert read_back(files, name, len(data + blob)) == data + blob
-        assert record_of(repo, name, len(data + blob)).file_sum == xxhash.xxh3_128_digest(data + blob)

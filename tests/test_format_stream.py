@@ -1,23 +1,28 @@
-"""The streaming writer with the format-aware cutter: whatever the write sizes and wherever the
-worker runs, a saved state file has exactly the chunks of cutting it whole, and an append-mode
-second pass continues that chunk list. Also: which cutter a store uses."""
+"""A save with the format-aware cutter (file/chunking.py): whatever the window the file is read in,
+a saved state file has exactly the chunks of cutting it whole and its record; a second pass that
+appends continues that chunk list; a sparse file is cut as the zeros it reads as. Also: which
+cutter a store uses."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
-from helpers import rand_bytes
+import xxhash
+from helpers import rand_bytes, write_content
+from helpers import save as save_content
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_stream_interleave import Scheduler, client_write, commit
 
 from e2e import ggsq
-from kvchunkfs.file.content import FileContent
+from kvchunkfs.file import chunking
+from kvchunkfs.file.chunking import Stored, store_file
 from kvchunkfs.file.files import Files
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import Cutter
+from kvchunkfs.format.filerecord import Listed
 from kvchunkfs.store.packs import PackStore
 from kvchunkfs.store.repository import Repository, StoreSettings
 
@@ -33,54 +38,44 @@ def ids(c: Cutter, data: bytes) -> list[bytes]:
     return [chunk_id(x) for x in c.cut_all(data)]
 
 
-def open_stream(tmp: Path, keep_partial_page: bool) -> tuple[Files, FileContent, Scheduler]:
-    repo = Repository(tmp, StoreSettings(writeback_cache=keep_partial_page))
-    files = Files(repo)
-    content = files.content(repo.empty_index())
-    sched = Scheduler()
-    content.hook = sched
-    return files, content, sched
-
-
-def write_all(content: FileContent, sched: Scheduler, data: bytes, start: int, sizes: list[int], rng) -> None:
-    pos, end = start, start + len(data)
-    for n in sizes:
-        n = min(n, end - pos)
-        if n <= 0:
-            break
-        client_write(content, pos, data[pos - start : pos - start + n], sched)
-        pos += n
-        for _ in range(rng.randrange(0, 3)):
-            if sched.parked():
-                sched.step()
-    if pos < end:
-        client_write(content, pos, data[pos - start :], sched)
+def store_path(repo: Repository, path: Path) -> Stored:
+    fd = os.open(path, os.O_RDONLY)
+    owner = object()
+    try:
+        return store_file(fd, repo.store, repo.chunker, owner)
+    finally:
+        repo.store.unpin(owner)
+        os.close(fd)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from(sorted(SPECS)), st.integers(0, 10**6), st.booleans())
-def test_streamed_save_has_the_whole_file_chunks(tmp_path_factory, name, seed, keep_partial_page):
+@given(st.sampled_from(sorted(SPECS)), st.integers(0, 10**6), st.sampled_from(["relayout", "format", "cdc"]))
+def test_a_stored_file_has_the_whole_file_chunks(tmp_path_factory, name, seed, kind):
+    """Read a window at a time, whatever the window: the chunks, checksum and groups of cutting the
+    file whole."""
     rng = random.Random(seed)
     data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(rng.randrange(200, 1200), seed=seed), SPECS[name])
-    sizes = [rng.choice((1, 12, 4096, 65536, 1 << 20, rng.randrange(1, 5 * MiB))) for _ in range(12)]
-    files, content, sched = open_stream(tmp_path_factory.mktemp("s"), keep_partial_page)
+    tmp = tmp_path_factory.mktemp("s")
+    (tmp / "f").write_bytes(data)
+    repo = Repository(tmp / "store", StoreSettings(chunker=kind))
+    window = rng.choice((4096, 65536, MiB, rng.randrange(1, 5 * MiB)))
     try:
-        write_all(content, sched, data, 0, sizes, rng)
-        assert commit(files, content, sched) == data
-        sched.run_free()
-        index, _ = content.prepare_commit()
-        assert index.ids == ids(files.repo.chunker, data)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(chunking, "WINDOW", window)
+            stored = store_path(repo, tmp / "f")
+        groups: list[Listed] = []
+        want = [chunk_id(x) for x in repo.chunker.cut(repo.chunker.initial(), data, True, groups)[0]]
+        assert stored.index.ids == want
+        assert stored.record.file_sum == xxhash.xxh3_128_digest(data)
+        assert list(stored.record.groups) == groups
     finally:
-        sched.run_free()
-        content.close()
-        files.close()
-        files.repo.close()
+        repo.close()
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_append_second_pass_continues_the_chunk_list(tmp_path, name):
-    """Save, close, reopen in append mode (resume from the headers), append a checkpoint: the
-    stub names the chunks of the whole file, and the first save's chunks stay as they were."""
+    """Save, close, reopen, append a checkpoint: the stub names the chunks of the whole file, and
+    the first save's chunks stay as they were."""
     spec = SPECS[name]
     toks = ggsq.synthetic_tokens(1400, seed=3)
     first = ggsq.synthetic_bytes(toks, spec)
@@ -89,19 +84,17 @@ def test_append_second_pass_continues_the_chunk_list(tmp_path, name):
     files = Files(repo)
     try:
         content = files.content(repo.empty_index())
-        content.start_stream()
         for i in range(0, len(first), 1 << 20):
-            assert content.write(i, first[i : i + (1 << 20)])
-        assert files.save(content, "conv")
+            write_content(content, i, first[i : i + (1 << 20)])
+        assert save_content(files, content, "conv")
         content.close()
         saved = repo.read_index("conv")
         assert saved.ids == ids(repo.chunker, first)
 
         again = files.load("conv")
-        again.start_stream()
         for i in range(0, len(second), 16 * KiB):  # fwrite-sized pieces
-            assert again.write(len(first) + i, second[i : i + 16 * KiB])
-        assert files.save(again, "conv")
+            write_content(again, len(first) + i, second[i : i + 16 * KiB])
+        assert save_content(files, again, "conv")
         again.close()
         index = repo.read_index("conv")
         assert index.ids == ids(repo.chunker, first + second)
@@ -112,22 +105,30 @@ def test_append_second_pass_continues_the_chunk_list(tmp_path, name):
         repo.close()
 
 
-def test_staged_copy_is_cut_like_the_stream(tmp_path):
-    """Out-of-order writes stage the file; its one-pass cut equals the streaming one."""
-    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(900, seed=5), SPECS["llama"])
-    repo = Repository(tmp_path)
-    files = Files(repo)
+@pytest.mark.parametrize("kind", ["relayout", "cdc"])
+def test_a_sparse_file_is_cut_as_its_zeros(tmp_path, kind):
+    """Holes (at the start, inside, at the end, and one inside a state file's groups) give the
+    chunks and checksum of the zeros they read as."""
+    state = ggsq.synthetic_bytes(ggsq.synthetic_tokens(900, seed=5), SPECS["llama"])
+    path = tmp_path / "f"
+    gap = (len(state) // 3) & ~4095
+    with open(path, "wb") as f:
+        f.seek(64 * KiB)  # a hole at the start (inside the file's header: read as zeros)
+        f.write(state[64 * KiB : gap])
+        f.seek(gap + 2 * MiB)  # a hole over part of the groups
+        f.write(state[gap + 2 * MiB :])
+        f.truncate(len(state) + 30 * MiB)  # a long hole at the end
+        f.seek(len(state) + 9 * MiB)
+        f.write(rand_bytes(300 * KiB, 1))
+    with open(path, "rb") as f:
+        assert os.lseek(f.fileno(), 0, os.SEEK_DATA) > 0, "no hole"
+    data = path.read_bytes()
+    repo = Repository(tmp_path / "store", StoreSettings(chunker=kind))
     try:
-        content = files.content(repo.empty_index())
-        content.start_stream()
-        assert content.write(0, data[: 3 * MiB])
-        content.to_staging()  # as a write far behind the end would
-        content.write(3 * MiB, data[3 * MiB :])
-        assert files.save(content, "staged")
-        content.close()
-        assert repo.read_index("staged").ids == ids(repo.chunker, data)
+        stored = store_path(repo, path)
+        assert stored.index.ids == ids(repo.chunker, data)
+        assert stored.record.file_sum == xxhash.xxh3_128_digest(data)
     finally:
-        files.close()
         repo.close()
 
 

@@ -1,6 +1,6 @@
 """Ingestion of a staged save cuts a relayout group from the staged file a window at a time
 (``relayout.GroupReader``, ``Cutter.group_windows``): the same chunks as cutting the group whole,
-and memory that does not grow with the group. No mount: a real store and ``FileContent``."""
+and memory that does not grow with the group. No mount: a real store and ``store_file``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_format_cutter import SIZES
 
 from e2e import ggsq
-from kvchunkfs.file import ingest
+from kvchunkfs.file.chunking import store_file
 from kvchunkfs.file.files import Files
 from kvchunkfs.format import llama_state as ls
 from kvchunkfs.format import relayout
@@ -90,19 +90,19 @@ def files(tmp_path: Path) -> Iterator[Files]:
 def ingest_file(files: Files, path: Path) -> tuple[list[bytes], list[ls.Segment], list[bytes], int]:
     """Ingestion's cut of the file at ``path``: (chunk ids, groups, group checksums, tracemalloc peak)."""
     fd = os.open(path, os.O_RDONLY)
-    content = files.content(files.repo.empty_index(), whole=False)
+    owner = object()
     try:
         tracemalloc.start()
         try:
-            ingest._stream(content, fd)
-            p = content.prepare()
+            repo = files.repo
+            stored = store_file(fd, repo.store, repo.chunker, owner, files.successors, files.checks)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        assert p.record is not None
-        return list(p.index.ids), [x.seg for x in p.record.groups], [x.sum for x in p.record.groups], peak
+        record = stored.record
+        return list(stored.index.ids), [x.seg for x in record.groups], [x.sum for x in record.groups], peak
     finally:
-        content.close()
+        files.repo.store.unpin(owner)
         os.close(fd)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount, is_mounted
+from helpers import save as save_content
 from helpers import sha
 
 from kvchunkfs.maint import fsck
@@ -291,7 +292,7 @@ def test_recovery_puts_a_kept_version_back_and_sets_the_unreadable_aside(tmp_pat
         content = files.content(repo.empty_index())
         content.to_staging()
         content.write(0, data)
-        assert files.save(content, rel)
+        assert save_content(files, content, rel)
         content.close()
         if data is v0:
             repo.checkpoint()  # v0 is durable: nothing kept for it
@@ -330,7 +331,7 @@ def test_gc_keeps_the_chunks_of_a_kept_version(tmp_path: Path) -> None:
         content = files.content(repo.empty_index())
         content.to_staging()
         content.write(0, data)
-        assert files.save(content, "a")
+        assert save_content(files, content, "a")
         content.close()
         if not old_ids:
             old_ids = set(repo.read_index("a").ids)
@@ -358,7 +359,7 @@ def test_a_power_cut_loses_only_the_last_seconds_of_saves(layers: tuple[PowerFS,
     promises about the last 10 s)."""
     power, m = layers
     rng = random.Random(SEED)
-    m.extra = ["--durability", "close", "--chunk-workers", "1"]
+    m.extra = ["--durability", "close"]
     power.start(rng.randrange(1 << 30))
     m.store.mkdir(parents=True, exist_ok=True)
     m.start_settled()

@@ -6,6 +6,7 @@ cutters."""
 
 from __future__ import annotations
 
+import os
 import random
 from itertools import accumulate
 from pathlib import Path
@@ -14,10 +15,10 @@ import pytest
 from conftest import Mount
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_format_stream import open_stream, write_all
-from test_stream_interleave import commit
 
 from e2e import ggsq
+from kvchunkfs.file import chunking
+from kvchunkfs.file.chunking import store_file
 from kvchunkfs.file.predict import START, Guess, Pieces, Successors, cut_batch
 from kvchunkfs.format.chunker import chunk_id
 from kvchunkfs.format.cutter import Cutter
@@ -186,8 +187,9 @@ def test_pieces_spans_cross_buffers():
 
 @pytest.mark.parametrize("kind", ["cdc", "format"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_worker_next_turn_equals_plain_cutting(tmp_path: Path, kind: str, seed: int) -> None:
-    """Through FileContent's worker (pieces, batches, scheduler interleavings) and a real store."""
+def test_a_next_turn_stored_equals_plain_cutting(tmp_path: Path, kind: str, seed: int) -> None:
+    """Through ``store_file`` (windows read from the file) and a real store, whatever the window:
+    a next turn's chunks are those of plain cutting, most of its repeated bytes taken from guesses."""
     rng = random.Random(seed)
     if kind == "cdc":
         first = rng.randbytes(9 * MiB)
@@ -197,29 +199,26 @@ def test_worker_next_turn_equals_plain_cutting(tmp_path: Path, kind: str, seed: 
         at = rng.randrange(len(first))
         second = first[:at] + rng.randbytes(100) + first[at + 50 :] + rng.randbytes(MiB)
     repo = Repository(tmp_path / "s", StoreSettings(chunker=kind))
-    repo.close()
+    succ = Successors()
     predicted: list[int] = []
-    learned: list[tuple[bytes, Guess]] = []
-    for i, data in enumerate((first, second, second)):
-        files, content, sched = open_stream(tmp_path / "s", False)
-        try:
-            if i:
-                assert files.successors is not None
-                files.successors.learn(learned)  # what the previous daemon learned
-            sizes = [rng.choice((4096, 65536, 1 << 20, rng.randrange(1, 5 * MiB))) for _ in range(12)]
-            write_all(content, sched, data, 0, sizes, rng)
-            assert commit(files, content, sched) == data
-            sched.run_free()
-            index, _ = content.prepare_commit()
-            assert index.ids == whole(files.repo.chunker, data)
-            learned = files.successors.pairs()
-            predicted.append(files.successors.predicted_bytes)
-        finally:
-            sched.run_free()
-            content.close()
-            files.close()
-            files.repo.close()
-    assert predicted[0] == 0 and predicted[2] > len(second) // 2
+    try:
+        for data in (first, second, second):
+            path = tmp_path / "f"
+            path.write_bytes(data)
+            fd = os.open(path, os.O_RDONLY)
+            owner = object()
+            try:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(chunking, "WINDOW", rng.choice((65536, MiB, rng.randrange(1, 5 * MiB))))
+                    stored = store_file(fd, repo.store, repo.chunker, owner, succ)
+            finally:
+                os.close(fd)
+                repo.store.unpin(owner)
+            assert stored.index.ids == whole(repo.chunker, data)
+            predicted.append(succ.predicted_bytes)
+    finally:
+        repo.close()
+    assert predicted[0] == 0 and predicted[2] - predicted[1] > len(second) // 2
 
 
 @pytest.mark.parametrize("kind", ["cdc", "format"])

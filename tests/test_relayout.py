@@ -131,22 +131,6 @@ def test_a_turn_stores_little_more_than_its_rows(name):
     assert sum(after) < sum(before), (after, before)
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_resume_inside_a_group_starts_at_the_group(name):
-    data = ggsq.synthetic_bytes(ggsq.synthetic_tokens(400, seed=11), LAYOUTS[name])
-    c = rl()
-    whole = [bytes(x) for x in c.cut_all(data)]
-    stored = b"".join(whole)
-    starts = [0]
-    for x in whole[:-1]:
-        starts.append(starts[-1] + len(x))
-    for i in sorted(set(random.Random(name).sample(range(len(whole)), min(12, len(whole))) + [len(whole) - 1])):
-        state = c.resume(lambda o, n: stored[o : o + n], len(stored), starts[i])
-        assert state.pos in starts and state.pos <= starts[i]
-        j = starts.index(state.pos)
-        assert [bytes(x) for x in c.cut(state, data[state.pos :], final=True)[0]] == whole[j:]
-
-
 # -- through the mount (the default store is relayout) ---------------------------------------
 
 MiB = 1 << 20

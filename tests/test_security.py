@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SRC, Mount, is_mounted
-from helpers import rand_bytes
+from helpers import prepare_commit, rand_bytes
 
 MiB = 1 << 20
 USER = "kvcfs-test"
@@ -717,7 +717,7 @@ def test_skipping_holes_chunks_exactly_as_plain_cdc(tmp_path: Path, seed: int) -
         whole[pos : pos + n] = data
         pos += n + rng.choice([1, 4096, 20_000, 250_000, 262_144, 600_000, 3 * MiB + 7])
     content.truncate(size)
-    index, _ = content.prepare_commit()
+    index, _ = prepare_commit(content)
     cdc = FastCDC(avg_size=64 << 10, min_size=16 << 10, max_size=256 << 10)
     plain = [c.data for c in cdc.cut_buf(bytes(whole))]
     assert list(index.ends) == list(itertools.accumulate(len(c) for c in plain))
@@ -731,8 +731,8 @@ def test_skipping_holes_chunks_exactly_as_plain_cdc(tmp_path: Path, seed: int) -
 
 
 def test_many_files_written_at_once_use_a_bounded_number_of_threads(fs: Mount, user: User) -> None:
-    """300 files open for writing, each with a batch queued, used to mean 300 chunker threads: now a
-    pool of chunk_workers threads takes turns, and every file still saves exactly."""
+    """300 files open for writing at once: the daemon's threads stay bounded (none per file), and
+    every file still saves exactly."""
     assert fs.proc is not None
     d = user_dir(fs, user)
     files = 300

@@ -63,7 +63,7 @@ def test_a_save_is_stored_behind_its_close(kvfs: Mount) -> None:
     assert "saved s: 24.0 MiB" in kvfs.log()
 
 
-def test_a_kill_after_the_close_loses_nothing(kvfs: Mount, hold: Path) -> None:
+def test_a_kill_after_the_close_loses_nothing(hold: Path, kvfs: Mount) -> None:
     old, new = rand_bytes(6 * MiB, 2), rand_bytes(9 * MiB + 7, 3)
     kvfs.path("s").write_bytes(old)
     kvfs.ingested()
@@ -85,7 +85,7 @@ def test_a_kill_after_the_close_loses_nothing(kvfs: Mount, hold: Path) -> None:
     assert kvfs.path("s").read_bytes() == new  # from its chunks
 
 
-def test_a_reboot_keeps_the_previous_version(kvfs: Mount, hold: Path, tmp_path: Path,
+def test_a_reboot_keeps_the_previous_version(hold: Path, kvfs: Mount, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Staged files are not trusted after a reboot (not fsynced: torn bytes): the name reads the
     version its stub holds, whole."""
@@ -190,7 +190,7 @@ def test_the_hot_tier_keeps_its_budget(kvfs: Mount) -> None:
         assert kvfs.path(name).read_bytes() == data
 
 
-def test_a_close_waits_when_ingestion_falls_behind(kvfs: Mount, hold: Path) -> None:
+def test_a_close_waits_when_ingestion_falls_behind(hold: Path, kvfs: Mount) -> None:
     kvfs.remount(["--ingest-backlog", "1MiB"])
     hold.touch()
     kvfs.path("a").write_bytes(rand_bytes(2 * MiB, 20))  # queued: now beyond the bound
@@ -214,7 +214,7 @@ def test_a_close_waits_when_ingestion_falls_behind(kvfs: Mount, hold: Path) -> N
     assert kvfs.path("b").read_bytes() == data
 
 
-def test_gc_and_a_rewrite_during_ingestion(kvfs: Mount, hold: Path) -> None:
+def test_gc_and_a_rewrite_during_ingestion(hold: Path, kvfs: Mount) -> None:
     """A save superseded before it is stored is dropped; GC meanwhile takes nothing a staged file,
     a queued save or an open file needs."""
     v1, v2 = rand_bytes(4 * MiB, 30), rand_bytes(4 * MiB, 31)
@@ -231,7 +231,7 @@ def test_gc_and_a_rewrite_during_ingestion(kvfs: Mount, hold: Path) -> None:
     assert kvfs.path("s").read_bytes() == v2
 
 
-def test_metadata_set_before_ingestion_is_kept(kvfs: Mount, hold: Path) -> None:
+def test_metadata_set_before_ingestion_is_kept(hold: Path, kvfs: Mount) -> None:
     hold.touch()
     kvfs.path("s").write_bytes(b"x" * 100_000)
     os.chmod(kvfs.path("s"), 0o600)
@@ -245,7 +245,7 @@ def test_metadata_set_before_ingestion_is_kept(kvfs: Mount, hold: Path) -> None:
     assert stubs.read_staged(stub(kvfs, "s")) is None
 
 
-def test_whole_files_are_private(kvfs: Mount, hold: Path) -> None:
+def test_whole_files_are_private(hold: Path, kvfs: Mount) -> None:
     hold.touch()
     kvfs.path("s").write_bytes(rand_bytes(MiB, 40))
     for d in (kvfs.whole, kvfs.whole / "staged", kvfs.whole / "hot"):
@@ -348,7 +348,7 @@ def _own_mount(path: Path) -> str | None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_whole_files_live_on_a_tmpfs_of_their_own_with_huge_pages(kvfs: Mount, hold: Path) -> None:
+def test_whole_files_live_on_a_tmpfs_of_their_own_with_huge_pages(hold: Path, kvfs: Mount) -> None:
     own = _own_mount(kvfs.whole)
     assert own is not None and own.startswith("tmpfs "), own
     assert "huge=within_size" in own and "mode=700" in own, own
@@ -366,7 +366,7 @@ def test_whole_files_live_on_a_tmpfs_of_their_own_with_huge_pages(kvfs: Mount, h
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_a_staged_save_is_never_hidden_under_a_new_mount(kvfs: Mount, hold: Path) -> None:
+def test_a_staged_save_is_never_hidden_under_a_new_mount(hold: Path, kvfs: Mount) -> None:
     """Saves staged with huge pages off, then a start with them on: the directory still holds a
     save not yet stored, so it is used as it is (a mount over it would hide the save)."""
     kvfs.stop()

@@ -48,7 +48,7 @@ def reboot(m: Mount, boot: Path, hold: Path) -> None:
     m.start_settled()
 
 
-def test_a_rename_over_a_name_keeps_its_version_through_a_reboot(kvfs: Mount, hold: Path, boot: Path) -> None:
+def test_a_rename_over_a_name_keeps_its_version_through_a_reboot(hold: Path, kvfs: Mount, boot: Path) -> None:
     """llama-server's save: NAME.tmp written and closed, renamed over NAME; a reboot before it was
     stored leaves NAME reading its stored version, also after GC ran in between (a checkpoint)."""
     kvfs.remount()
@@ -74,7 +74,7 @@ def test_a_rename_over_a_name_keeps_its_version_through_a_reboot(kvfs: Mount, ho
     assert not list((kvfs.store / "prev").iterdir()), "the kept versions are dropped once not needed"
 
 
-def test_a_lost_first_save_leaves_no_empty_file(kvfs: Mount, hold: Path, boot: Path) -> None:
+def test_a_lost_first_save_leaves_no_empty_file(hold: Path, kvfs: Mount, boot: Path) -> None:
     """A new name whose only save was lost with the reboot is gone, not an empty snapshot: a save
     written in place and one renamed to a new name."""
     kvfs.remount()
@@ -87,7 +87,7 @@ def test_a_lost_first_save_leaves_no_empty_file(kvfs: Mount, hold: Path, boot: P
     assert "the first save of new was lost" in kvfs.log()
 
 
-def test_a_save_renamed_after_it_was_stored_keeps_it(kvfs: Mount, hold: Path, boot: Path) -> None:
+def test_a_save_renamed_after_it_was_stored_keeps_it(hold: Path, kvfs: Mount, boot: Path) -> None:
     """The kept versions are no fallback once the save is stored: a reboot after ingestion keeps the
     new version (a staged save again over it is lost and falls back to it)."""
     kvfs.remount()
@@ -102,7 +102,7 @@ def test_a_save_renamed_after_it_was_stored_keeps_it(kvfs: Mount, hold: Path, bo
     assert kvfs.path("s").read_bytes() == new
 
 
-def test_a_client_fsync_keeps_the_save_through_a_reboot(kvfs: Mount, hold: Path, boot: Path) -> None:
+def test_a_client_fsync_keeps_the_save_through_a_reboot(hold: Path, kvfs: Mount, boot: Path) -> None:
     """NAME.tmp written, fsync()ed, closed, renamed over NAME and the directory fsynced: NAME reads
     the new version after a reboot, stored or not."""
     kvfs.remount()

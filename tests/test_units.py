@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import rand_bytes, write_content
+from helpers import prepare_commit, rand_bytes, truncate_content, write_content
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -221,8 +221,6 @@ ops = st.one_of(
 @settings(max_examples=40, deadline=None)
 @given(st.lists(ops, min_size=1, max_size=12), st.integers(0, 1000))
 def test_file_content_matches_model(tmp_path_factory, script, seed):
-    from kvchunkfs.file.content import Action
-
     repo = Repository(tmp_path_factory.mktemp("store"))
     files = Files(repo)
     content = files.content(repo.empty_index())
@@ -239,13 +237,11 @@ def test_file_content_matches_model(tmp_path_factory, script, seed):
                     model += bytes(off - len(model))
                 model[off : off + len(data)] = data
             elif op[0] == "truncate":
-                if content.truncate(op[1]) is Action.TO_STAGING:
-                    content.to_staging()
-                    content.truncate(op[1])
+                truncate_content(content, op[1])
                 del model[op[1] :]
                 model += bytes(op[1] - len(model))
             else:
-                index, gen = content.prepare_commit()
+                index, gen = prepare_commit(content)
                 content.committed(gen)
                 assert files.read_file(index, 0, index.size + 1) == model
             assert content.size == len(model)

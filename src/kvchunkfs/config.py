@@ -42,11 +42,14 @@ from kvchunkfs.units import GiB, KiB, MiB, format_duration, format_size, is_int,
 ENV_PREFIX = "KV_CHUNK_FS_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_SCORE = "(1 + use_count) / (1 + idle_hours) / (1 + unique_bytes / 1048576)"
-# Settings that no longer do anything: a config file or environment naming one is read with a
-# warning line (a config written for an older version still mounts); the flag is gone.
+# Settings that no longer have an effect: a config file or the environment may still set them (one
+# warning line each: a config written for an older version still mounts); the flag is gone.
 RETIRED = {
     "readahead": "every open reads a whole file put back before the open returns; there is nothing to read ahead",
+    "writeback_cache": "every write goes to a whole file the kernel writes directly",
+    "chunk_workers": "a save is stored by one thread reading it, its chunks hashed on every core",
 }
+
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +231,6 @@ SETTINGS: dict[str, Setting] = {
             "memory kept in buffers that restores and saves reuse (faulted in at mount)",
             lo=0,
         ),
-        Setting("chunk_workers", "int", 0, "threads cutting and storing written bytes (0 = one per CPU)", lo=0, hi=256),
         Setting(
             "max_file_size",
             "size",
@@ -253,7 +255,6 @@ SETTINGS: dict[str, Setting] = {
             True,
             "saving: bytes that hash to the chunk that followed the last one before are not cut again",
         ),
-        Setting("writeback_cache", "bool", False, "let the kernel cache writes (experimental; larger requests)"),
         Setting(
             "fuse_passthrough",
             "bool",
@@ -449,13 +450,11 @@ class Config:
     pack_size: int = SETTINGS["pack_size"].default
     prefetch_workers: int = SETTINGS["prefetch_workers"].default
     cache_size: int = SETTINGS["cache_size"].default
-    chunk_workers: int = SETTINGS["chunk_workers"].default
     max_file_size: int = SETTINGS["max_file_size"].default
     kernel_readahead_kb: int = SETTINGS["kernel_readahead_kb"].default
     reopen_linger: int = SETTINGS["reopen_linger"].default
     verify_reads: bool = SETTINGS["verify_reads"].default
     predict_chunks: bool = SETTINGS["predict_chunks"].default
-    writeback_cache: bool = SETTINGS["writeback_cache"].default
     fuse_passthrough: bool = SETTINGS["fuse_passthrough"].default
     whole_files_dir: Path | None = SETTINGS["whole_files_dir"].default
     whole_files_huge_pages: bool = SETTINGS["whole_files_huge_pages"].default
@@ -557,12 +556,16 @@ def _file_layer(path: Path, source: str) -> Layer:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
     for k in sorted(k for k in data if k in RETIRED):
-        log.warning("config file %s: setting %s is ignored: %s", path, k, RETIRED[k])
-        del data[k]
-    unknown = sorted(k for k in data if k not in SETTINGS)
+        _retired(k, f"config file {path}")
+    unknown = sorted(k for k in data if k not in SETTINGS and k not in RETIRED)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in config file {path}")
-    return {k: (_parse(SETTINGS[k], v, source, path.parent), source) for k, v in data.items()}
+    return {k: (_parse(SETTINGS[k], v, source, path.parent), source) for k, v in data.items() if k in SETTINGS}
+
+
+def _retired(name: str, where: str) -> None:
+    log.warning("%s (%s) no longer has an effect and is ignored: %s", name, where,
+                                        RETIRED[name])  # fmt: skip
 
 
 def _env_layer(environ: Mapping[str, str]) -> Layer:
@@ -571,8 +574,8 @@ def _env_layer(environ: Mapping[str, str]) -> Layer:
         if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV:
             continue
         name = var[len(ENV_PREFIX) :].lower()
-        if name in RETIRED:
-            log.warning("environment variable %s is ignored: %s", var, RETIRED[name])
+        if name in RETIRED and var == ENV_PREFIX + name.upper():
+            _retired(name, f"env:{var}")
             continue
         if name not in SETTINGS or var != SETTINGS[name].env:
             raise ConfigError(f"unknown environment variable {var} (known: {', '.join(_env_names())})")

@@ -1,9 +1,10 @@
 """Open-file services over a ``Repository``: file contents, loads (a whole file for every open of
 a snapshot: file/restore.py), and the save protocol.
 
-``Files.save`` is the whole save of one file, in the order docs/design.md requires: chunk what is
-still queued (pack bytes, then map rows), sync packs and map if durable, write the complete new
-stub under ``tmp/``, rename it over the snapshot. Every step blocks; callers run it in a thread.
+A save, in the order docs/design.md requires: store the whole file (pack bytes, then map rows:
+``prepare_save``, file/chunking.py), sync packs and map if durable, write the complete new stub
+under ``tmp/``, then rename it over the snapshot (``finish_save``). Every step blocks; callers run
+it in a thread.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.content import FileContent
-from kvchunkfs.file.filesums import FileChecks, Mark, Resumes
+from kvchunkfs.file.filesums import FileChecks
 from kvchunkfs.file.predict import Successors
-from kvchunkfs.file.queues import ChunkPool, InFlight
+from kvchunkfs.file.queues import InFlight
 from kvchunkfs.file.restore import Restore
 from kvchunkfs.format import filerecord, relayout
 from kvchunkfs.format.filerecord import FileRecord
@@ -57,7 +58,6 @@ class PendingSave:
     tmp: Path | None  # None: the file was unlinked, nothing to install
     durable: bool
     record: FileRecord | None = None
-    marks: list[Mark] | None = None
 
     @property
     def new_bytes(self) -> int:
@@ -73,7 +73,6 @@ class Files:
         self.buffers = BufferPool(s.cache_size)
         pool = self.buffers
         repo.chunker.alloc = lambda n: pool.take(n, brief=True)  # a save's groups are re-laid out there too
-        self.pool = ChunkPool(s.chunk_workers)  # one for all files being written
         self.restore = Restore(repo, self.buffers, s.prefetch_workers, s.verify_reads)
         # Reopening a snapshot (a warm restore, a client's open/stat/close) skips decoding and the
         # whole-file map lookup. Locations may go stale (GC moves chunks): a put-back relocates,
@@ -87,7 +86,6 @@ class Files:
         self.successors = Successors() if s.predict_chunks else None
         self.checks = FileChecks()  # saves stored in file order, checksum mismatches (metrics)
         self.restores = InFlight()  # clients' loads under way: the warm-up waits for them (file/warmup.py)
-        self.resumes = Resumes()  # the checksum's marks of the files saved last, for their appends
 
     def read_chunks(self, index: Index, offset: int, size: int, ahead: int | None = None) -> bytes:
         """Bytes ``[offset, offset + size)`` of the stored stream ``index`` names (short at its
@@ -139,7 +137,7 @@ class Files:
 
     def content(self, index: Index, whole: bool = True) -> FileContent:
         """A new open-file content (pins the index's chunks: blocking, call in a thread); with
-        ``whole`` false, one that streams its writes to the chunker (ingestion's)."""
+        ``whole`` false, one whose copies are plain files under ``staging/`` (not the memory tier)."""
         repo = self.repo
         return FileContent(
             repo.store,
@@ -147,13 +145,10 @@ class Files:
             index,
             repo.staging,
             self.read_chunks,
-            self.pool,
-            keep_partial_page=repo.settings.writeback_cache,
             max_size=repo.settings.max_file_size,
             successors=self.successors,
             buffers=self.buffers,
             checks=self.checks,
-            resumes=self.resumes,
             whole=repo.whole if whole else None,
         )
 
@@ -396,7 +391,7 @@ class Files:
             self.repo.sync()
         record = p.record.encode() if p.record is not None else None
         tmp = self.repo.prepare_stub(p.index, rel, durable, record) if rel is not None else None
-        return PendingSave(content, p.index, p.gen, tmp, durable, p.record, p.marks)
+        return PendingSave(content, p.index, p.gen, tmp, durable, p.record)
 
     def finish_staged(self, pending: PendingSave, rel: str) -> None:
         """``finish_save`` of an ingested staged save: its metadata is the snapshot's now."""
@@ -418,24 +413,13 @@ class Files:
             return False
         self.repo.install(pending.tmp, rel)
         pending.content.committed(pending.gen)
-        if pending.record is not None and pending.marks:
-            self.resumes.put(pending.record.file_sum, pending.marks)  # an append resumes from them
         return True
 
     def sync_dir(self, rel: str) -> None:
         """After a durable save: the rename itself survives power loss (blocking)."""
         fsync_dir(self.repo.path(rel).parent)
 
-    def save(self, content: FileContent, rel: str, durable: bool = False) -> bool:
-        """All of a save in one call, for callers that own the namespace (tests, offline tools)."""
-        pending = self.prepare_save(content, rel, durable)
-        saved = self.finish_save(pending, rel)
-        if saved and pending.durable:
-            self.sync_dir(rel)
-        return saved
-
     def close(self) -> None:
-        self.pool.close()
         self.restore.close()
 
 

@@ -1,11 +1,10 @@
 """The async face of an open file: what the FUSE layer awaits for a handle's reads and writes.
 
-A ``FileHandle`` is one open handle over the file's shared ``FileContent``. It owns the steps the
-content's write modes need (``plan_write``: start the stream or copy to staging first, each in a
-worker thread) and the wait for a chunker far behind. A read is a read of the content's whole
-file: in the memory tier on the event loop, on disk in a worker thread. No call here waits on the
-event loop for a lock another thread holds across I/O: the content's ``cond`` is never held
-across I/O.
+A ``FileHandle`` is one open handle over the file's shared ``FileContent``. It owns the step a
+write needs first (a whole file of the content's own: a copy, in a worker thread). A read is a
+read of the content's whole file: in the memory tier on the event loop, on disk in a worker
+thread. No call here waits on the event loop for a lock another thread holds across I/O: the
+content's ``cond`` is never held across I/O.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from kvchunkfs.file.content import Action, FileContent
+from kvchunkfs.file.content import FileContent
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +29,11 @@ async def _thread(fn: Callable[..., T], *args: Any) -> T:
 
 async def truncate(content: FileContent, size: int) -> None:
     """Truncate ``content`` (its file's writes, truncates and commits ordered by the caller); a
-    truncate the content cannot apply in place first copies it to staging, in a worker thread."""
-    if content.truncate(size) is Action.TO_STAGING:
+    content that is no whole file of its own is first copied into one, in a worker thread."""
+    content.check_size(size)
+    if not content.own_file():
         await _thread(content.to_staging, size)
-        content.truncate(size)
+    content.truncate(size)
 
 
 class FileHandle:
@@ -45,22 +45,16 @@ class FileHandle:
         self.name = name  # the file's path now, for log lines
 
     async def write(self, offset: int, data: bytes | memoryview) -> None:
-        """Apply one write, in arrival order with the file's others; then, if the chunker is far
-        behind, wait for it (in a worker thread: the event loop goes on serving others). ``data``
-        may be a view of a buffer the caller reuses once this returns: the content copies what it keeps."""
+        """Apply one write, in arrival order with the file's others, to the whole file of the
+        content's own (copied first, in a worker thread, if it has none). ``data`` may be a view of
+        a buffer the caller reuses once this returns."""
         content = self.content
         async with self.lock:
-            while True:
-                action = content.plan_write(offset, len(data))
-                if action is Action.START_STREAM:
-                    await _thread(content.start_stream)
-                elif action is Action.TO_STAGING:
-                    log.info("%s: write at %d is not at the end, staging a copy", self.name(), offset)
-                    await _thread(content.to_staging)
-                elif content.write(offset, data):
-                    break
-        if content.backlogged():
-            await _thread(content.wait_backlog)
+            content.check_size(offset + len(data))
+            if not content.own_file():
+                log.info("%s: written, copying it into a file of its own first", self.name())
+                await _thread(content.to_staging)
+            content.write(offset, data)
 
     def plain_range(self, offset: int, size: int) -> tuple[int, int] | None:
         """The file a read may be copied from by the kernel: the whole file in memory (served

@@ -1,8 +1,8 @@
 """Ingestion: a staged save becomes chunks and a new stub, behind the client's close.
 
 A save's last close names its staged file on the stub (``Repository.set_staged``: from then on
-that file is the snapshot) and queues it here. A worker thread, at low CPU priority, cuts the file
-exactly as a streaming save would (format-aware, only the chunks the store lacks written), writes
+that file is the snapshot) and queues it here. A worker thread, at low CPU priority, reads and
+stores the file (file/chunking.py: format-aware, only the chunks the store lacks written), writes
 the new stub under ``tmp/`` and asks the mount to install it (``Install``): on the thread that
 orders namespace changes, and only if the stub still names this staged file (a later save, an
 unlink or a rename over it wins), once the file still hashes to the checksum just stored (else it
@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchunkfs.file.adopt import same_sum, to_hot_tier
-from kvchunkfs.file.content import Action, FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
@@ -47,7 +46,6 @@ ChunkError = (ChunkCorrupt, ChunkMissing)
 
 log = logging.getLogger(__name__)
 
-PIECE = 4 << 20  # bytes read from a staged file at a time
 NICE = 10  # the workers' CPU priority: below the client whose next request waits on the daemon
 WINDOW = 5.0  # seconds: how far behind its saves ingestion may fall before closes wait
 RATE_WEIGHT = 0.3  # the weight of the latest job in the ingestion rate's moving average
@@ -271,20 +269,16 @@ class Ingester:
             log.error("the staged save %s is gone: %s keeps its previous version", job.name, job.where())
             self.done(job, Outcome.SUPERSEDED, 0, 0.0)
             return
-        # A sparse file (a hole: written past its end) is cut in one pass that skips its holes; any
-        # other through the chunker pool.
-        sparse = _has_hole(fd)
-        content = files.content(files.repo.empty_index(), whole=sparse)
+        sparse = _has_hole(fd)  # a hole (written past its end): no fresh hot copy of it (its zeros)
+        content = files.content(files.repo.empty_index())
         try:
             rel = job.where()
             if rel is None:
                 whole.drop_staged(job.path)
                 self.done(job, Outcome.SUPERSEDED, 0, 0.0)
                 return
-            if sparse:
+            if os.fstat(fd).st_size:  # an empty file stays the empty index (no record: as it always was)
                 content.use_whole(os.dup(fd), None)
-            else:
-                _stream(content, fd)
             pending = files.prepare_save(content, rel, durable=False)
             record = pending.record
             if record is not None and not same_sum(fd, record.file_sum):
@@ -325,29 +319,6 @@ class Ingester:
             whole.drop_staged(job.path)
             return
         to_hot_tier(whole, job.path, fd, record.file_sum, job.size, fresh, rel=job.where())
-
-
-def _stream(content: FileContent, fd: int) -> None:
-    """Feed the staged file to ``content`` as a client's sequential save would reach it: cut by the
-    chunker pool on every core (and predicted chunks taken without a cut), while this thread reads
-    on; bounded by the content's backlog. A group (chunker ``relayout``) is read from the file by
-    the chunker itself, a window at a time, and its bytes are skipped here: memory does not grow
-    with the file, nor with a group."""
-    size = os.fstat(fd).st_size
-    content.read_from(fd, size)
-    pos = 0
-    while (pos := max(pos, content.skip_to)) < size and (piece := os.pread(fd, min(PIECE, size - pos), pos)):
-        while True:
-            action = content.plan_write(pos, len(piece))
-            if action is Action.START_STREAM:
-                content.start_stream()
-            elif action is not Action.DIRECT:
-                raise OSError(errno.EIO, f"ingestion: an unexpected write plan {action}")
-            elif content.write(pos, piece):
-                break
-        if content.backlogged():
-            content.wait_backlog()
-        pos += len(piece)
 
 
 def _has_hole(fd: int) -> bool:

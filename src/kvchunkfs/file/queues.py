@@ -1,6 +1,5 @@
-"""The data path's threads and queues: ``ChunkPool`` (the threads that run file workers' turns),
-``prestart`` (a pool's threads started before they are needed), ``ByteQueue`` (a file's bytes
-waiting for the chunker) and ``InFlight`` (clients' restores under way, which the warm-up waits for)."""
+"""``lower_priority`` (a background thread's nice), ``prestart`` (a pool's threads started before
+they are needed) and ``InFlight`` (clients' restores under way, which the warm-up waits for)."""
 
 from __future__ import annotations
 
@@ -8,23 +7,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-
-
-class ChunkPool:
-    """The threads that run file workers' turns: a bounded number, however many files are written."""
-
-    def __init__(self, workers: int = 0) -> None:
-        self.workers = workers or os.cpu_count() or 2
-        # Below the client's priority: a save is stored behind its close, while the client goes on.
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="chunker", initializer=lower_priority)
-
-    def submit(self, turn: Callable[[], None]) -> None:
-        self._executor.submit(turn)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
 
 NICE = 10
@@ -43,72 +27,6 @@ def prestart(executor: ThreadPoolExecutor, n: int) -> None:
     for _ in range(n):
         executor.submit(barrier.wait)
     barrier.wait()
-
-
-class ByteQueue:
-    """Bytes queued for the chunker, kept as the pieces FUSE handed us (no copy per write)."""
-
-    def __init__(self) -> None:
-        self.pieces: list[bytes | bytearray | memoryview] = []
-        self.size = 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def append(self, data: bytes) -> None:
-        self.pieces.append(data)
-        self.size += len(data)
-
-    def prepend(self, data: bytes) -> None:
-        if data:
-            self.pieces.insert(0, data)
-            self.size += len(data)
-
-    def drop(self, n: int) -> None:
-        """Remove the first ``n`` bytes (at most all)."""
-        n = min(n, self.size)
-        self.size -= n
-        while n:
-            first = self.pieces[0]
-            if len(first) <= n:
-                self.pieces.pop(0)
-                n -= len(first)
-            else:
-                self.pieces[0] = memoryview(first)[n:]
-                n = 0
-
-    def patch(self, offset: int, data: bytes) -> None:
-        """Overwrite (and maybe extend) from ``offset``; rare, so it flattens the queue."""
-        flat = bytearray(b"".join(self.pieces))
-        flat[offset : offset + len(data)] = data
-        self.pieces, self.size = [flat], len(flat)
-
-    def take(self, keep: int = 0) -> list[bytes | bytearray | memoryview]:
-        """Remove and return all but the last ``keep`` bytes; cheap, so callers may hold a lock.
-
-        The kept bytes may span several pieces (a short write after an unaligned one): pieces are
-        split from the end until exactly ``keep`` bytes remain queued.
-        """
-        keep = max(0, min(keep, self.size))
-        taken = self.pieces
-        kept: list[bytes | bytearray | memoryview] = []
-        need = keep
-        while need:
-            last = taken.pop()
-            if len(last) <= need:
-                kept.append(last)
-                need -= len(last)
-            else:
-                view = memoryview(last)
-                kept.append(bytes(view[len(last) - need :]))  # at most one page: a small copy
-                taken.append(view[: len(last) - need])
-                need = 0
-        kept.reverse()
-        self.pieces, self.size = kept, keep
-        return taken
-
-    def join(self) -> bytes:
-        return b"".join(self.pieces)
 
 
 RESTORE_HOLD_ENV = "KVCFS_RESTORE_HOLD"  # tests: while the file it names exists, a restore under way waits

@@ -45,8 +45,8 @@ class Chunker:
 
 
 class StreamChunker:
-    """Feeds bytes in order; returns chunks as soon as their boundary is final (used for the
-    one-pass chunking of staged copies; the streaming writer applies the same rule to its batches).
+    """Feeds bytes in order; returns chunks as soon as their boundary is final (a save's holes are
+    cut through it: ``feed_zeros``).
 
     ``tail`` holds the bytes of the last, tentative chunk; ``feed`` returns the finished chunks, and
     at the end of the data the caller takes ``tail`` as the last chunk.

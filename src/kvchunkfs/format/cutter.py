@@ -1,10 +1,10 @@
 """Where chunks end: plain content-defined chunking, or format-aware cutting of llama.cpp state files.
 
-The streaming writer feeds bytes in file order with the ``CutState`` at their first byte and gets
-back the chunks that are final plus the state at the first byte it must feed again (the tentative
-tail: bytes whose boundary later bytes may still move). ``final`` says the data ends the file.
-Boundaries are a function of the file's bytes only, so any split of the writes, a one-pass
-chunking of a staged copy and ``cut_all`` give the same chunks.
+A save (file/chunking.py) feeds a file's bytes in order, a window at a time, with the ``CutState``
+at their first byte and gets back the chunks that are final plus the state at the first byte it
+must feed again (the tentative tail: bytes whose boundary later bytes may still move). ``final``
+says the data ends the file. Boundaries are a function of the file's bytes only, so any split of
+the bytes and ``cut_all`` give the same chunks.
 
 ``aware=False`` is FastCDC over the whole file (the cutter of stores created before format-aware
 cutting). ``aware=True`` walks the file with ``llama_state.step``:
@@ -19,10 +19,6 @@ cutting). ``aware=True`` walks the file with ``llama_state.step``:
   and at strides inside long runs; short runs are grouped a whole number of runs per chunk;
 * opaque segments (unknown magic or version, anything that stops parsing) get FastCDC from their
   start, so a file that is not a state file is chunked exactly as with ``aware=False``.
-
-Append mode resumes at the start of the file's last chunk: ``resume`` re-parses the headers from
-the start of the file through a reader (a few bytes per segment, plus the cell records), never the
-K/V bodies.
 """
 
 from __future__ import annotations
@@ -259,27 +255,6 @@ class Cutter:
     def cut_all(self, data: bytes | memoryview) -> list[memoryview]:
         """The chunks of a whole file."""
         return self.cut(self.initial(), data, final=True)[0]
-
-    # -- append -----------------------------------------------------------------------------
-
-    def resume(self, read: ls.ReadAt, size: int, pos: int) -> CutState:
-        """The state at ``pos`` (a chunk start) of a closed file of ``size`` bytes, re-parsed from
-        its headers through ``read(offset, n)``. The file's end counts as the end of the data, as it
-        did when the file was cut, so the chunks before ``pos`` are the ones it has. Inside a
-        re-laid-out group the state is at the group's start (``state.pos`` < ``pos``): the caller
-        feeds the file's bytes from there."""
-        if not self.aware:
-            return CutState(pos, (Segment(pos, None),), None)
-        nxt: ls.State | None = self._start()
-        while nxt is not None:
-            plan = ls.plan_at(nxt, read, size)
-            for i, seg in enumerate(plan.segments):
-                if seg.end is None or pos < seg.end:
-                    if seg.group is not None:
-                        pos = seg.start  # a group is cut whole (or, cut off by the end, by content)
-                    return CutState(pos, plan.segments[i:], plan.next)
-            nxt = plan.next
-        raise AssertionError("unreachable: the last segment is open")
 
 
 def _next_cut(seg: Segment, pos: int, stride: int, period: int, shift: int) -> int:

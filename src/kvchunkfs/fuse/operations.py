@@ -191,7 +191,6 @@ class Operations(fuse.Operations):
         super().__init__()
         self.files = files
         self.repo = repo = files.repo
-        self.enable_writeback_cache = repo.settings.writeback_cache
         self.enable_passthrough = repo.settings.fuse_passthrough
         self.nodes: dict[int, Node] = {}
         self.by_path: dict[str, Node] = {}

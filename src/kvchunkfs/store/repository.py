@@ -43,12 +43,10 @@ class StoreSettings:
     pack_size: int = 64 << 20
     prefetch_workers: int = 8
     cache_size: int = 128 << 20
-    chunk_workers: int = 0  # 0: one per CPU
     max_file_size: int = 64 << 30
     verify_reads: bool = True
     predict_chunks: bool = True  # skip the cut for chunks that repeat a known sequence (file/predict.py)
     durability: str = "close"  # "close": survives a killed daemon; "fsync": also power loss
-    writeback_cache: bool = False  # the kernel's: it rewrites a file's last partial page
     fuse_passthrough: bool = True  # the daemon's (fuse/): negotiate kernel passthrough where possible
     reopen_linger: int = 1  # seconds a closed, unchanged content stays loaded (the daemon's, fuse/)
     whole_files_dir: Path | None = None  # staged saves and hot copies (None: under /dev/shm)

@@ -209,11 +209,17 @@ def test_the_warm_up_stops_when_memory_is_short(tmp_path: Path, cgroup: Path, bo
     m.start()
     try:
         data = save_all(m, [f"s{i}" for i in range(8)], SIZE, 50)
-        hold = tmp_path / "warm-hold"
-        hold.write_text("40")  # mid-way through the third (16-17 pieces each)
-        monkeypatch.setenv("KVCFS_WARM_UP_HOLD", str(hold))
+        # A first warm-up, not held: how many pieces a snapshot's put-back takes here.
         done = reboot(m, boot, 2)
-        st = wait_until(m, lambda s: s["warm_up_pieces"] >= 40)
+        wait_for_log(m, DONE, done + 1)
+        st = m.stats()
+        assert st["warm_up_files"] == 8, st
+        third = st["warm_up_pieces"] * 5 // 16  # mid-way through the third snapshot
+        hold = tmp_path / "warm-hold"
+        hold.write_text(str(third))
+        monkeypatch.setenv("KVCFS_WARM_UP_HOLD", str(hold))
+        done = reboot(m, boot, 3)
+        st = wait_until(m, lambda s: s["warm_up_pieces"] >= third)
         assert st["warm_up_budget"] == LIMIT // 8 and st["warm_up_files"] == 2 and st["warm_up_warming"] == 1, st
         assert st["hot_bytes"] == 2 * SIZE, st
         keep = tmp_path / "keep"

@@ -1,22 +1,17 @@
-"""FUSE operations: inodes, handles and POSIX semantics on top of ``Repository``.
+"""FUSE operations: POSIX semantics of the snapshots directory on top of ``Repository``.
 
-Inode numbers are ours, not the stubs': a save replaces a stub by rename, which gives it a new
-host inode, while the file the kernel knows must keep its identity. ``Node`` maps an inode to its
-path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open.
-An unchanged content stays loaded for ``linger`` seconds (``reopen_linger``) after its last close:
-llama-server opens a snapshot twice per restore (it reads the end and the header, closes, and opens
-it again), and the second open takes the first one's content, read-ahead and decodes under way, if
-the stub still holds the bytes it was loaded from.
+The file system answers the session's requests against the repository, the open files and the
+save service: the inode and handle tables are the bridge's (fuse/bridge.py), the shared contents
+of open files and their linger the open-file cache's (fuse/openfiles.py), a save's life from the
+writer's close the save service's (file/saves.py, one call per close), restores fuse/restores.py's.
 
 Everything runs on the single trio thread; work that blocks (chunking, reading chunks, staging
 copies, pinning, writing stubs) goes to worker threads, and the trio thread never waits on a lock
 that another thread holds across I/O (docs/design.md, "Concurrency"). A handle's reads and writes
 are one call into its ``FileHandle`` (file/handle.py), which makes those hops; names and metadata
 change through ``Repository``, which tells the catalog. A per-node trio lock keeps writes,
-truncates and commits of one file in arrival order. The save protocol itself is
-``Files.prepare_save`` (in a thread) and ``Files.finish_save`` (the stub's install, here, once no
-rename of the file is in flight). Creates, unlinks and file renames run in threads (the file
-system's journal may hold them), each node's path gated meanwhile (fuse/gate.py).
+truncates and commits of one file in arrival order. Creates, unlinks and file renames run in
+threads (the file system's journal may hold them), each node's path gated meanwhile (fuse/gate.py).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import trio
 
@@ -41,7 +36,7 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.file.handle import FileHandle, truncate
 from kvchunkfs.file.refresh import from_remote, refresh_from_remote
 from kvchunkfs.file.room import Room
-from kvchunkfs.file.saves import SavedFile, SaveObserver, SaveRefused, SaveService
+from kvchunkfs.file.saves import SavedFile, SaveRefused, SaveService
 from kvchunkfs.file.saves import errno_of as _errno_of
 from kvchunkfs.format.index import IndexFormatError
 from kvchunkfs.fuse import api as fuse
@@ -51,7 +46,7 @@ from kvchunkfs.fuse.bridge import Bridge, Handle, Node
 from kvchunkfs.fuse.guard import guard_handlers
 from kvchunkfs.fuse.guard import level as _level
 from kvchunkfs.fuse.openfiles import OnPath, OpenFiles
-from kvchunkfs.fuse.restores import RestoreObserver, Restores
+from kvchunkfs.fuse.restores import Restores
 from kvchunkfs.fuse.retries import StaleRetries
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
@@ -60,10 +55,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0
 STATS_XATTR = "user.kvcfs.stats"  # read-only, on the root directory, for the daemon's user
-
-
-class Observer(SaveObserver, RestoreObserver, Protocol):
-    """Told about saves and restores (metrics); called on the FUSE thread, so it must be quick."""
 
 
 @guard_handlers
@@ -82,7 +73,6 @@ class Operations(fuse.Operations):
         self.opened = OpenFiles(files, self.bridge, self.restores, self.retries, self._commit)  # fuse/openfiles.py
         self.write_requests = 0
         self.write_bytes = 0
-        self._observer: Observer | None = None
         self.memory_trims = 0
         self.idle_checks = 0  # idle spells after which the heap was trimmed if RSS was high (daemon.py)
         self.mountpoint: str | None = None  # set by the daemon: which FLUSH is the writer's own close
@@ -94,15 +84,6 @@ class Operations(fuse.Operations):
         self.writing = 0
         self.last_write_end = -math.inf  # trio time the last of them ended
         self.write_activity = trio.Event()  # set (and replaced) whenever one ends
-
-    @property
-    def observer(self) -> Observer | None:
-        return self._observer
-
-    @observer.setter
-    def observer(self, observer: Observer | None) -> None:
-        """Told about saves (by the save service) and restores."""
-        self._observer = self.save_service.observer = self.restores.observer = observer
 
     @property
     def room(self) -> Room | None:
@@ -175,11 +156,6 @@ class Operations(fuse.Operations):
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args)
 
-    def _replaced(self, rel: str) -> None:
-        """The bucket's version replaced the stub at ``rel`` (file/refresh.py): the name gets a fresh
-        inode; the old one lives on until the kernel forgets it."""
-        self.by_path.pop(rel, None)
-
     def _stat_node(self, node: Node) -> os.stat_result:
         if node.path is None:
             if node.last_stat is None:
@@ -235,7 +211,7 @@ class Operations(fuse.Operations):
         known = self.by_path.get(rel)
         if known is not None:  # a revalidation may come in while the name's rename runs
             await known.gate.settled()
-        await refresh_from_remote(self.repo, rel, self.bridge.in_use, self._replaced)
+        await refresh_from_remote(self.repo, rel, self.bridge.in_use, lambda rel: self.by_path.pop(rel, None))
         try:
             st = self.repo.lstat(rel)
         except FileNotFoundError:

@@ -39,7 +39,8 @@ fuse:  # real mounts: root and /dev/fuse
 # the daemon, as on kernels before 6.9 or a daemon without CAP_SYS_ADMIN.
 SERVED_TESTS = tests/test_fs_core.py tests/test_recovery.py tests/test_flush_copies.py tests/test_staged.py \
 	tests/test_stop.py tests/test_stream_stress.py tests/test_linger.py tests/test_powerloss.py \
-	tests/test_staged_reboot.py tests/test_late_writes.py tests/test_room.py tests/test_open_races.py
+	tests/test_staged_reboot.py tests/test_late_writes.py tests/test_room.py tests/test_open_races.py \
+	tests/test_golden_saves.py
 served:
 	KV_CHUNK_FS_FUSE_PASSTHROUGH=false $(PYTEST) $(SERVED_TESTS)
 

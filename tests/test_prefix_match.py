@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvchunkfs.service import prefixtree
 from kvchunkfs.service.catalog import StubInfo
-from kvchunkfs.service.live import NO_SLOTS, LiveCatalog, PrefixMatch, Read
+from kvchunkfs.service.live import LiveCatalog, PrefixMatch
+from kvchunkfs.service.stubread import NO_SLOTS, Read
 
 tokens = st.lists(st.integers(0, 3), max_size=8)  # a small alphabet: long shared prefixes and ties
 names = st.sampled_from([f"{d}{n}{s}" for d in ("", "a/", "b/") for n in "xyzw" for s in ("", ".tmp")])

@@ -69,8 +69,8 @@ def _assert_matches_full_scan(service: Service) -> None:
     ]
     live = service.live
     with live._lock:  # the neighbours' common prefixes kept beside the token order (prefix tree)
-        order = live._by_tokens
-        assert live._lcp == [0] * bool(order) + [prefixtree.common_prefix_len(order[i - 1][0], order[i][0])
+        order = live._token_order.order
+        assert live._token_order.lcp == [0] * bool(order) + [prefixtree.common_prefix_len(order[i - 1][0], order[i][0])
                                    for i in range(1, len(order))]  # fmt: skip
     for prefix in ("", "d1/"):
         tokens = {p: list(e.tokens) for p, e in live.entries.items() if e.tokens is not None and p.startswith(prefix)}

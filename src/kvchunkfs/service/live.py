@@ -10,7 +10,8 @@ repository (or ``Operations``, which reports xattr updates and creates), and eac
 *after* it happened. Refreshing a path reads its state at refresh time, which is at least as new as
 the event, so once the queue of reported paths is drained every path equals what a full scan would
 read. The events only go into a list under a lock that is never held across I/O, so the FUSE thread
-never waits for a listing.
+never waits for a listing. Entries made or removed in ``snapshots/`` itself, not through the mount,
+are noticed by the directory watcher (``dirwatch.py``) before each answer.
 
 Unique and shared bytes are kept per snapshot by a reference count over distinct chunk ids
 (``idarrays.RefCounts``: numpy arrays, no Python object per chunk): each distinct id has a slot
@@ -18,7 +19,8 @@ holding the id, its count and the xor of the numbers of the snapshots naming it,
 falls to one the xor names the last holder, whose unique bytes grow by the chunk's length. A row
 keeps the slots of its distinct chunks and their lengths (8 bytes a chunk); the counts take 44
 bytes a distinct chunk of the store. A stub is read a piece of its index at a time (its token
-prefix from the first piece), so a load never holds an index of a million chunks whole.
+prefix from the first piece: ``stubread.py``), so a load never holds an index of a million chunks
+whole.
 
 GC's collection of the changes (maint/gcchanges.py) asks ``unnamed`` which of some ids no snapshot names:
 the ids whose count fell to zero since its last question, plus the ids the store mapped meanwhile.
@@ -45,10 +47,11 @@ from pathlib import Path
 import numpy as np
 
 from kvchunkfs.format import idarrays
-from kvchunkfs.format import index as idx
-from kvchunkfs.format.index import Index
 from kvchunkfs.formula import Formula
 from kvchunkfs.service import catalog, prefixtree
+from kvchunkfs.service.dirwatch import DirWatcher
+from kvchunkfs.service.stubread import NO_SLOTS, Read, ReadChunks, StubReader, entries_in
+from kvchunkfs.service.tokenorder import TokenOrder
 from kvchunkfs.store import stubs
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,6 @@ _SID_LIMIT = 1 << 32  # snapshot numbers are 32-bit (``RefCounts.xor``)
 # it grew).
 FREEZE_EVERY = 4096
 DROPPED_MAX = 1 << 18  # ids kept for GC between its questions; past it GC walks every stub
-HEAD_ENTRIES = 1 << 12  # index entries read for a token prefix (more only if the header is longer)
-ReadChunks = Callable[[Index, int, int], bytes]
 
 
 @dataclass
@@ -81,20 +82,6 @@ class Entry:
 
 
 @dataclass
-class Read:
-    """What reading a stub gave: its row, its distinct chunks' slots and lengths, its tokens."""
-
-    info: catalog.StubInfo
-    slots: np.ndarray
-    lens: np.ndarray
-    tokens: array.array | None = None
-    token_error: str | None = None
-
-
-NO_SLOTS = np.empty(0, np.uint32)
-
-
-@dataclass
 class PrefixMatch:
     """A snapshot sharing ``match`` leading tokens with a query; ``tokens`` is its own count."""
 
@@ -108,7 +95,6 @@ class LiveCatalog:
     def __init__(self, snapshots_dir: Path, read_chunks: ReadChunks | None = None,
                  ids_with_keys: Callable[[list[bytes]], list[bytes]] | None = None) -> None:  # fmt: skip
         self.snapshots_dir = snapshots_dir
-        self.read_chunks = read_chunks
         # The store's ids that begin with some keys (``ChunkMap.ids_with_keys``): the counts keep
         # keys (``idarrays.KEY_LEN`` bytes), GC deletes by id.
         self.ids_with_keys = ids_with_keys
@@ -118,18 +104,13 @@ class LiveCatalog:
         self._ready = threading.Event()
         self.entries: dict[str, Entry] = {}
         self._refs = idarrays.RefCounts()
+        self._stubs = StubReader(snapshots_dir, self._refs, read_chunks)
         self._by_sid: dict[int, Entry] = {}
         self._next_sid = 1
         self._sorted: list[str] | None = None
-        # (tokens, path) of every row with a token prefix, in token order: a prefix match looks at
-        # the neighbours of the query's place in it instead of at every row (see prefix_match).
-        self._by_tokens: list[tuple[array.array, str]] = []
-        # _lcp[i]: tokens row i shares with row i-1 (0 for the first): kept with _by_tokens, so the
-        # prefix tree is built without comparing neighbours again (prefixtree.build_sorted).
-        self._lcp: list[int] = []
+        self._token_order = TokenOrder()  # the rows with a token prefix, in token order
         self._dirs: dict[str, int] = {}
-        self._children: dict[str, set[str]] = {}  # directory -> names of its rows
-        self._dir_mtimes: dict[str, int] = {}  # directories seen -> their mtime when listed
+        self._watcher = DirWatcher(snapshots_dir, self.changed)
         self.logical_bytes = 0
         self.referenced_bytes = 0
         self._broken = 0  # rows whose chunks are unknown (``info.error``)
@@ -173,7 +154,7 @@ class LiveCatalog:
 
     def refresh(self) -> None:
         """Apply the reported changes (callers hold ``_lock``)."""
-        self._watch_dirs()
+        self._watcher.watch_dirs()
         while True:
             with self._queue_lock:
                 paths, self._queue = self._queue, []
@@ -191,8 +172,8 @@ class LiveCatalog:
             self._drop_below(rel)
             self._read(rel)
             parent = rel.rpartition("/")[0]
-            if parent not in self._dir_mtimes:  # e.g. made by mkdir through the mount: watch it too
-                self._register_dirs(parent)
+            if not self._watcher.watched(parent):  # e.g. made by mkdir through the mount: watch it too
+                self._watcher.register_dirs(parent)
         elif stat.S_ISDIR(mode):
             self._drop(rel)
             self._refresh_dir(rel)
@@ -200,49 +181,14 @@ class LiveCatalog:
             self._drop(rel)
             self._drop_below(rel)
 
-    def _register_dirs(self, rel: str) -> None:
-        """Note the mtime of ``rel`` and every directory below it, each taken before it is listed."""
-        stack = [rel]
-        while stack:
-            d = stack.pop()
-            try:
-                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
-                with os.scandir(self.snapshots_dir / d) as it:
-                    subdirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                continue
-            self._dir_mtimes[d] = mtime
-            stack += [f"{d}/{name}" if d else name for name in subdirs]
-
-    def _watch_dirs(self) -> None:
-        """Notice entries made or removed behind the daemon's back (in ``snapshots/`` itself, not
-        through the mount): a directory whose mtime moved is listed again and the names that differ
-        from its rows are refreshed. One ``lstat`` per directory, not per stub."""
-        for d, seen in list(self._dir_mtimes.items()):
-            try:
-                mtime = os.lstat(self.snapshots_dir / d).st_mtime_ns
-                names = set(os.listdir(self.snapshots_dir / d)) if mtime != seen else None
-            except OSError:
-                del self._dir_mtimes[d]
-                self.changed(d)
-                continue
-            if names is None:
-                continue
-            self._dir_mtimes[d] = mtime
-            base = f"{d}/" if d else ""
-            subdirs = {p[len(base) :] for p in self._dir_mtimes if p != d and p.startswith(base)}
-            subdirs = {p for p in subdirs if "/" not in p}
-            known = self._children.get(d, set()) | subdirs
-            self.changed(*(base + name for name in names ^ known))
-
     def _refresh_dir(self, rel: str) -> None:
         """Re-read every stub under directory ``rel`` and forget rows of files no longer there."""
-        self._register_dirs(rel)
+        self._watcher.register_dirs(rel)
         base = f"{rel}/" if rel else ""
         paths = [base + entry.rel for entry in stubs.walk(self.snapshots_dir / rel) if entry.kind == "file"]
         seen = set(paths)
         if not self.entries:  # the first load: room for as many ids as the stubs may name
-            self._refs.reserve(sum(_entries_in(self.snapshots_dir / p) for p in paths))
+            self._refs.reserve(sum(entries_in(self.snapshots_dir / p) for p in paths))
         # One thread: 8 reading stubs in parallel loaded 50,000 no faster with the page cache
         # warm (20.9/19.8 s against 19.6/15.8 s) and only unevenly faster cold (20.9/29.1 s
         # against 35.8/27.1 s): the work is Python under the GIL.
@@ -269,12 +215,7 @@ class LiveCatalog:
 
     def _count_dirs(self, rel: str, step: int) -> None:
         """Rows below each ancestor directory of ``rel``, so a file event need not scan for them."""
-        parent, _, name = rel.rpartition("/")
-        children = self._children.setdefault(parent, set())
-        if step > 0:
-            children.add(name)
-        else:
-            children.discard(name)
+        self._watcher.note_row(rel, step)
         parts = rel.split("/")[:-1]
         for i in range(1, len(parts) + 1):
             d = "/".join(parts[:i])
@@ -287,7 +228,7 @@ class LiveCatalog:
         # tidies the counts (``RefCounts.tidy`` frees slots whose count is 0).
         self._drop(rel)
         try:
-            read = self._read_stub(rel)
+            read = self._stubs.read(rel)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -295,83 +236,6 @@ class LiveCatalog:
         if read.info.error is not None:
             read.token_error = read.info.error
         self._add(read)
-
-    def _read_stub(self, rel: str) -> Read:
-        """Read the stub at ``rel`` (one open file throughout: a rename meanwhile changes nothing
-        read) a piece of its index at a time; a stub that is not a valid index gives a row with
-        ``error``. Its chunks get slots (count 0 until ``_add`` counts them)."""
-        path = self.snapshots_dir / rel
-        info = catalog.StubInfo(path=rel, size=stubs.stub_size(path) or 0, chunks=0, lengths={}, created=0.0,
-                                use_count=0, last_use=None, labels={})  # fmt: skip
-        catalog.read_metadata(path, info)
-        fd = stubs.open_stub(path)
-        try:
-            info.digest = stubs.hash_stub(fd).digest()
-            try:
-                slots, lens = self._count_pieces(fd, path, info)
-            except OSError as e:  # StubError, or the bytes ended early
-                info.error = str(e)
-                return Read(info, NO_SLOTS, NO_SLOTS)
-            read = Read(info, slots, lens)
-            if self.read_chunks is not None:
-                read.tokens, read.token_error = self._tokens_of(fd, path)
-            else:
-                read.token_error = "no chunk reader"
-            return read
-        finally:
-            os.close(fd)
-
-    def _count_pieces(self, fd: int, path: Path, info: catalog.StubInfo) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, lengths) of the distinct chunks of the open stub ``fd`` (the length an id's
-        last entry gives, as a dict filled in file order keeps); sets ``info``'s size and chunks.
-
-        Each piece is made distinct on its own; across pieces, from the last one back, a flag per
-        slot drops the ones a later piece had: a few bytes a chunk, no sort of the whole."""
-        pieces = []
-        end = chunks = 0
-        try:
-            for ends, ids in stubs.read_table(fd):
-                lens = np.diff(ends, prepend=np.uint64(end))
-                pieces.append(_last_of_each(self._refs.slots(ids), lens))
-                end, chunks = int(ends[-1]), chunks + len(ends)
-        except idx.IndexFormatError as e:
-            raise stubs.StubError(f"{path}: {e}") from e
-        size = stubs.stub_size(fd)
-        if size is not None and size != end:
-            raise stubs.StubError(f"{path}: size xattr {size} does not match index size {end}")
-        info.size, info.chunks = end, chunks
-        if len(pieces) <= 1:
-            return pieces[0] if pieces else (NO_SLOTS, NO_SLOTS)
-        seen = np.zeros(self._refs.n, bool)  # touched only where a slot is set
-        wide = any(p[1].dtype != np.uint32 for p in pieces)
-        # Room for every entry; only the distinct ones are written (the rest is never touched).
-        slots = np.empty(sum(len(p[0]) for p in pieces), np.uint32)
-        lengths = np.empty(len(slots), np.uint64 if wide else np.uint32)
-        n = 0
-        while pieces:  # each piece freed once copied
-            piece, piece_lens = pieces.pop()
-            fresh = ~seen[piece]
-            seen[piece] = True
-            k = int(np.count_nonzero(fresh))
-            slots[n : n + k] = piece[fresh]
-            lengths[n : n + k] = piece_lens[fresh]
-            n += k
-        return slots[:n], lengths[:n]
-
-    def _tokens_of(self, fd: int, path: Path) -> tuple[array.array | None, str | None]:
-        """The token prefix, from the first ``HEAD_ENTRIES`` entries of the index (the whole index
-        only if the header reaches past them)."""
-
-        def read(offset: int, size: int) -> bytes:
-            return os.pread(fd, size, offset)
-
-        length = os.fstat(fd).st_size
-        index, n = idx.read_head(read, length, HEAD_ENTRIES)
-        tokens, why, reached = self._tokens(index)
-        if reached and n > len(index):  # the header may go on past the entries read
-            index = stubs.decode_stub(stubs.read_stub(fd)[0], None, path)
-            tokens, why, _ = self._tokens(index)
-        return tokens, why
 
     def _metadata_only(self, rel: str) -> bool:
         """Refresh only the row's metadata if its stub still holds the same index (a use, a label:
@@ -391,19 +255,6 @@ class LiveCatalog:
         self._sorted = None
         self.generation += 1
         return True
-
-    def _tokens(self, index: Index) -> tuple[array.array | None, str | None, bool]:
-        """(the token prefix, why there is none, whether reading it reached the end of ``index``),
-        read once per change of the stub (later trees need no pack reads)."""
-        assert self.read_chunks is not None
-        reader = catalog.ChunkReader(index, self.read_chunks)
-        try:
-            tokens = array.array("i", prefixtree.read_tokens(reader))  # type: ignore[arg-type]
-            return tokens, None, reader.pos + len(reader._buf) >= index.size
-        except (OSError, ValueError, LookupError) as e:  # not a ggsq file, a missing or corrupt chunk
-            return None, str(e) or type(e).__name__, reader.pos + len(reader._buf) >= index.size
-
-    # -- reference counts --------------------------------------------------------------------
 
     def _new_sid(self) -> int:
         sid = self._next_sid
@@ -431,7 +282,7 @@ class LiveCatalog:
         self._by_sid[sid] = entry
         self._broken += info.error is not None
         if read.tokens is not None:
-            self._insert_tokens(read.tokens, info.path)
+            self._token_order.insert(read.tokens, info.path)
         self.logical_bytes += info.size
         self._count_dirs(info.path, 1)
         self._sorted = None
@@ -454,7 +305,7 @@ class LiveCatalog:
             return
         del self._by_sid[entry.sid]
         if entry.tokens is not None:
-            self._remove_tokens(entry.tokens, rel)
+            self._token_order.remove(entry.tokens, rel)
         refs, slots, lens = self._refs, entry.slots, entry.lens
         count = refs.count[slots]
         count -= 1
@@ -471,26 +322,6 @@ class LiveCatalog:
         self._count_dirs(rel, -1)
         self._sorted = None
         self.generation += 1
-
-    def _insert_tokens(self, tokens: array.array, rel: str) -> None:
-        order, lcp = self._by_tokens, self._lcp
-        at = bisect.bisect_left(order, (tokens, rel))
-        order.insert(at, (tokens, rel))
-        lcp.insert(at, self._common(at - 1, at))
-        if at + 1 < len(order):
-            lcp[at + 1] = self._common(at, at + 1)
-
-    def _remove_tokens(self, tokens: array.array, rel: str) -> None:
-        order, lcp = self._by_tokens, self._lcp
-        at = bisect.bisect_left(order, (tokens, rel))
-        del order[at]  # the same (tokens, path) pair _add inserted
-        del lcp[at]
-        if at < len(order):
-            lcp[at] = self._common(at - 1, at)
-
-    def _common(self, i: int, j: int) -> int:
-        order = self._by_tokens
-        return prefixtree.common_prefix_len(order[i][0], order[j][0]) if i >= 0 else 0
 
     def _note_dropped(self, keys: np.ndarray) -> None:
         if self._dropped is not None and len(keys):
@@ -651,26 +482,11 @@ class LiveCatalog:
         want = array.array("i", tokens)
         found: list[PrefixMatch] = []
         with self._reading():
-            order = self._by_tokens
-
-            def common(j: int) -> int:
-                return prefixtree.common_prefix_len(want, order[j][0]) if 0 <= j < len(order) else 0
-
-            up = bisect.bisect_left(order, (want, ""))
-            down = up - 1
-            n_down, n_up = common(down), common(up)
-            while (n := max(n_down, n_up)) > 0:
+            for path, n, count in self._token_order.best_first(want):
                 if len(found) >= limit and n < found[limit - 1].match:
                     break
-                if n_down >= n_up:
-                    j, down = down, down - 1
-                    n_down = common(down)
-                else:
-                    j, up = up, up + 1
-                    n_up = common(up)
-                have, path = order[j]
                 if path.startswith(prefix) and not (exclude_suffix and path.endswith(exclude_suffix)):
-                    found.append(PrefixMatch(path, n, len(have), dict(self.entries[path].info.labels)))
+                    found.append(PrefixMatch(path, n, count, dict(self.entries[path].info.labels)))
         found.sort(key=lambda m: (-m.match, m.tokens, m.path))
         return found[:limit]
 
@@ -678,14 +494,7 @@ class LiveCatalog:
         prefix = prefix.lstrip("/")
         names = catalog.display_name
         with self._reading():  # the token-ordered index: no sort, no copies of the token arrays
-            order = self._by_tokens
-            if prefix:
-                kept = [i for i, (_, p) in enumerate(order) if p.startswith(prefix)]
-                entries = [(order[i][0], names(order[i][1])) for i in kept]
-                lcp = _subset_lcp(self._lcp, kept)
-            else:
-                entries = [(tokens, names(p)) for tokens, p in order]
-                lcp = list(self._lcp)
+            entries, lcp = self._token_order.under(prefix, names)
             skipped = {names(p): names(e.token_error or "") for p, e in self.entries.items()
                        if e.tokens is None and p.startswith(prefix)}  # fmt: skip
         return prefixtree.build_sorted(entries, lcp), skipped
@@ -720,60 +529,11 @@ class LiveCatalog:
             return out
 
 
-_gc_lock = threading.Lock()
-_gc_pauses = 0
-
-
-@contextlib.contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a big answer is built. Each full collection
-    scans every object the catalog holds, and building a 50,000-snapshot tree allocates enough to
-    start several: 2.07 s with them, 0.42 s without. Reference counting still frees everything
-    at once; only cycles wait for the next collection. Nested and concurrent uses are counted."""
-    global _gc_pauses
-    with _gc_lock:
-        _gc_pauses += 1
-        gc.disable()
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0:
-                gc.enable()
-
-
 def _total(lens: np.ndarray, where: np.ndarray | None = None) -> int:
     """The sum of ``lens`` (where ``where`` is set), as a Python int (no widened copy)."""
     if where is None:
         return int(lens.sum(dtype=np.int64))
     return int(np.sum(lens, where=where, dtype=np.int64))
-
-
-def _entries_in(path: Path) -> int:
-    """How many entries the index at ``path`` has, going by its size (0 if it cannot be told)."""
-    try:
-        return max(0, os.lstat(path).st_size - idx.FIXED_BYTES) // idx.ITEM_BYTES
-    except OSError:
-        return 0
-
-
-def _last_of_each(slots: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct slots as uint32, the length of each one's last entry): uint32 lengths unless one
-    needs more."""
-    distinct, last = np.unique(slots[::-1], return_index=True)
-    lengths = lens[::-1][last]
-    narrow = len(lengths) and int(lengths.max()) < 1 << 32
-    return distinct.astype(np.uint32), lengths.astype(np.uint32) if narrow or not len(lengths) else lengths
-
-
-def _subset_lcp(lcp: list[int], kept: list[int]) -> list[int]:
-    """Common prefixes of consecutive kept rows: in sorted order the common prefix of two rows is
-    the least of the neighbours' ones between them."""
-    out = []
-    for n, i in enumerate(kept):
-        out.append(min(lcp[kept[n - 1] + 1 : i + 1]) if n else 0)
-    return out
 
 
 def _columns(formula: Formula, rows: list[dict]) -> dict[str, list[float]]:
@@ -786,19 +546,3 @@ def _columns(formula: Formula, rows: list[dict]) -> dict[str, list[float]]:
         else:
             out[name] = [float(r[name]) for r in rows]
     return out
-
-
-def direct_reader(get_many: Callable[[list[bytes]], list[bytes]]) -> ReadChunks:
-    """Read a byte range of a snapshot straight from the store, past the read-ahead cache (a
-    catalog refresh must neither evict what restores read nor count as one)."""
-
-    def read_chunks(index: Index, offset: int, size: int) -> bytes:
-        end = min(index.size, offset + size)
-        if offset >= end:
-            return b""
-        first, last = index.find(offset), index.find(end - 1)
-        data = b"".join(get_many(index.ids[first : last + 1]))
-        start = index.start(first)
-        return data[offset - start : end - start]
-
-    return read_chunks

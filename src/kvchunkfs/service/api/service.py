@@ -21,9 +21,11 @@ from kvchunkfs.file.files import Files
 from kvchunkfs.formula import compile_formula
 from kvchunkfs.service import catalog, figures, logbuffer, prefixtree
 from kvchunkfs.service.api.encode import JSONResponse
+from kvchunkfs.service.gcpause import cyclic_gc_paused
 from kvchunkfs.service.history import History
-from kvchunkfs.service.live import LiveCatalog, cyclic_gc_paused, direct_reader
+from kvchunkfs.service.live import LiveCatalog
 from kvchunkfs.service.metrics import Metrics
+from kvchunkfs.service.stubread import direct_reader
 from kvchunkfs.store import stubs
 from kvchunkfs.store.repository import Repository
 

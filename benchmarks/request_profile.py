@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,7 @@ def main() -> None:
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         proc.wait(timeout=300)
+        shutil.rmtree(base, ignore_errors=True)
     load = os.getloadavg()
     print(f"daemon from {args.src}; {mode}; {args.saves} saves of {size >> 20} MiB; load {load[0]:.2f} {load[1]:.2f}")
     print(f"{'phase':9} {'request':15} {'count':>5} {'wall ms':>9} {'cpu ms':>8}")

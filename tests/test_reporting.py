@@ -101,5 +101,5 @@ def test_a_save_and_a_restore_each_log_one_line(kvfs) -> None:
     # The stored save's staged file became a hot copy: the restore reads it whole.
     assert re.fullmatch(r"restored chat: 4\.0 MiB in \d+ ms from a hot copy \(2 opens\)", restores[0]), restores
     # The same lines in the daemon's own log (stderr), at the default level.
-    assert kvfs.log().count("INFO kvchunkfs.fuse.operations: saved chat:") == 2
-    assert kvfs.log().count("INFO kvchunkfs.fuse.operations: restored chat:") == 1
+    assert kvfs.log().count("INFO kvchunkfs.file.saves: saved chat:") == 2
+    assert kvfs.log().count("INFO kvchunkfs.fuse.restores: restored chat:") == 1

@@ -3,7 +3,7 @@
 A save's last close names its staged file on the stub (``Repository.set_staged``: from then on
 that file is the snapshot) and queues it here. A worker thread, at low CPU priority, reads and
 stores the file (file/chunking.py: format-aware, only the chunks the store lacks written), writes
-the new stub under ``tmp/`` and asks the mount to install it (``Install``): on the thread that
+the new stub under ``tmp/`` and asks the save service to install it (``Saves``): on the thread that
 orders namespace changes, and only if the stub still names this staged file (a later save, an
 unlink or a rename over it wins), once the file still hashes to the checksum just stored (else it
 was written after its close, and is stored again). The installed file then joins the hot tier
@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvchunkfs.file.adopt import same_sum, to_hot_tier
 from kvchunkfs.file.files import Files, PendingSave
@@ -66,7 +67,6 @@ class Job:
     path: Path  # the staged file
     size: int
     where: Callable[[], str | None]  # the file's path now, for the metadata its new stub carries
-    owner: object = None  # the mount's handle on the file (its node)
     closed_ms: float = 0.0  # how long the close took
     adopt: bool = True  # may become a hot copy (False: a client may still write the file)
     queued: float = field(default_factory=time.monotonic)
@@ -78,15 +78,23 @@ class Job:
         return self.path.name
 
 
-Install = Callable[[Job, PendingSave], Outcome]
-Done = Callable[[Job, Outcome, int, float], None]  # job, outcome, new bytes, seconds queued to stored
+class Saves(Protocol):
+    """What ingestion tells the mount's save service (file/saves.py ``SaveService``), from its workers."""
+
+    def install(self, job: Job, pending: PendingSave) -> Outcome:
+        """Install the job's new stub if its name still names this staged save."""
+        ...
+
+    def done(self, job: Job, outcome: Outcome, new_bytes: int, seconds: float) -> None:
+        """The job is over (``seconds``: from queued to stored)."""
+        ...
 
 
 class Ingester:
-    def __init__(self, files: Files, install: Install, done: Done, backlog: int, workers: int = 1) -> None:
+    def __init__(self, files: Files, saves: Saves, backlog: int, workers: int = 1) -> None:
         self.files = files
-        self.install = install
-        self.done = done
+        self.install = saves.install
+        self.done = saves.done
         whole = files.repo.whole
         default = whole.tier_size // 2 if whole is not None else 4 << 30
         self.limit = backlog or default  # staged bytes queued beyond which a close waits

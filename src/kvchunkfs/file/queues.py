@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-
 NICE = 10
 
 

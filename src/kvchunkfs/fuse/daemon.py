@@ -160,8 +160,8 @@ def serve(
     empty = tier_empty(whole)
     ops = Operations(files)
     ops.warm_up_stats = warm.stats
-    ops.linger = files.repo.settings.reopen_linger
-    ops.stop_timeout = stop_timeout
+    ops.opened.linger = files.repo.settings.reopen_linger
+    ops.save_service.stop_timeout = stop_timeout
     ops.mountpoint = str(mountpoint.resolve())
     session = Session(ops, str(mountpoint), mount_options(os.geteuid() == 0, files.repo.root))
     session.start()
@@ -220,11 +220,11 @@ async def trim_when_idle(ops: Operations, delay: float = IDLE_TRIM_DELAY, above:
     every turn.
     """
     while True:
-        await ops.went_idle.wait()
-        ops.went_idle = trio.Event()
-        gen = ops.idle_gen
+        await ops.opened.went_idle.wait()
+        ops.opened.went_idle = trio.Event()
+        gen = ops.opened.idle_gen
         await trio.sleep(delay)
-        if ops.open_files == 0 and ops.idle_gen == gen:
+        if ops.opened.open_files == 0 and ops.opened.idle_gen == gen:
             if rss_bytes() > above:
                 await trio.to_thread.run_sync(trim_memory)
                 ops.memory_trims += 1
@@ -234,19 +234,19 @@ async def trim_when_idle(ops: Operations, delay: float = IDLE_TRIM_DELAY, above:
 async def close_lingering(ops: Operations) -> None:
     """Close each lingering content once its ``linger`` seconds are up."""
     while True:
-        await ops.lingered.wait()
-        ops.lingered = trio.Event()
-        while (wait := await ops.close_lingered()) is not None:
+        await ops.opened.lingered.wait()
+        ops.opened.lingered = trio.Event()
+        while (wait := await ops.opened.close_lingered()) is not None:
             with trio.move_on_after(wait):
-                await ops.lingered.wait()  # a new one may be due sooner: look again
-            ops.lingered = trio.Event()
+                await ops.opened.lingered.wait()  # a new one may be due sooner: look again
+            ops.opened.lingered = trio.Event()
 
 
 async def _main(session: Session, mountpoint: Path, readahead_kb: int, background: list[BackgroundTask]) -> None:
     ops = cast(Operations, session.ops)  # or nullfs's (benchmarks/nullfs.py), which runs no background task
     if isinstance(ops, Operations) and ops.repo.whole is not None:
-        ops.start_ingestion()
-        await ops.resume_staged()
+        ops.save_service.start_ingestion()
+        await ops.save_service.resume_staged()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_tune_bdi, mountpoint, readahead_kb)
         nursery.start_soon(_ready, mountpoint)
@@ -255,8 +255,8 @@ async def _main(session: Session, mountpoint: Path, readahead_kb: int, backgroun
         await session.run(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
     if isinstance(ops, Operations):  # (benchmarks/nullfs.py runs this loop too)
-        await ops.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
-        await ops.stop_ingestion()
+        await ops.opened.close_lingered(math.inf)  # unpinned and their buffers back before the store closes
+        await ops.save_service.stop_ingestion()
 
 
 async def _ready(mountpoint: Path) -> None:

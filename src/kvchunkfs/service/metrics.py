@@ -33,7 +33,8 @@ CatalogFn = Callable[[], tuple[int, int, int, int] | None]
 
 
 class Metrics:
-    """The registry plus the observer interface ``fuse.operations.Operations.observer`` calls."""
+    """The registry plus the observer interface the save service (``file.saves.SaveService.observer``) and
+    the restore accounting (``fuse.restores.Restores.observer``) call."""
 
     def __init__(self, files: Files, stats: StatsFn | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

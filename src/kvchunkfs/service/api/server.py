@@ -219,12 +219,12 @@ class MountApi:
         """Background task of the FUSE loop: serve the API while the filesystem runs."""
         self.service.stats_source = ops.stats
         self.service.fuse_source = ops.fuse_mode
-        ops.observer = self.service.metrics
+        ops.save_service.observer = ops.restores.observer = self.service.metrics  # saves, restores
         self.server.start()
         try:
             await trio.sleep_forever()
         finally:
-            ops.observer = None
+            ops.save_service.observer = ops.restores.observer = None
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.server.stop)
 

@@ -162,7 +162,7 @@ class FileGroups:
             if not _parsed_to(st, until):
 
                 def read(off: int, n: int) -> bytes:
-                    return bytes(read_chunks(index, off, n, off + n))  # headers: no read-ahead
+                    return bytes(read_chunks(index, off, n, off + n))  # headers: a few bytes
 
                 more, st = relayout.groups_until(read, isize, st, until)
                 found = found + more

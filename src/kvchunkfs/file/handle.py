@@ -75,5 +75,5 @@ class FileHandle:
             if whole is not None and whole.in_memory and content.on_disk is None:
                 return os.pread(fd, size, offset)
             return await _thread(os.pread, fd, size, offset)
-        # No whole file (a file being streamed to the chunker): its chunks, then what is queued.
+        # No whole file (an in-process user without a memory tier): read from its chunks.
         return await _thread(content.read, offset, size, content.read_chunks)

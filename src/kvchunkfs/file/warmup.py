@@ -15,7 +15,7 @@ attribute per stub, known at mount, where the score needs the catalog (docs/memo
 **Clients first.** Before each snapshot and before each piece of one (``Restore.scatter``'s, about
 1 MiB), the warm-up waits while a client's restore is under way (``Files.restores``) or a save waits
 in the tier to be stored, so a client's restore waits at most for the piece in hand. It reads with
-one worker of its own at low priority (a client's put-back has three of the read-ahead's). A
+one worker of its own at low priority (a client's put-back has three of the restore pool's). A
 client's open of the very snapshot being warmed does its own put-back, and the warm-up's copy is
 then dropped. Its copies are first in line for eviction, so a client's copy, or a save, never goes
 for one of them.
@@ -149,7 +149,7 @@ class WarmUp:
         self.elapsed = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="warm-up", daemon=True)
-        # Its own reader, at low priority too: a client's put-back has the read-ahead's workers.
+        # Its own reader, at low priority too: a client's put-back has the restore pool's workers.
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="warm-up-read", initializer=lower_priority)
 
     def start(self) -> None:

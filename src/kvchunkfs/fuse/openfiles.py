@@ -3,7 +3,7 @@ opens and closed (or saved, then closed) at the last release.
 
 An unchanged content stays loaded for ``linger`` seconds (``reopen_linger``) after its last close:
 llama-server opens a snapshot twice per restore (it reads the end and the header, closes, and opens
-it again), and the second open takes the first one's content, read-ahead and decodes under way, if
+it again), and the second open takes the first one's content and its whole file, if
 the stub still holds the bytes it was loaded from. An open that must load the content of a node
 whose name names another file now answers ESTALE (the kernel looks the name up again).
 """

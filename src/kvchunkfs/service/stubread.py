@@ -154,8 +154,8 @@ def _last_of_each(slots: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def direct_reader(get_many: Callable[[list[bytes]], list[bytes]]) -> ReadChunks:
-    """Read a byte range of a snapshot straight from the store, past the read-ahead cache (a
-    catalog refresh must neither evict what restores read nor count as one)."""
+    """Read a byte range of a snapshot straight from the store (a catalog refresh must not count
+    as a restore)."""
 
     def read_chunks(index: Index, offset: int, size: int) -> bytes:
         end = min(index.size, offset + size)

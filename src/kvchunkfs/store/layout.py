@@ -6,7 +6,7 @@ STORE/
   packs/          00000001.pack ...: chunks back to back
   chunks.db       the chunk map (SQLite, WAL)
   tmp/            complete new stubs waiting for their rename; the API socket's staging dir
-  staging/        plain copies of files written out of order
+  staging/        saves written while the memory tier is short; put-backs too big for it (unlinked)
   prev/           durability=close: the version a save replaced, until the new one is durable
   lost+found/     stubs recovery set aside after a crash (unreadable, or naming chunks that are gone)
   lock            flock held by the one process working on the store

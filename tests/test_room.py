@@ -279,3 +279,33 @@ def test_a_save_whose_write_failed_for_room_is_not_committed(kvfs: Mount, tmp_pa
         kvfs.stop()
         remove_whole_files(kvfs.whole)
         subprocess.run(["umount", "-l", str(kvfs.whole.parent)], check=False)
+
+
+def test_a_save_held_open_by_a_child_counts_against_the_room(small_store: Mount, tmp_path: Path) -> None:
+    """A save whose close returned while a child still holds its file description (its storing
+    waits for the child's exit) takes its room from that close on: a save after it that the disk
+    cannot hold too is refused, never acknowledged and then failed by ingestion."""
+    m = small_store
+    first, second = rand_bytes(20 * MiB, 90), rand_bytes(20 * MiB, 91)
+    fd = os.open(m.path("r0"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for i in range(0, len(first), MiB):
+        os.write(fd, first[i : i + MiB])
+    child = subprocess.Popen(["sleep", "600"], pass_fds=[fd])  # inherits the writer's file description
+    try:
+        os.close(fd)  # the writer's close: r0 is acknowledged
+        outcome = save(m.path("r1"), second)
+    finally:
+        child.kill()
+        child.wait()
+    # The child's exit releases r0's file description: every acknowledged save is stored, or ingestion
+    # fails (the store degraded) on one of them.
+    while m.stats()["ingest_queue"] and not m.stats()["ingest_degraded"]:
+        time.sleep(0.05)
+    st = m.stats()
+    assert not st["ingest_degraded"], (
+        f"r1 ({outcome}) and r0 were acknowledged, one could not be stored: {m.log()[-2000:]}"
+    )
+    assert outcome is not None and outcome.endswith("ENOSPC"), outcome
+    assert "was lost" not in m.log()
+    reboot(m, tmp_path)
+    assert m.path("r0").read_bytes() == first, "r0 was acknowledged"

@@ -72,10 +72,19 @@ class Job:
     queued: float = field(default_factory=time.monotonic)
     due: float = 0.0  # monotonic time before which a failed job is not tried again
     failures: int = 0
+    claim: Claim | None = None  # the room it holds on the store's disk (file/room.py): released once stored
 
     @property
     def name(self) -> str:
         return self.path.name
+
+
+class Claim(Protocol):
+    """Room a save holds on the store's disk until its chunks are written (file/room.py)."""
+
+    size: int
+
+    def release(self) -> None: ...
 
 
 class Saves(Protocol):
@@ -208,6 +217,8 @@ class Ingester:
                         self.pending_bytes -= job.size
                         if job not in self.queue:  # not queued again (written after its close)
                             self._inflight.pop(id(job), None)
+                            if job.claim is not None:  # its chunks written: the disk's free space shows them
+                                job.claim.release()
                         self._note_rate(job.size, time.monotonic() - started)
                     self.cond.notify_all()
 

@@ -8,7 +8,11 @@ needs must be there before it is acknowledged, not found missing later:
   while the store's disk could not take what is staged plus a save as large as the recent ones
   (``expected``) if none of its bytes were shared; a save whose close finds the disk too full for
   it (``store_refusal(size)``) is refused there, its previous version kept. Both are counted, and
-  logged once when refusing starts and once when it ends.
+  logged once when refusing starts and once when it ends. A save admitted at its close holds its
+  room (a ``Claim``) from that check on until ingestion has written its chunks (then the disk's
+  free space shows them): closes are checked one at a time, and each counts the room of every save
+  acknowledged before it, also one whose storing has not started (a file still open elsewhere) or
+  is under way.
 * **The whole-file directory** holds what clients write (passed through: a write cannot wait).
   An open waits (``shortfall``) while the directory's free room, hot copies evicted first, is less
   than a save as large as the recent ones plus what the writers already open may still write,
@@ -29,6 +33,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvchunkfs.file.content import FileContent
@@ -49,6 +54,19 @@ def overhead(size: int) -> int:
     return size + size // 32 + (1 << 20)
 
 
+@dataclass(eq=False)
+class Claim:
+    """The room on the store's disk a save admitted at its close holds until its chunks are written
+    (``release``: by ingestion once they are, or by the close if the save was not staged)."""
+
+    room: Room
+    size: int
+    handed: bool = False  # its save was queued for ingestion, which releases it
+
+    def release(self) -> None:
+        self.room.release(self)
+
+
 class Room:
     def __init__(self, store_root: Path, whole: WholeFiles, ingester: Ingester) -> None:
         self.store_root = store_root
@@ -60,6 +78,8 @@ class Room:
         self.refused = 0  # saves refused (at the open or the close) for the store's trouble
         self.waits = 0  # opens that waited for room in the whole-file directory
         self._refusing = False
+        self._claims: set[Claim] = set()  # saves admitted at their close and not stored yet
+        self._admitting = threading.Lock()  # one close's check and claim at a time
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -100,11 +120,29 @@ class Room:
             log.warning("the store takes new saves again (%d MiB free)", free >> 20)
         return None
 
+    def claim(self, size: int) -> Claim:
+        claim = Claim(self, size)
+        with self._lock:
+            self._claims.add(claim)
+        return claim
+
+    def release(self, claim: Claim) -> None:
+        with self._lock:
+            self._claims.discard(claim)
+
+    def claimed(self) -> int:
+        """The room held by the saves admitted at their close and not stored yet."""
+        with self._lock:
+            return sum(c.size for c in self._claims)
+
     def unstored_data(self) -> int:
         """The data bytes of the saves not stored yet (a sparse file's holes take no room in the
-        store: they are one chunk of zeros), blocking (a ``stat`` each)."""
-        total = 0
+        store: they are one chunk of zeros): the room each admitted save claims, and for one queued
+        without a claim (staged before the last stop), its file's data (a ``stat``: blocking)."""
+        total = self.claimed()
         for job in self.ingester.unstored():
+            if job.claim is not None:
+                continue
             try:
                 st = os.stat(job.path)
             except OSError:
@@ -142,21 +180,25 @@ class Room:
         error = self.store_refusal()
         return error, 0 if error is not None else self.shortfall(writing)
 
-    def at_close(self, content: FileContent) -> OSError | None:
-        """Why a staged save must not be committed (blocking), or None: then it counts among the
-        recent saves. Its size is the bytes its file holds (a hole is no data: stored as one
-        chunk of zeros), plus the index entries of its length."""
+    def at_close(self, content: FileContent) -> tuple[OSError | None, Claim | None]:
+        """Why a staged save must not be committed (blocking), else the room it claims on the
+        store's disk until stored (released by the caller if it is not queued for ingestion);
+        then it counts among the recent saves. Its size is the bytes its file holds (a hole is no
+        data: stored as one chunk of zeros), plus the index entries of its length."""
         fd = content.whole_fd()
         if fd < 0:
-            return None
+            return None, None
         st = os.fstat(fd)
         data = min(st.st_size, st.st_blocks * 512)
-        error = self.store_refusal(data + st.st_size // INDEX_SHARE)
-        if error is None and self.torn(content):
-            error = OSError(errno.ENOSPC, "a write to it may have failed: the whole-file directory is full")
-        if error is None:
+        size = data + st.st_size // INDEX_SHARE
+        with self._admitting:  # another close's check cannot miss this one's claim
+            error = self.store_refusal(size)
+            if error is None and self.torn(content):
+                error = OSError(errno.ENOSPC, "a write to it may have failed: the whole-file directory is full")
+            if error is not None:
+                return error, None
             self.note_save(data)
-        return error
+            return None, self.claim(size)
 
     def note_failed_write(self, content: object) -> None:
         self._torn.add(content)

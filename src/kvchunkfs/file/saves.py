@@ -36,7 +36,7 @@ from kvchunkfs.file.adopt import same_sum
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.ingest import Ingester, Job, Outcome
-from kvchunkfs.file.room import Room
+from kvchunkfs.file.room import Claim, Room
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
 log = logging.getLogger(__name__)
@@ -241,12 +241,19 @@ class SaveService:
                 raise SaveRefused(errno.EFBIG)
             staged = not durable and not self.repo.durable and self.ingester is not None and content.own_file()
             inline = not durable and self._memory_short()  # counted: a save while memory is short
+            claim = None  # the room on the store's disk this save holds until stored (file/room.py)
             if staged:  # a write to it may have failed for room: never committed, staged or stored now
-                await self._room_to_stage(node, content, unless)
+                claim = await self._room_to_stage(node, content, unless)
             if staged and not inline:
-                if await self._stage(node, content, start, copy=others > 0, unless=unless) and others > 0:
-                    content.mark_changed()  # their close saves what they write (passthrough: unseen)
+                try:
+                    if await self._stage(node, content, start, copy=others > 0, unless=unless, claim=claim) and others:
+                        content.mark_changed()  # their close saves what they write (passthrough: unseen)
+                finally:
+                    if claim is not None and not claim.handed:  # not queued: nothing to hold room for
+                        claim.release()
                 return
+            if claim is not None:  # stored now, before the close returns: its own failure refuses it
+                claim.release()
             if unless is not None and await self._thread(unless):
                 log.debug("flush of %s from another copy of the descriptor: not a commit", node.path)
                 return
@@ -275,23 +282,33 @@ class SaveService:
                 # (ingesting it again would replace the durable stub by one a power cut can take).
                 node.synced = pending.record.file_sum if durable and pending.record is not None else None
 
-    async def _room_to_stage(self, node: SavedFile, content: FileContent, unless: Callable[[], bool] | None) -> None:
+    async def _room_to_stage(
+        self, node: SavedFile, content: FileContent, unless: Callable[[], bool] | None
+    ) -> Claim | None:
         """A save of a staged file is not committed if a write to it may have failed for lack of
         room, nor if the store could not take it: ENOSPC (or the store's errno), the previous version
-        kept. A FLUSH that ``unless`` says is not a commit is not refused (its writer's close is)."""
+        kept. A FLUSH that ``unless`` says is not a commit is not refused (its writer's close is).
+        The room the save claims on the store's disk (None: no room is checked)."""
         room = self.room
         if room is None:
-            return
-        error = await self._thread(room.at_close, content)
+            return None
+        error, claim = await self._thread(room.at_close, content)
         if error is not None and unless is not None and await self._thread(unless):
-            return  # not a commit: the caller's own check says so again, and nothing is saved
+            return None  # not a commit: the caller's own check says so again, and nothing is saved
         if error is not None:
             log.error("saving %s refused, previous version kept: %s", node.path, error.strerror)
             await self.mount.forget_unsaved(node)
             raise SaveRefused(error.errno or errno.EIO)
+        return claim
 
     async def _stage(
-        self, node: SavedFile, content: FileContent, start: float, copy: bool, unless: Callable[[], bool] | None = None
+        self,
+        node: SavedFile,
+        content: FileContent,
+        start: float,
+        copy: bool,
+        unless: Callable[[], bool] | None = None,
+        claim: Claim | None = None,
     ) -> bool:
         """A save by its staged file: the commit point is naming the file on the stub (from then
         on it is the snapshot, through a kill -9 too); ingestion stores it behind the close.
@@ -326,7 +343,7 @@ class SaveService:
         # Its own file (not a copy) may still be written after this close through another reference
         # to the writer's file description (a child's inherited descriptor: passed through, the
         # kernel writes it directly): stored at the last release, as the file is then.
-        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000, defer=not copy)
+        self._queue_ingestion(node, path, size, (time.monotonic() - start) * 1000, defer=not copy, claim=claim)
         return True
 
     def _memory_short(self) -> bool:
@@ -358,11 +375,20 @@ class SaveService:
         return path, size, gen
 
     def _queue_ingestion(
-        self, node: SavedFile, path: Path, size: int, closed_ms: float, defer: bool = False, adopt: bool = True
+        self,
+        node: SavedFile,
+        path: Path,
+        size: int,
+        closed_ms: float,
+        defer: bool = False,
+        adopt: bool = True,
+        claim: Claim | None = None,
     ) -> None:
         assert self.ingester is not None
         node.ingesting += 1
-        job = Job(path, size, lambda: node.path, closed_ms=closed_ms, adopt=adopt)
+        job = Job(path, size, lambda: node.path, closed_ms=closed_ms, adopt=adopt, claim=claim)
+        if claim is not None:
+            claim.handed = True  # held until ingestion has written its chunks
         self._of[job] = node
         if defer and node.writers > 0 and self.mount.passthrough() is True:
             node.deferred.append(job)
@@ -381,6 +407,8 @@ class SaveService:
             for job in jobs:
                 try:
                     job.size = await self._thread(self._restage, node.path, job)
+                    if job.claim is not None:  # grown since its close: it holds room for what it holds now
+                        job.claim.size = max(job.claim.size, job.size)
                 except OSError as e:  # ingestion reads the file as it is all the same
                     log.warning("the save of %s grew after its close; its size not updated: %s", node.path, e)
                 assert self.ingester is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvchunkfs.file.copyrange import copy_range
 from kvchunkfs.format.filerecord import file_hasher
 from kvchunkfs.store.wholefiles import WholeFiles
 
@@ -57,7 +58,7 @@ def to_hot_tier(
     part, out = whole.new_part()
     try:
         pos = 0
-        while pos < size and (n := os.copy_file_range(fd, out, size - pos, pos, pos)):
+        while pos < size and (n := copy_range(fd, out, size - pos, pos)):
             pos += n
         kept = pos == size and same_sum(out, file_sum)
     except OSError:  # no room for the copy: no hot copy, the snapshot is stored

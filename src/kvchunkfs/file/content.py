@@ -28,6 +28,7 @@ from pathlib import Path
 from kvchunkfs.file import sparse
 from kvchunkfs.file.buffers import BufferPool
 from kvchunkfs.file.chunking import store_file
+from kvchunkfs.file.copyrange import copy_range
 from kvchunkfs.file.filesums import FileChecks
 from kvchunkfs.file.groups import FileGroups
 from kvchunkfs.file.predict import Successors
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 def _copy_file(src: int, dst: int, keep: int | None) -> int:
     """Copy ``src``'s first ``keep`` bytes (None: all) to the empty ``dst``; the bytes copied.
-    copy_file_range: no bytes through Python (a reflink where the file system has them)."""
+    In the kernel where it can (file/copyrange.py)."""
     size = os.fstat(src).st_size if keep is None else min(keep, os.fstat(src).st_size)
     pos = 0
     while pos < size:  # data only: a hole stays a hole (a sparse file is not copied as its zeros)
@@ -58,7 +59,7 @@ def _copy_file(src: int, dst: int, keep: int | None) -> int:
             break  # only a hole up to the end
         end = min(os.lseek(src, pos, os.SEEK_HOLE), size)
         while pos < end:
-            n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            n = copy_range(src, dst, end - pos, pos)
             if n == 0:
                 break  # shorter meanwhile
             pos += n

@@ -123,7 +123,7 @@ def test_the_fuse_layer_stays_thin(name: str):
 
 # The kernel protocol, spoken by the session: these modules know nothing but ``fuse/`` (no store,
 # no file, no repository), as go-fuse's raw server knows nothing of its node API.
-PROTOCOL_ONLY = ("session", "protocol", "kernel", "splicing", "api", "backing")
+PROTOCOL_ONLY = ("session", "protocol", "kernel", "splicing", "api", "backing", "rawbridge", "setid")
 
 
 @pytest.mark.parametrize("short", PROTOCOL_ONLY)
@@ -131,6 +131,19 @@ def test_the_session_speaks_the_protocol_only(short: str):
     name = f"kvchunkfs.fuse.{short}"
     for target in imports_of(all_modules()[name]):
         assert target.startswith("kvchunkfs.fuse."), f"{name} imports {target}: the protocol side imports only fuse/"
+
+
+def test_the_session_leaves_the_opens_rules_to_the_bridge():
+    """Which backing file an open passes through to and when (fuse/backing.py), and the set-id rule
+    (fuse/setid.py), are the bridge's (fuse/rawbridge.py), as in go-fuse: the session reads,
+    dispatches and answers requests, and reaches those rules only through the bridge."""
+    imported = imports_of(all_modules()["kvchunkfs.fuse.session"])
+    assert "kvchunkfs.fuse.rawbridge" in imported, "the session answers opens through fuse/rawbridge.py"
+    for rule in ("kvchunkfs.fuse.backing", "kvchunkfs.fuse.setid"):
+        assert rule not in imported, f"the session imports {rule}: that rule is the bridge's"
+    source = (PKG / "fuse" / "session.py").read_text()
+    for word in ("Backings", "S_ISUID", "S_ISGID", "OPEN_KILL_SUIDGID and", "turn_over"):
+        assert word not in source, f"the session holds {word!r}: that rule is the bridge's"
 
 
 def test_the_save_service_knows_nothing_of_fuse():

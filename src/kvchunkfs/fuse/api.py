@@ -238,8 +238,8 @@ class Operations:
 
     def writes_in_place(self, inode: int) -> bool:
         """Whether an open of ``inode`` for writing now would pass through to the file its open
-        files use (passthrough). False: it needs a file of its own, and the session lets the
-        earlier opens of the inode end first (fuse/backing.py). Called on the event loop."""
+        files use (passthrough). False: it needs a file of its own, and the bridge lets the
+        earlier opens of the inode end first (fuse/rawbridge.py, fuse/backing.py). Called on the event loop."""
         return True
 
     async def read(self, fh: int, off: int, size: int) -> Any:  # bytes or any contiguous buffer

@@ -6,7 +6,8 @@ host inode, while the file the kernel knows must keep its identity. ``Node`` map
 path under ``snapshots/`` (``None`` once unlinked) and to the shared ``FileContent`` while open; a
 node lives while the kernel knows it (its lookup count), while it is open or lingering, and while a
 save of it is queued. ``Handle`` is one open of a node. The one-backing-file-per-inode rule of
-passthrough and its wait are the bridge's too (fuse/backing.py).
+passthrough and its wait, and the set-id rule, are kept between the session and the filesystem
+(fuse/rawbridge.py), on the kernel's inode numbers, as go-fuse's raw bridge keeps them.
 
 All of it runs on the mount's trio thread: no lock.
 """

@@ -16,8 +16,10 @@ daemon holds CAP_SYS_ADMIN and the writeback cache is off; otherwise it runs *se
 an open whose ``FileInfo`` names no backing file is served: its reads and writes come here. In
 passthrough mode an open naming one is registered with the kernel (``FUSE_DEV_IOC_BACKING_OPEN``,
 one backing id per inode shared by its opens, closed at the last RELEASE) and the kernel serves
-its reads, writes and mmap from that file; the kernel takes one file per inode at a time, and the
-turns that keeps are fuse/backing.py's. The mode and why are logged at INIT (``why``).
+its reads, writes and mmap from that file. Which file an open passes through to and when (the
+kernel takes one file per inode at a time), and the set-id rule, are the bridge's
+(fuse/rawbridge.py): the session reads, dispatches and answers requests, and registers and closes
+the backing files the bridge names. The mode and why are logged at INIT (``why``).
 
 ``start`` mounts, ``run`` serves until the kernel ends the connection (unmounted) or
 ``terminate``; ``unmount`` detaches the mount while serving (the open files are served until closed,
@@ -39,15 +41,14 @@ import trio
 from kvchunkfs.fuse import kernel, protocol, splicing
 from kvchunkfs.fuse.api import (
     EntryAttributes,
-    FileInfo,
     FUSEError,
     Operations,
     ReaddirToken,
     RequestContext,
     SetattrFields,
 )
-from kvchunkfs.fuse.backing import Backings, Opening
 from kvchunkfs.fuse.protocol import Op
+from kvchunkfs.fuse.rawbridge import Answer, RawBridge
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ _OUT = protocol.OUT_HEADER.pack
 _OUT_SIZE = protocol.OUT_HEADER.size
 _WRITE_IN = protocol.WRITE_IN.unpack_from
 _READ_IN = protocol.READ_IN.unpack_from
-_SETID = stat.S_ISUID | stat.S_ISGID
 
 
 def _errno_of(e: Exception) -> int:
@@ -82,8 +82,7 @@ class Session:
         self.initialized = False
         self.requests = [0] * protocol.OPCODES  # requests read, by opcode
         self.backing_refused = 0  # opens that named a backing file the kernel refused: served
-        self.backings = Backings()  # passthrough: the inodes' opens and the file each uses
-        self._setid: set[int] = set()  # inodes whose mode, as last told to the kernel, has set-id bits
+        self.bridge = RawBridge(ops, self)  # the opens' rules: backing files, set-id bits
         self._exiting = False
         self._gone = False  # the kernel ended the connection
         self._idle = 0
@@ -273,42 +272,9 @@ class Session:
 
     async def _reply_entry(self, unique: int, attrs: EntryAttributes) -> None:
         """An entry answer; if the kernel no longer waits for it, it never learned the inode."""
-        self._seen(attrs)
+        self.bridge.seen(attrs)
         if not self._reply(unique, protocol.entry_out(attrs)) and attrs.st_ino:
             await self.ops.forget([(attrs.st_ino, 1)])
-
-    def _seen(self, attrs: EntryAttributes) -> None:
-        """Keep track of the inodes the kernel believes set-id: only those need ``_drop_setid``."""
-        if attrs.st_mode & _SETID:
-            self._setid.add(attrs.st_ino)
-        elif self._setid:
-            self._setid.discard(attrs.st_ino)
-
-    async def _drop_setid(self, nodeid: int, ctx: RequestContext) -> EntryAttributes | None:
-        """Clear the set-user-ID bit, and set-group-ID with group execute, as the kernel asks with
-        HANDLE_KILLPRIV_V2 (a write or truncate by a caller without CAP_FSETID, a chown, an O_TRUNC
-        open): what the kernel itself did before. Only for an inode the kernel believes set-id.
-        The new attributes, or None if nothing changed."""
-        if nodeid not in self._setid:
-            return None
-        mode = (await self.ops.getattr(nodeid, ctx)).st_mode
-        new = mode & ~stat.S_ISUID
-        if mode & stat.S_IXGRP:
-            new &= ~stat.S_ISGID
-        if new == mode:
-            return None
-        attr, fields = EntryAttributes(), SetattrFields()
-        attr.st_mode, fields.update_mode = new, True
-        out = await self.ops.setattr(nodeid, attr, fields, None, ctx)
-        self._seen(out)
-        return out
-
-    def _forget_attrs(self, nodeid: int) -> None:
-        """The kernel drops its cached attributes of ``nodeid`` (in a worker thread)."""
-        try:
-            self.invalidate_inode(nodeid, attr_only=True)
-        except OSError as e:
-            log.debug("invalidating the attributes of %d: %s", nodeid, e)
 
     def _handler_table(self) -> dict[int, Handler]:
         return {
@@ -383,7 +349,7 @@ class Session:
 
     async def _getattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         attrs = await self.ops.getattr(nodeid, RequestContext(uid, gid, pid))
-        self._seen(attrs)
+        self.bridge.seen(attrs)
         self._reply(unique, protocol.attr_out(attrs))
 
     async def _setattr(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
@@ -409,17 +375,8 @@ class Session:
         fields.update_gid = bool(valid & protocol.FATTR_GID)
         fields.update_size = bool(valid & protocol.FATTR_SIZE)
         handle = fh if valid & protocol.FATTR_FH else None
-        ctx = RequestContext(uid, gid, pid)
-        # A truncate by path writes as an open for writing does (a handle's open took its turn).
-        opening = await self._arrive(nodeid, True) if fields.update_size and handle is None else None
-        try:
-            out = await self.ops.setattr(nodeid, attr, fields, handle, ctx)
-        finally:
-            if opening is not None:
-                self.backings.end(opening)
-        self._seen(out)
-        if valid & protocol.FATTR_KILL_SUIDGID and not fields.update_mode:  # a chown, a truncate
-            out = await self._drop_setid(nodeid, ctx) or out
+        kill = bool(valid & protocol.FATTR_KILL_SUIDGID)
+        out = await self.bridge.setattr(nodeid, attr, fields, handle, kill, RequestContext(uid, gid, pid))
         self._reply(unique, protocol.attr_out(out))
 
     async def _readlink(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
@@ -473,50 +430,26 @@ class Session:
 
     async def _open(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         flags, open_flags = protocol.OPEN_IN.unpack_from(body)
-        ctx = RequestContext(uid, gid, pid)
-        opening = await self._arrive(nodeid, bool(flags & os.O_TRUNC) or flags & os.O_ACCMODE != os.O_RDONLY)
-        try:
-            fi = await self.ops.open(nodeid, flags, ctx)
-            if open_flags & protocol.OPEN_KILL_SUIDGID and nodeid in self._setid:
-                try:
-                    if await self._drop_setid(nodeid, ctx):
-                        await trio.to_thread.run_sync(self._forget_attrs, nodeid)
-                except BaseException:
-                    await self.ops.release(fi.fh)  # the open fails: no RELEASE will come for it
-                    raise
-            await self._reply_open(unique, nodeid, fi, b"", opening)
-        finally:
-            self._opened(opening)
+        kill = bool(open_flags & protocol.OPEN_KILL_SUIDGID)
+        async with self.bridge.open(nodeid, flags, kill, RequestContext(uid, gid, pid)) as answer:
+            if not self._reply(unique, self._open_out(answer)):
+                await self.bridge.unanswered(answer)
 
     async def _create(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         flags, mode, umask, _ = protocol.CREATE_IN.unpack_from(body)
         (name,) = protocol.cstrings(body[protocol.CREATE_IN.size :], 1)
-        fi, attrs = await self.ops.create(nodeid, name, mode, flags, RequestContext(uid, gid, pid, umask))
-        self._seen(attrs)  # (a new file: nothing to drop for an O_TRUNC)
-        opening = self.backings.begin(attrs.st_ino) if self.passthrough else None  # new: no turn to wait for
-        try:
-            if not await self._reply_open(unique, attrs.st_ino, fi, protocol.entry_out(attrs), opening):
+        ctx = RequestContext(uid, gid, pid, umask)
+        async with self.bridge.create(nodeid, name, mode, flags, ctx) as (answer, attrs):
+            if not self._reply(unique, protocol.entry_out(attrs) + self._open_out(answer)):
+                await self.bridge.unanswered(answer)  # as libfuse does: the kernel sends no RELEASE
                 await self.ops.forget([(attrs.st_ino, 1)])
-        finally:
-            self._opened(opening)
 
-    async def _arrive(self, nodeid: int, writer: bool) -> Opening | None:
-        """Passthrough: the open (or truncate) takes its turn among the inode's (fuse/backing.py);
-        EBUSY for a writer the earlier opens of the version it replaces kept waiting too long."""
-        if not self.passthrough:
-            return None
-        return await self.backings.arrive(nodeid, writer, lambda: self.ops.writes_in_place(nodeid))
-
-    def _opened(self, opening: Opening | None) -> None:
-        """The open is answered, or failed: the opens that wait for its turn go on; a failed one is over."""
-        if opening is not None:
-            self.backings.turn_over(opening)
-            if not opening.answered:
-                self.backings.end(opening)
-
-    async def _reply_open(self, unique: int, nodeid: int, fi: FileInfo, entry: bytes, opening: Opening | None) -> bool:
-        """Answer an open or create; if the kernel no longer waits for it, release the open (as
-        libfuse does: the kernel will send no RELEASE for it)."""
+    @staticmethod
+    def _open_out(answer: Answer) -> bytes:
+        """An open's or create's answer: passed through to the backing id, or served as ``fi`` asks."""
+        fi = answer.fi
+        if answer.backing_id:
+            return protocol.open_out(fi.fh, protocol.FOPEN_PASSTHROUGH, answer.backing_id)  # KEEP_CACHE fails it
         flags = 0
         if fi.direct_io:
             flags |= protocol.FOPEN_DIRECT_IO
@@ -524,29 +457,9 @@ class Session:
             flags |= protocol.FOPEN_KEEP_CACHE
         if fi.nonseekable:
             flags |= protocol.FOPEN_NONSEEKABLE
-        fd, backing_id = fi.backing_fd, 0
-        if fd is not None and (opening is None or nodeid in self._setid):
-            # Served mode; or a set-id file, served: the kernel drops no set-id bit for a passthrough write.
-            await trio.to_thread.run_sync(os.close, fd)
-            fd = None
-        if opening is not None:
-            registered = False
-            try:
-                backing_id, registered = await self.backings.attach(opening, fi.fh, fd, self._register)
-            finally:
-                if fd is not None and registered:
-                    os.close(fd)  # the kernel holds the file now: not its last close
-                elif fd is not None:  # perhaps its last close, which may wait for the file system: not here
-                    await trio.to_thread.run_sync(os.close, fd)
-            if backing_id:
-                flags = protocol.FOPEN_PASSTHROUGH  # KEEP_CACHE with it fails the open (EIO)
-        if self._reply(unique, entry + protocol.open_out(fi.fh, flags, backing_id)):
-            return True
-        await self._close_backing(self.backings.released(nodeid, fi.fh))
-        await self.ops.release(fi.fh)
-        return False
+        return protocol.open_out(fi.fh, flags, 0)
 
-    def _register(self, fd: int) -> int:
+    def register_backing(self, fd: int) -> int:
         """The kernel's backing id for ``fd``, or 0 if it refuses the file (the open is served)."""
         if not self.passthrough:
             return 0
@@ -565,7 +478,7 @@ class Session:
         else:  # this file (its file system: ELOOP stacked too deep, EINVAL no read_iter/write_iter)
             log.warning("FUSE: backing file refused (%s); this open is served", e.strerror)
 
-    async def _close_backing(self, backing_id: int) -> None:
+    async def close_backing(self, backing_id: int) -> None:
         """Close an inode's backing id once its last open is released (in a thread: it may be the
         backing file's last reference, whose close may wait for its disk). 0: none."""
         if not backing_id:
@@ -611,9 +524,8 @@ class Session:
 
     async def _write(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size, write_flags, _, _ = _WRITE_IN(body)
-        if write_flags & protocol.WRITE_KILL_SUIDGID and nodeid in self._setid:  # rare: a set-id file
-            if await self._drop_setid(nodeid, RequestContext(uid, gid, pid)):
-                await trio.to_thread.run_sync(self._forget_attrs, nodeid)
+        if write_flags & protocol.WRITE_KILL_SUIDGID:  # rare: a set-id file
+            await self.bridge.kill_setid(nodeid, RequestContext(uid, gid, pid))
         start = protocol.WRITE_IN_SIZE
         written = await self.ops.write(fh, offset, body[start : start + size])  # copied only if kept
         self._send(_OUT(_OUT_SIZE + 8, 0, unique) + protocol.WRITE_OUT.pack(written, 0))
@@ -623,14 +535,7 @@ class Session:
         self._reply(unique)
 
     async def _release(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
-        (fh,) = _FH(body)
-        # The kernel let go of the file before it sent this: an open that waits for the inode's
-        # opens of another file goes on at once.
-        backing_id = self.backings.released(nodeid, fh)
-        try:  # first: an open right after sees the handle gone (a writer's close, then a restore)
-            await self.ops.release(fh)
-        finally:
-            await self._close_backing(backing_id)
+        await self.bridge.release(nodeid, _FH(body)[0])
         self._reply(unique)
 
     async def _fsync(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
@@ -646,7 +551,7 @@ class Session:
 
     async def _readdirplus(self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview) -> None:
         fh, offset, size = _READ_IN(body)
-        token = ReaddirToken(size, self._seen)
+        token = ReaddirToken(size, self.bridge.seen)
         await self.ops.readdir(fh, offset, token)
         self._reply(unique, bytes(token.buf))
 

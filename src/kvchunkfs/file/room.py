@@ -54,6 +54,12 @@ def overhead(size: int) -> int:
     return size + size // 32 + (1 << 20)
 
 
+def needed(st: os.stat_result) -> int:
+    """The room on the store's disk a save of the file ``st`` describes takes at most: the bytes it
+    holds (a hole is no data: stored as one chunk of zeros), plus the index entries of its length."""
+    return min(st.st_size, st.st_blocks * 512) + st.st_size // INDEX_SHARE
+
+
 @dataclass(eq=False)
 class Claim:
     """The room on the store's disk a save admitted at its close holds until its chunks are written
@@ -190,7 +196,7 @@ class Room:
             return None, None
         st = os.fstat(fd)
         data = min(st.st_size, st.st_blocks * 512)
-        size = data + st.st_size // INDEX_SHARE
+        size = needed(st)
         with self._admitting:  # another close's check cannot miss this one's claim
             error = self.store_refusal(size)
             if error is None and self.torn(content):

@@ -36,7 +36,7 @@ from kvchunkfs.file.adopt import same_sum
 from kvchunkfs.file.content import FileContent
 from kvchunkfs.file.files import Files, PendingSave
 from kvchunkfs.file.ingest import Ingester, Job, Outcome
-from kvchunkfs.file.room import Claim, Room
+from kvchunkfs.file.room import Claim, Room, needed
 from kvchunkfs.store.packs import ChunkCorrupt, ChunkMissing
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ class SaveService:
                 try:
                     job.size = await self._thread(self._restage, node.path, job)
                     if job.claim is not None:  # grown since its close: it holds room for what it holds now
-                        job.claim.size = max(job.claim.size, job.size)
+                        job.claim.size = max(job.claim.size, needed(await self._thread(os.stat, job.path)))
                 except OSError as e:  # ingestion reads the file as it is all the same
                     log.warning("the save of %s grew after its close; its size not updated: %s", node.path, e)
                 assert self.ingester is not None

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(1, str(ROOT))
 
 from benchmarks.bench import Mount, drop_caches  # noqa: E402
-from benchmarks.bigfile_rss import file_sum, generate, save, stats, wait_ingested  # noqa: E402
+from benchmarks.bigfile_rss import file_sum, save, state_file, stats, wait_ingested  # noqa: E402
 from kvchunkfs.store import memfs  # noqa: E402
 from kvchunkfs.units import parse_size  # noqa: E402
 
@@ -99,11 +99,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     size = parse_size(args.size)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    src = args.dir / f"state-{size >> 20}M"
-    if not src.exists():
-        print(f"generating {src} ...", flush=True)
-        generate(src, size)
+    src = state_file(args.dir, size)
     want = file_sum(src)
     real = src.stat().st_size
     work = args.dir / "restore-work"

@@ -63,6 +63,16 @@ def generate(path: Path, size: int) -> None:
         ggsq._row = saved  # type: ignore[assignment]
 
 
+def state_file(directory: Path, size: int) -> Path:
+    """The generated state file of ``size`` bytes in ``directory`` (made once, then reused)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    src = directory / f"state-{size >> 20}M"
+    if not src.exists():
+        print(f"generating {src} ...", flush=True)
+        generate(src, size)
+    return src
+
+
 def file_sum(path: Path) -> bytes:
     h = xxhash.xxh3_128()
     with open(path, "rb", buffering=0) as f:
@@ -158,11 +168,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     size = parse_size(args.size)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    src = args.dir / f"state-{size >> 20}M"
-    if not src.exists():
-        print(f"generating {src} ...", flush=True)
-        generate(src, size)
+    src = state_file(args.dir, size)
     want = file_sum(src)
     bound = mount_config([]).cache_size + 64 * MiB
     print(f"{src}: {src.stat().st_size / MiB:.0f} MiB; bound cache_size + 64 MiB = {bound / MiB:.0f} MiB")
